@@ -1,0 +1,683 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Large blocks: chunks, views and the allocation policy.
+ *
+ * A request of n chunks is served, in order, by
+ *   1. best fit among free runs of segments (split; no driver call),
+ *   2. best fit among free runs of cached stitched views (no driver call),
+ *   3. a new stitched view over free chunks, after growing a segment of
+ *      only the shortfall when too few chunks are free,
+ *   4. after waiting for other streams and dropping unused stitched views,
+ *      steps 1-3 once more,
+ * and otherwise fails with -ENOMEM, the state unchanged.
+ *
+ * Step 2 is what keeps steady-state training off the driver: a stitched
+ * view built in one step is found again in the next, whole or in part,
+ * because it takes part in best fit like any segment. Views that leave the
+ * cache are unmapped only once the stream work that used them completed.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "types.h"
+
+struct run {
+	struct gml_view *view;
+	uint32_t pos, len;
+};
+
+static void list_add(struct gml_view **head, struct gml_view *v)
+{
+	v->prev = NULL;
+	v->next = *head;
+	if (*head)
+		(*head)->prev = v;
+	*head = v;
+}
+
+static void list_del(struct gml_view **head, struct gml_view *v)
+{
+	if (v->prev)
+		v->prev->next = v->next;
+	else
+		*head = v->next;
+	if (v->next)
+		v->next->prev = v->prev;
+	v->prev = v->next = NULL;
+}
+
+static bool usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream)
+{
+	if (!c || c->owner)
+		return false;
+	if (gml_guard_ready(ctx, &c->guard, stream))
+		return true;
+	ctx->st.cross_stream_waits++;
+	return false;
+}
+
+/* Smallest free run of at least n positions in v, into *best. */
+static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+			  int stream, struct run *best)
+{
+	uint32_t start = 0, len = 0;
+
+	for (uint32_t i = 0; i <= v->n; i++) {
+		if (i < v->n && usable(ctx, v->chunks[i], stream)) {
+			if (!len++)
+				start = i;
+			continue;
+		}
+		if (len >= n && (!best->view || len < best->len)) {
+			best->view = v;
+			best->pos = start;
+			best->len = len;
+		}
+		len = 0;
+	}
+}
+
+static bool best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
+		     int stream, struct run *best)
+{
+	memset(best, 0, sizeof(*best));
+	for (struct gml_view *v = list; v; v = v->next) {
+		if (v->n < n || !v->mapped)
+			continue;
+		view_best_fit(ctx, v, n, stream, best);
+		if (best->view && best->len == n)
+			break;
+	}
+	return best->view != NULL;
+}
+
+static int add_view_ref(struct gml_chunk *c, struct gml_view *v)
+{
+	if (c->nviews == c->cap_views) {
+		uint32_t cap = c->cap_views ? c->cap_views * 2 : 4;
+		struct gml_view **views = realloc(c->views, cap * sizeof(*views));
+
+		if (!views)
+			return -ENOMEM;
+		c->views = views;
+		c->cap_views = cap;
+	}
+	c->views[c->nviews++] = v;
+	return 0;
+}
+
+static void del_view_ref(struct gml_chunk *c, struct gml_view *v)
+{
+	for (uint32_t i = 0; i < c->nviews; i++) {
+		if (c->views[i] == v) {
+			c->views[i] = c->views[--c->nviews];
+			return;
+		}
+	}
+}
+
+static struct gml_view *view_new(uint32_t n, bool stitched)
+{
+	struct gml_view *v = calloc(1, sizeof(*v));
+
+	if (!v)
+		return NULL;
+	v->chunks = calloc(n, sizeof(*v->chunks));
+	v->mapped = calloc(n, 1);
+	if (!v->chunks || !v->mapped) {
+		free(v->chunks);
+		free(v->mapped);
+		free(v);
+		return NULL;
+	}
+	v->n = n;
+	v->stitched = stitched;
+	return v;
+}
+
+static void count_mapping(gmlake_ctx *ctx, int64_t positions)
+{
+	gml_gauge_add(&ctx->st.mapped_bytes, positions * (int64_t)ctx->chunk);
+}
+
+/*
+ * Undo as much of a view as the driver lets us: unmap each mapped position,
+ * release the chunks a segment created, free the range. 0 when all is
+ * gone and v freed; -EAGAIN when something failed and v must be retried.
+ */
+static int view_teardown(gmlake_ctx *ctx, struct gml_view *v)
+{
+	bool done = true;
+
+	for (uint32_t i = 0; i < v->n; i++) {
+		struct gml_chunk *c = v->chunks[i];
+
+		if (v->mapped[i]) {
+			if (gml_mem_unmap(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
+					  ctx->chunk)) {
+				done = false;
+				continue;
+			}
+			v->mapped[i] = 0;
+			count_mapping(ctx, -1);
+		}
+		if (!c)
+			continue;
+		if (v->stitched) {
+			del_view_ref(c, v);
+			v->chunks[i] = NULL;
+			continue;
+		}
+		if (c->nviews || gml_mem_release(&ctx->dev, c->handle)) {
+			done = false;
+			continue;
+		}
+		free(c->views);
+		free(c);
+		v->chunks[i] = NULL;
+		gml_gauge_add(&ctx->st.chunks, -1);
+		gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
+		ctx->st.releases++;
+	}
+	if (!done || (v->va && gml_va_free(&ctx->dev, v->va,
+					   (size_t)v->n * ctx->chunk)))
+		return -EAGAIN;
+	free(v->guards);
+	free(v->chunks);
+	free(v->mapped);
+	free(v);
+	return 0;
+}
+
+/* Reserve a range for v and map its chunks, one set-access call for all. */
+static int view_map(gmlake_ctx *ctx, struct gml_view *v)
+{
+	size_t bytes = (size_t)v->n * ctx->chunk;
+	int ret;
+
+	ret = gml_va_reserve(&ctx->dev, bytes, &v->va);
+	if (ret)
+		return ret;
+	for (uint32_t i = 0; i < v->n; i++) {
+		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
+				  ctx->chunk, v->chunks[i]->handle);
+		if (ret)
+			return ret;
+		v->mapped[i] = 1;
+		count_mapping(ctx, 1);
+	}
+	ret = gml_set_access(&ctx->dev, v->va, bytes);
+	if (ret)
+		return ret;
+	ctx->st.access_bytes += bytes;
+	return 0;
+}
+
+/* Drop a view that failed half-way; keep it for a retry if the driver
+ * refuses to let go. */
+static void view_discard(gmlake_ctx *ctx, struct gml_view *v)
+{
+	if (view_teardown(ctx, v)) {
+		v->dying = true;
+		list_add(&ctx->dying, v);
+	}
+}
+
+/* A new segment of n new chunks. */
+static int seg_create(gmlake_ctx *ctx, uint32_t n, struct gml_view **out)
+{
+	struct gml_view *v = view_new(n, false);
+	int ret;
+
+	if (!v)
+		return gml_set_error(-ENOMEM, "no host memory for a segment");
+	for (uint32_t i = 0; i < n; i++) {
+		struct gml_chunk *c = calloc(1, sizeof(*c));
+
+		if (!c) {
+			ret = gml_set_error(-ENOMEM, "no host memory for a chunk");
+			goto out_discard;
+		}
+		ret = gml_mem_create(&ctx->dev, ctx->chunk, &c->handle);
+		if (ret) {
+			free(c);
+			goto out_discard;
+		}
+		c->seg = v;
+		c->seg_pos = i;
+		c->guard.stream = -1;
+		v->chunks[i] = c;
+		gml_gauge_add(&ctx->st.chunks, 1);
+		gml_gauge_add(&ctx->st.reserved_bytes, (int64_t)ctx->chunk);
+	}
+	ret = view_map(ctx, v);
+	if (ret)
+		goto out_discard;
+	list_add(&ctx->segs, v);
+	ctx->st.grows++;
+	*out = v;
+	return 0;
+out_discard:
+	view_discard(ctx, v);
+	return ret;
+}
+
+static bool guards_done(gmlake_ctx *ctx, struct gml_view *v)
+{
+	for (uint32_t i = 0; i < v->nguards; i++)
+		if (!gml_stream_done(ctx, v->guards[i].stream, v->guards[i].seq))
+			return false;
+	return true;
+}
+
+/* Wait for the work that used v, or -errno. */
+static int guards_wait(gmlake_ctx *ctx, struct gml_view *v)
+{
+	int ret;
+
+	for (uint32_t i = 0; i < v->nguards; i++) {
+		ret = gml_stream_wait(ctx, v->guards[i].stream,
+				      v->guards[i].seq);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
+/*
+ * Take a stitched view nobody uses out of the cache. It is unmapped at
+ * once if the work that used it is complete (or wait says to wait for it);
+ * otherwise it goes to the dying list, its guards turned into recorded
+ * events, and gml_reap_dying() unmaps it later without blocking.
+ */
+static int view_evict(gmlake_ctx *ctx, struct gml_view *v, bool wait)
+{
+	if (wait && !guards_done(ctx, v)) {
+		int ret = guards_wait(ctx, v);
+
+		if (ret)
+			return ret;
+	}
+	list_del(&ctx->stitched, v);
+	ctx->nstitched--;
+	gml_gauge_add(&ctx->st.stitched_cached, -1);
+	ctx->st.evictions++;
+	if (guards_done(ctx, v)) {
+		view_discard(ctx, v);
+		return 0;
+	}
+	for (uint32_t i = 0; i < v->nguards; i++)
+		if (v->guards[i].seq == 0)
+			gml_stream_mark(ctx, v->guards[i].stream, true,
+					&v->guards[i].seq);
+	v->dying = true;
+	list_add(&ctx->dying, v);
+	return 0;
+}
+
+/* Keep the stitched cache under its limit, least recently used first. */
+static void cache_trim(gmlake_ctx *ctx, uint32_t limit)
+{
+	struct gml_view *v, *lru;
+
+	while (ctx->nstitched > limit) {
+		lru = NULL;
+		for (v = ctx->stitched; v; v = v->next)
+			if (!v->live && (!lru || v->last_use < lru->last_use))
+				lru = v;
+		if (!lru || view_evict(ctx, lru, false))
+			return;
+	}
+}
+
+static int run_cmp_len_desc(const void *a, const void *b)
+{
+	const struct run *x = a, *y = b;
+
+	return x->len < y->len ? 1 : x->len > y->len ? -1 : 0;
+}
+
+/* Every free run of the segments usable on stream; returns the chunks. */
+static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
+			size_t *nruns, uint64_t *nfree)
+{
+	struct run *runs = NULL, *grown;
+	size_t count = 0, cap = 0;
+
+	*nfree = 0;
+	for (struct gml_view *v = ctx->segs; v; v = v->next) {
+		uint32_t start = 0, len = 0;
+
+		for (uint32_t i = 0; i <= v->n; i++) {
+			if (i < v->n && v->mapped[i] &&
+			    usable(ctx, v->chunks[i], stream)) {
+				if (!len++)
+					start = i;
+				continue;
+			}
+			if (!len)
+				continue;
+			if (count == cap) {
+				cap = cap ? cap * 2 : 64;
+				grown = realloc(runs, cap * sizeof(*runs));
+				if (!grown) {
+					free(runs);
+					return -ENOMEM;
+				}
+				runs = grown;
+			}
+			runs[count++] = (struct run){ v, start, len };
+			*nfree += len;
+			len = 0;
+		}
+	}
+	qsort(runs, count, sizeof(*runs), run_cmp_len_desc);
+	*out = runs;
+	*nruns = count;
+	return 0;
+}
+
+/*
+ * A new stitched view of n chunks: the free runs, largest first, and a new
+ * segment for the shortfall. Stitching maps no new physical memory.
+ */
+static int stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
+{
+	struct gml_view *v, *grown = NULL;
+	struct run *runs;
+	size_t nruns;
+	uint64_t nfree;
+	uint32_t k = 0;
+	int ret;
+
+	ret = collect_runs(ctx, stream, &runs, &nruns, &nfree);
+	if (ret)
+		return gml_set_error(ret, "no host memory to stitch");
+	if (nfree == 0 || n * ctx->chunk < ctx->cfg.stitch_min) {
+		free(runs);
+		ret = seg_create(ctx, n, &grown);
+		if (ret)
+			return ret;
+		*got = (struct run){ grown, 0, n };
+		return 0;
+	}
+	if (nfree < n) {
+		ret = seg_create(ctx, n - (uint32_t)nfree, &grown);
+		if (ret)
+			goto out_free;
+	}
+	v = view_new(n, true);
+	if (!v) {
+		ret = gml_set_error(-ENOMEM, "no host memory to stitch");
+		goto out_free;
+	}
+	for (size_t r = 0; r < nruns && k < n; r++)
+		for (uint32_t i = 0; i < runs[r].len && k < n; i++)
+			v->chunks[k++] = runs[r].view->chunks[runs[r].pos + i];
+	for (uint32_t i = 0; grown && k < n; i++)
+		v->chunks[k++] = grown->chunks[i];
+	for (uint32_t i = 0; i < n; i++) {
+		ret = add_view_ref(v->chunks[i], v);
+		if (ret) {
+			for (uint32_t j = i; j < n; j++)
+				v->chunks[j] = NULL;
+			gml_set_error(ret, "no host memory to stitch");
+			goto out_discard;
+		}
+	}
+	ret = view_map(ctx, v);
+	if (ret)
+		goto out_discard;
+	free(runs);
+	list_add(&ctx->stitched, v);
+	ctx->nstitched++;
+	gml_gauge_add(&ctx->st.stitched_cached, 1);
+	ctx->st.stitches++;
+	*got = (struct run){ v, 0, n };
+	return 0;
+out_discard:
+	view_discard(ctx, v);
+out_free:
+	free(runs);
+	return ret;
+}
+
+static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
+		 uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++)
+		r->view->chunks[r->pos + i]->owner = b;
+	r->view->live++;
+	if (r->view->stitched) {
+		r->view->last_use = ++ctx->clock;
+		gml_gauge_add(&ctx->st.stitched_live, 1);
+	}
+	b->view = r->view;
+	b->pos = r->pos;
+	b->n = n;
+	b->ptr = (uintptr_t)(r->view->va + (gml_va)r->pos * ctx->chunk);
+	b->alloc_size = (size_t)n * ctx->chunk;
+}
+
+/* Steps 1-3 of the policy. */
+static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
+		     struct gml_block *b)
+{
+	struct run r;
+	int ret;
+
+	if (best_fit(ctx, ctx->segs, n, stream, &r)) {
+		ctx->st.fits++;
+	} else if (best_fit(ctx, ctx->stitched, n, stream, &r)) {
+		ctx->st.stitch_reuses++;
+	} else {
+		ret = stitch(ctx, n, stream, &r);
+		if (ret)
+			return ret;
+	}
+	take(ctx, b, &r, n);
+	if (ctx->nstitched > ctx->cfg.stitch_cache_max)
+		cache_trim(ctx, ctx->cfg.stitch_cache_max);
+	return 0;
+}
+
+int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
+		    struct gml_block **out)
+{
+	size_t chunks = (size >> ctx->chunk_shift) +
+			!!(size & (ctx->chunk - 1));
+	struct gml_block *b;
+	int ret;
+
+	if (chunks > UINT32_MAX / 2 || size > ctx->dev_total)
+		return gml_set_error(-ENOMEM, "%zu bytes is more than any "
+				     "device holds", size);
+	b = calloc(1, sizeof(*b));
+	if (!b)
+		return gml_set_error(-ENOMEM, "no host memory for a block");
+	gml_reap_dying(ctx, false);
+	ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
+	if (ret == -ENOMEM) {
+		gml_release_cached(ctx, false);
+		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
+	}
+	if (ret) {
+		free(b);
+		return ret;
+	}
+	b->stream = stream;
+	*out = b;
+	return 0;
+}
+
+static void view_guard(struct gml_view *v, const struct gml_guard *g)
+{
+	struct gml_guard *grown;
+
+	for (uint32_t i = 0; i < v->nguards; i++) {
+		if (v->guards[i].stream == g->stream) {
+			v->guards[i].seq = g->seq;
+			return;
+		}
+	}
+	grown = realloc(v->guards, (v->nguards + 1) * sizeof(*grown));
+	if (!grown) {
+		/* Forget nothing: without room, fall back to "never done". */
+		for (uint32_t i = 0; i < v->nguards; i++)
+			v->guards[i].seq = UINT64_MAX;
+		return;
+	}
+	v->guards = grown;
+	v->guards[v->nguards++] = *g;
+}
+
+void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
+		    const struct gml_guard *g)
+{
+	struct gml_view *v = b->view;
+
+	for (uint32_t i = 0; i < b->n; i++) {
+		v->chunks[b->pos + i]->owner = NULL;
+		v->chunks[b->pos + i]->guard = *g;
+	}
+	view_guard(v, g);
+	v->live--;
+	if (v->stitched)
+		gml_gauge_add(&ctx->st.stitched_live, -1);
+	free(b);
+}
+
+/* Retry the teardown of views the driver did not let go of. */
+void gml_reap_dying(gmlake_ctx *ctx, bool wait)
+{
+	struct gml_view *v = ctx->dying, *next;
+
+	for (; v; v = next) {
+		next = v->next;
+		if (!guards_done(ctx, v) && (!wait || guards_wait(ctx, v)))
+			continue;
+		list_del(&ctx->dying, v);
+		if (view_teardown(ctx, v))
+			list_add(&ctx->dying, v);
+	}
+}
+
+/* Give a segment's free chunk back to the driver. */
+static int chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
+{
+	struct gml_chunk *c = seg->chunks[i];
+	int ret;
+
+	while (c->nviews) {
+		ret = view_evict(ctx, c->views[0], true);
+		if (ret)
+			return ret;
+		if (c->nviews && c->views[0]->dying)
+			return -EAGAIN;
+	}
+	ret = gml_mem_release(&ctx->dev, c->handle);
+	if (ret)
+		return ret;
+	free(c->views);
+	free(c);
+	seg->chunks[i] = NULL;
+	gml_gauge_add(&ctx->st.chunks, -1);
+	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
+	ctx->st.releases++;
+	if (!gml_mem_unmap(&ctx->dev, seg->va + (gml_va)i * ctx->chunk,
+			   ctx->chunk)) {
+		seg->mapped[i] = 0;
+		count_mapping(ctx, -1);
+	}
+	return 0;
+}
+
+static bool chunk_releasable(const struct gml_chunk *c)
+{
+	if (!c || c->owner)
+		return false;
+	for (uint32_t i = 0; i < c->nviews; i++)
+		if (c->views[i]->live || c->views[i]->dying)
+			return false;
+	return true;
+}
+
+/*
+ * Wait for every stream, unmap every unused stitched view and, with all,
+ * give every free chunk back to the driver (trim). 0 or the first error.
+ */
+int gml_release_cached(gmlake_ctx *ctx, bool all)
+{
+	struct gml_view *v, *next;
+	int ret = 0, err;
+
+	for (int s = 0; s < ctx->nstreams; s++) {
+		err = gml_stream_wait(ctx, s, ctx->streams[s].next_seq);
+		if (err && !ret)
+			ret = err;
+	}
+	if (ret)
+		return ret;
+	for (v = ctx->stitched; v; v = next) {
+		next = v->next;
+		if (!v->live)
+			view_evict(ctx, v, true);
+	}
+	gml_reap_dying(ctx, true);
+	for (v = ctx->segs; all && v; v = next) {
+		next = v->next;
+		for (uint32_t i = 0; i < v->n; i++) {
+			if (!chunk_releasable(v->chunks[i]))
+				continue;
+			err = chunk_release(ctx, v, i);
+			if (err && !ret)
+				ret = err;
+		}
+		if (!v->live && !memchr(v->mapped, 1, v->n)) {
+			bool empty = true;
+
+			for (uint32_t i = 0; i < v->n; i++)
+				empty &= !v->chunks[i];
+			if (empty) {
+				list_del(&ctx->segs, v);
+				view_discard(ctx, v);
+			}
+		}
+	}
+	return ret;
+}
+
+/* Tear down everything (destroy): stitched views, then segments. */
+void gml_views_fini(gmlake_ctx *ctx)
+{
+	struct gml_view *v, *next;
+
+	for (v = ctx->stitched; v; v = next) {
+		next = v->next;
+		list_del(&ctx->stitched, v);
+		gml_gauge_add(&ctx->st.stitched_cached, -1);
+		view_discard(ctx, v);
+	}
+	ctx->nstitched = 0;
+	for (v = ctx->segs; v; v = next) {
+		next = v->next;
+		list_del(&ctx->segs, v);
+		view_discard(ctx, v);
+	}
+	/* Stitched views first, then the segments they pinned; twice, so a
+	 * call that failed once is tried again. */
+	for (int pass = 0; pass < 2 && ctx->dying; pass++)
+		gml_reap_dying(ctx, true);
+	for (v = ctx->dying; v; v = next) {
+		next = v->next;
+		list_del(&ctx->dying, v);
+		gml_log(GMLAKE_LOG_WARN, "leaking a range the driver would "
+			"not unmap at %#llx", (unsigned long long)v->va);
+	}
+}

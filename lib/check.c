@@ -1,0 +1,258 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The invariant checker. It walks every segment, stitched view and block
+ * and recounts what the allocator keeps incrementally; any difference is a
+ * bug, reported as -EFAULT with the broken invariant in the message.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+
+#include "ctx.h"
+#include "error.h"
+#include "types.h"
+
+struct tally {
+	uint64_t chunks, owned, mapped, blocks_n, schunks;
+	int64_t requested;
+	struct gml_ptrmap seen;		/* small chunks already counted */
+	struct gml_ptrmap view_live;	/* view -> blocks counted on it */
+};
+
+static bool chunk_in_view(const struct gml_chunk *c, const struct gml_view *v)
+{
+	for (uint32_t i = 0; i < c->nviews; i++)
+		if (c->views[i] == v)
+			return true;
+	return false;
+}
+
+static int check_segments(gmlake_ctx *ctx, struct tally *t)
+{
+	for (struct gml_view *v = ctx->segs; v; v = v->next) {
+		if (v->stitched)
+			return gml_set_error(-EFAULT, "stitched view on the "
+					     "segment list");
+		for (uint32_t i = 0; i < v->n; i++) {
+			struct gml_chunk *c = v->chunks[i];
+
+			t->mapped += v->mapped[i];
+			if (!c)
+				continue;
+			if (c->seg != v || c->seg_pos != i)
+				return gml_set_error(-EFAULT, "chunk at position "
+						     "%u of segment %#llx has a "
+						     "wrong back reference", i,
+						     (unsigned long long)v->va);
+			if (!v->mapped[i])
+				return gml_set_error(-EFAULT, "chunk of segment "
+						     "%#llx unmapped at %u",
+						     (unsigned long long)v->va,
+						     i);
+			t->chunks++;
+			t->owned += c->owner != NULL;
+			for (uint32_t k = 0; k < c->nviews; k++)
+				if (!c->views[k]->stitched)
+					return gml_set_error(-EFAULT, "chunk "
+							     "lists a segment "
+							     "as a stitch");
+		}
+	}
+	return 0;
+}
+
+static int check_views(gmlake_ctx *ctx, struct gml_view *list, bool cached,
+		       struct tally *t)
+{
+	uint32_t count = 0;
+
+	for (struct gml_view *v = list; v; v = v->next, count++) {
+		if (!v->stitched || v->dying == cached)
+			return gml_set_error(-EFAULT, "view %#llx on the wrong "
+					     "list", (unsigned long long)v->va);
+		for (uint32_t i = 0; i < v->n; i++) {
+			struct gml_chunk *c = v->chunks[i];
+
+			t->mapped += v->mapped[i];
+			if (cached && (!c || !v->mapped[i]))
+				return gml_set_error(-EFAULT, "cached stitched "
+						     "view %#llx has a hole at "
+						     "%u", (unsigned long long)
+						     v->va, i);
+			if (c && !chunk_in_view(c, v))
+				return gml_set_error(-EFAULT, "chunk does not "
+						     "know stitched view %#llx",
+						     (unsigned long long)v->va);
+		}
+		if (!cached && v->live)
+			return gml_set_error(-EFAULT, "evicted view has %u live "
+					     "blocks", v->live);
+	}
+	if (cached && count != ctx->nstitched)
+		return gml_set_error(-EFAULT, "%u cached stitched views, "
+				     "counted %u", ctx->nstitched, count);
+	return 0;
+}
+
+static int view_count(struct tally *t, struct gml_view *v)
+{
+	uintptr_t n = (uintptr_t)gml_ptrmap_del(&t->view_live, (uintptr_t)v);
+
+	return gml_ptrmap_put(&t->view_live, (uintptr_t)v, (void *)(n + 1));
+}
+
+/* A large block owns every chunk of its run, and its address matches. */
+static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
+{
+	struct gml_view *v = b->view;
+
+	if (!v || b->pos + b->n > v->n || b->ptr != v->va + (gml_va)b->pos *
+	    ctx->chunk)
+		return gml_set_error(-EFAULT, "block %#lx lies outside its "
+				     "view", (unsigned long)b->ptr);
+	for (uint32_t i = 0; i < b->n; i++) {
+		struct gml_chunk *c = v->chunks[b->pos + i];
+
+		if (!c || c->owner != b)
+			return gml_set_error(-EFAULT, "block %#lx maps a chunk "
+					     "it does not own at +%u", (unsigned
+					     long)b->ptr, i);
+		if (!v->mapped[b->pos + i])
+			return gml_set_error(-EFAULT, "block %#lx is not "
+					     "mapped at +%u",
+					     (unsigned long)b->ptr, i);
+	}
+	t->blocks_n += b->n;
+	return view_count(t, v);
+}
+
+static int check_block(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
+{
+	struct gml_schunk *sc = b->sc;
+	int ret;
+
+	if (!b->small)
+		return check_large(ctx, b, t);
+	if (!sc || b->ptr < sc->backing->ptr || b->ptr + b->alloc_size >
+	    sc->backing->ptr + sc->backing->alloc_size)
+		return gml_set_error(-EFAULT, "small block %#lx outside its "
+				     "chunk", (unsigned long)b->ptr);
+	if (gml_ptrmap_get(&t->seen, (uintptr_t)sc))
+		return 0;
+	ret = gml_ptrmap_put(&t->seen, (uintptr_t)sc, sc);
+	if (ret)
+		return ret;
+	t->schunks++;
+	return check_large(ctx, sc->backing, t);
+}
+
+static int check_blocks(gmlake_ctx *ctx, struct tally *t)
+{
+	struct gml_block *lists[2] = { ctx->live, ctx->deferred };
+	int ret;
+
+	for (int l = 0; l < 2; l++) {
+		for (struct gml_block *b = lists[l]; b; b = b->lnext) {
+			if (l == 0 && gml_ptrmap_get(&ctx->blocks, b->ptr) != b)
+				return gml_set_error(-EFAULT, "live block %#lx "
+						     "missing from the map",
+						     (unsigned long)b->ptr);
+			if (l == 0)
+				t->requested += (int64_t)b->size;
+			ret = check_block(ctx, b, t);
+			if (ret)
+				return ret;
+		}
+	}
+	return 0;
+}
+
+static int check_view_live(struct tally *t, struct gml_view *list)
+{
+	for (struct gml_view *v = list; v; v = v->next) {
+		uintptr_t n = (uintptr_t)gml_ptrmap_get(&t->view_live,
+							(uintptr_t)v);
+
+		if (n != v->live)
+			return gml_set_error(-EFAULT, "view %#llx counts %u "
+					     "live blocks, found %lu",
+					     (unsigned long long)v->va, v->live,
+					     (unsigned long)n);
+	}
+	return 0;
+}
+
+static int check_totals(gmlake_ctx *ctx, struct tally *t)
+{
+	const struct gmlake_stats *st = &ctx->st;
+
+	if (t->owned != t->blocks_n)
+		return gml_set_error(-EFAULT, "%llu chunks have owners, blocks "
+				     "hold %llu", (unsigned long long)t->owned,
+				     (unsigned long long)t->blocks_n);
+	if ((int64_t)t->chunks != st->chunks.current ||
+	    st->reserved_bytes.current != st->chunks.current *
+	    (int64_t)ctx->chunk)
+		return gml_set_error(-EFAULT, "%llu chunks found, %lld counted",
+				     (unsigned long long)t->chunks,
+				     (long long)st->chunks.current);
+	if ((int64_t)t->schunks != st->small_chunks.current)
+		return gml_set_error(-EFAULT, "%llu small chunks found, %lld "
+				     "counted", (unsigned long long)t->schunks,
+				     (long long)st->small_chunks.current);
+	if (t->requested != st->requested_bytes.current)
+		return gml_set_error(-EFAULT, "%lld bytes requested by live "
+				     "blocks, %lld counted",
+				     (long long)t->requested,
+				     (long long)st->requested_bytes.current);
+	if ((int64_t)(t->mapped * ctx->chunk) != st->mapped_bytes.current)
+		return gml_set_error(-EFAULT, "%llu positions mapped, %lld "
+				     "bytes counted", (unsigned long long)
+				     t->mapped, (long long)
+				     st->mapped_bytes.current);
+	return 0;
+}
+
+static int check_locked(gmlake_ctx *ctx)
+{
+	struct tally t = { 0 };
+	int ret;
+
+	ret = check_segments(ctx, &t);
+	if (!ret)
+		ret = check_views(ctx, ctx->stitched, true, &t);
+	if (!ret)
+		ret = check_views(ctx, ctx->dying, false, &t);
+	if (!ret)
+		ret = check_blocks(ctx, &t);
+	if (!ret)
+		ret = check_view_live(&t, ctx->segs);
+	if (!ret)
+		ret = check_view_live(&t, ctx->stitched);
+	if (!ret)
+		ret = check_totals(ctx, &t);
+	gml_ptrmap_fini(&t.seen);
+	gml_ptrmap_fini(&t.view_live);
+	return ret;
+}
+
+int gml_ctx_check(gmlake_ctx *ctx)
+{
+	int ret;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gml_ctx_check: ctx is NULL");
+#ifdef GML_DEBUG
+	/* ctx_leave calls us with the lock held. */
+	if (pthread_mutex_trylock(&ctx->lock) == EBUSY)
+		return check_locked(ctx);
+#else
+	pthread_mutex_lock(&ctx->lock);
+#endif
+	ret = check_locked(ctx);
+	pthread_mutex_unlock(&ctx->lock);
+	return ret;
+}

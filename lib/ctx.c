@@ -1,0 +1,536 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Contexts and the public entry points: argument checks, the context lock,
+ * the driver context, accounting, and the choice between small and large.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ctx.h"
+#include "error.h"
+#include "options.h"
+#include "types.h"
+
+static int ctx_enter(gmlake_ctx *ctx)
+{
+	int ret;
+
+	pthread_mutex_lock(&ctx->lock);
+	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	if (ret)
+		pthread_mutex_unlock(&ctx->lock);
+	return ret;
+}
+
+static void ctx_leave(gmlake_ctx *ctx)
+{
+#ifdef GML_DEBUG
+	if (gml_ctx_check(ctx))
+		gml_log(GMLAKE_LOG_ERROR, "invariant broken: %s",
+			gmlake_last_error());
+#endif
+	ctx->dev.ops->leave(ctx->dev.priv);
+	pthread_mutex_unlock(&ctx->lock);
+}
+
+static int check_config(const struct gmlake_config *cfg)
+{
+	if (cfg->version != GMLAKE_CONFIG_VERSION ||
+	    cfg->size != sizeof(*cfg))
+		return gml_set_error(-EINVAL, "config version %u size %u: "
+				     "expected %u and %zu (call "
+				     "gmlake_config_init)", cfg->version,
+				     cfg->size, GMLAKE_CONFIG_VERSION,
+				     sizeof(*cfg));
+	if (cfg->backend < GMLAKE_BACKEND_DEFAULT ||
+	    cfg->backend > GMLAKE_BACKEND_EMU)
+		return gml_set_error(-EINVAL, "unknown backend %d",
+				     cfg->backend);
+	if (cfg->device < 0)
+		return gml_set_error(-EINVAL, "device %d", cfg->device);
+	return 0;
+}
+
+/* Chunk size: the granularity, or a power-of-two multiple of it. */
+static int set_chunk(gmlake_ctx *ctx)
+{
+	size_t c = ctx->cfg.chunk_size ? ctx->cfg.chunk_size :
+					 ctx->dev.granularity;
+
+	if (c % ctx->dev.granularity || (c & (c - 1)))
+		return gml_set_error(-EINVAL, "chunk size %zu is not a "
+				     "power-of-two multiple of the device "
+				     "granularity %zu", c, ctx->dev.granularity);
+	if (ctx->cfg.small_size > c)
+		return gml_set_error(-EINVAL, "small size %zu is larger than "
+				     "the chunk size %zu", ctx->cfg.small_size, c);
+	ctx->chunk = c;
+	ctx->chunk_shift = (uint32_t)__builtin_ctzl(c);
+	ctx->st.chunk_size = c;
+	return 0;
+}
+
+GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
+			       const struct gmlake_config *cfg)
+{
+	size_t free_bytes;
+	gmlake_ctx *ctx;
+	int ret;
+
+	if (!out)
+		return gml_set_error(-EINVAL, "gmlake_ctx_init: ctx is NULL");
+	if (cfg && (ret = check_config(cfg)))
+		return ret;
+	ctx = calloc(1, sizeof(*ctx));
+	if (!ctx)
+		return gml_set_error(-ENOMEM, "no host memory for a context");
+	if (cfg)
+		ctx->cfg = *cfg;
+	else
+		gmlake_config_init(&ctx->cfg);
+	if (ctx->cfg.backend == GMLAKE_BACKEND_DEFAULT)
+		ctx->cfg.backend = GMLAKE_BACKEND_CUDA;
+	gml_log_level = ctx->cfg.log_level;
+	ret = gml_dev_open(&ctx->dev, &ctx->cfg);
+	if (ret)
+		goto out_free;
+	ret = set_chunk(ctx);
+	if (ret)
+		goto out_close;
+	ret = ctx->dev.ops->mem_info(ctx->dev.priv, &free_bytes,
+				     &ctx->dev_total);
+	if (ret)
+		goto out_close;
+	pthread_mutex_init(&ctx->lock, NULL);
+	*out = ctx;
+	return 0;
+out_close:
+	gml_dev_close(&ctx->dev);
+out_free:
+	free(ctx);
+	return ret;
+}
+
+/* Give a freed block's memory back to its pool, guarded by g. */
+void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
+		       const struct gml_guard *g)
+{
+	free(b->extra);
+	b->extra = NULL;
+	b->nextra = 0;
+	if (b->small)
+		gml_small_free(ctx, b, g);
+	else
+		gml_large_free(ctx, b, g);
+}
+
+static void live_del(struct gml_block **head, struct gml_block *b)
+{
+	if (b->lprev)
+		b->lprev->lnext = b->lnext;
+	else
+		*head = b->lnext;
+	if (b->lnext)
+		b->lnext->lprev = b->lprev;
+	b->lprev = b->lnext = NULL;
+}
+
+static void live_add(struct gml_block **head, struct gml_block *b)
+{
+	b->lprev = NULL;
+	b->lnext = *head;
+	if (*head)
+		(*head)->lprev = b;
+	*head = b;
+}
+
+/* Release the freed blocks whose extra streams are done (all, if wait). */
+static void process_deferred(gmlake_ctx *ctx, bool wait)
+{
+	static const struct gml_guard none = { -1, 0 };
+	struct gml_block *b, *next;
+
+	for (b = ctx->deferred; b; b = next) {
+		bool done = true;
+
+		next = b->lnext;
+		for (uint32_t i = 0; i < b->nextra && done; i++) {
+			struct gml_guard *g = &b->extra[i];
+
+			done = gml_stream_done(ctx, g->stream, g->seq) ||
+			       (wait && !gml_stream_wait(ctx, g->stream,
+							 g->seq));
+		}
+		if (!done)
+			continue;
+		live_del(&ctx->deferred, b);
+		gml_block_release(ctx, b, &none);
+	}
+}
+
+static int oom_error(gmlake_ctx *ctx, size_t size)
+{
+	size_t free_bytes = 0, total = 0;
+
+	ctx->st.ooms++;
+	ctx->dev.ops->mem_info(ctx->dev.priv, &free_bytes, &total);
+	return gml_set_error(-ENOMEM, "out of memory allocating %zu bytes: "
+			     "%lld bytes allocated, %lld reserved in %lld "
+			     "chunks, device has %zu of %zu bytes free",
+			     size, (long long)ctx->st.allocated_bytes.current,
+			     (long long)ctx->st.reserved_bytes.current,
+			     (long long)ctx->st.chunks.current, free_bytes,
+			     total);
+}
+
+GML_EXPORT int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
+			    gmlake_stream_t stream)
+{
+	struct gml_block *b;
+	int idx, ret;
+
+	if (!ctx || !ptr)
+		return gml_set_error(-EINVAL, "gmlake_alloc: %s is NULL",
+				     ctx ? "ptr" : "ctx");
+	if (!size)
+		return gml_set_error(-EINVAL, "gmlake_alloc: size 0");
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	ret = gml_stream_index(ctx, stream, &idx);
+	if (ret)
+		goto out_leave;
+	if (ctx->deferred)
+		process_deferred(ctx, false);
+	if (size < ctx->cfg.small_size)
+		ret = gml_small_alloc(ctx, size, idx, &b);
+	else
+		ret = gml_large_alloc(ctx, size, idx, &b);
+	if (ret == -ENOMEM)
+		ret = oom_error(ctx, size);
+	if (ret)
+		goto out_leave;
+	b->size = size;
+	b->stream = idx;
+	if (gml_ptrmap_put(&ctx->blocks, b->ptr, b)) {
+		static const struct gml_guard none = { -1, 0 };
+
+		gml_block_release(ctx, b, &none);
+		ret = gml_set_error(-ENOMEM, "no host memory for a block");
+		goto out_leave;
+	}
+	live_add(&ctx->live, b);
+	gml_gauge_add(&ctx->st.requested_bytes, (int64_t)size);
+	gml_gauge_add(&ctx->st.allocated_bytes, (int64_t)b->alloc_size);
+	gml_gauge_add(&ctx->st.active_blocks, 1);
+	ctx->st.allocs++;
+	*ptr = (void *)b->ptr;
+out_leave:
+	ctx_leave(ctx);
+	return ret;
+}
+
+/* The live block holding [p, p + size), or NULL. */
+static struct gml_block *block_containing(gmlake_ctx *ctx, uintptr_t p,
+					  size_t size)
+{
+	struct gml_block *b = gml_ptrmap_get(&ctx->blocks, p);
+
+	if (b)
+		return size <= b->alloc_size ? b : NULL;
+	for (b = ctx->live; b; b = b->lnext)
+		if (p > b->ptr && p - b->ptr < b->alloc_size)
+			return size <= b->alloc_size - (p - b->ptr) ? b : NULL;
+	return NULL;
+}
+
+static int unknown_pointer(gmlake_ctx *ctx, const char *fn, const void *ptr)
+{
+	struct gml_block *b = block_containing(ctx, (uintptr_t)ptr, 1);
+
+	if (b)
+		return gml_set_error(-EINVAL, "%s: %p is inside the block at "
+				     "%#lx, not its start", fn, ptr,
+				     (unsigned long)b->ptr);
+	return gml_set_error(-EINVAL, "%s: %p is not a live block of this "
+			     "context (never allocated, or already freed)",
+			     fn, ptr);
+}
+
+GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
+{
+	struct gml_block *b;
+	struct gml_guard g;
+	int ret;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_free: ctx is NULL");
+	if (!ptr)
+		return 0;
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	b = gml_ptrmap_del(&ctx->blocks, (uintptr_t)ptr);
+	if (!b) {
+		ret = unknown_pointer(ctx, "gmlake_free", ptr);
+		goto out_leave;
+	}
+	live_del(&ctx->live, b);
+	gml_gauge_add(&ctx->st.requested_bytes, -(int64_t)b->size);
+	gml_gauge_add(&ctx->st.allocated_bytes, -(int64_t)b->alloc_size);
+	gml_gauge_add(&ctx->st.active_blocks, -1);
+	ctx->st.frees++;
+	g.stream = b->stream;
+	gml_stream_mark(ctx, b->stream, b->nextra > 0, &g.seq);
+	if (!b->nextra) {
+		gml_block_release(ctx, b, &g);
+		goto out_leave;
+	}
+	/* Other streams used it: free once all of them caught up. */
+	for (uint32_t i = 0; i < b->nextra; i++)
+		gml_stream_mark(ctx, b->extra[i].stream, true,
+				&b->extra[i].seq);
+	b->extra[b->nextra++] = g;	/* record_stream left room */
+	live_add(&ctx->deferred, b);
+	process_deferred(ctx, false);
+out_leave:
+	ctx_leave(ctx);
+	return ret;
+}
+
+GML_EXPORT int gmlake_record_stream(gmlake_ctx *ctx, void *ptr,
+				    gmlake_stream_t stream)
+{
+	struct gml_guard *grown;
+	struct gml_block *b;
+	int idx, ret;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_record_stream: ctx is NULL");
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
+	if (!b) {
+		ret = unknown_pointer(ctx, "gmlake_record_stream", ptr);
+		goto out_leave;
+	}
+	ret = gml_stream_index(ctx, stream, &idx);
+	if (ret || idx == b->stream)
+		goto out_leave;
+	for (uint32_t i = 0; i < b->nextra; i++)
+		if (b->extra[i].stream == idx)
+			goto out_leave;
+	/* One more slot than streams: gmlake_free adds the block's own. */
+	grown = realloc(b->extra, (b->nextra + 2) * sizeof(*grown));
+	if (!grown) {
+		ret = gml_set_error(-ENOMEM, "no host memory to record a stream");
+		goto out_leave;
+	}
+	b->extra = grown;
+	b->extra[b->nextra++] = (struct gml_guard){ idx, 0 };
+out_leave:
+	ctx_leave(ctx);
+	return ret;
+}
+
+GML_EXPORT int gmlake_block_size(gmlake_ctx *ctx, const void *ptr,
+				 size_t *size)
+{
+	struct gml_block *b;
+
+	if (!ctx || !size)
+		return gml_set_error(-EINVAL, "gmlake_block_size: %s is NULL",
+				     ctx ? "size" : "ctx");
+	pthread_mutex_lock(&ctx->lock);
+	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
+	if (b)
+		*size = b->size;
+	pthread_mutex_unlock(&ctx->lock);
+	if (!b)
+		return unknown_pointer(ctx, "gmlake_block_size", ptr);
+	return 0;
+}
+
+GML_EXPORT int gmlake_trim(gmlake_ctx *ctx)
+{
+	int ret;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_trim: ctx is NULL");
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	process_deferred(ctx, true);
+	ret = gml_release_cached(ctx, true);
+	ctx_leave(ctx);
+	return ret;
+}
+
+/* Copy between host and a live block on stream, and wait for it. */
+static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
+		enum gml_copy_kind kind, gmlake_stream_t stream)
+{
+	const void *dptr = kind == GML_COPY_HTOD ? dst : src;
+	const char *fn = kind == GML_COPY_HTOD ? "gmlake_memcpy_htod" :
+						 "gmlake_memcpy_dtoh";
+	int idx, ret;
+
+	if (!ctx || !dst || !src)
+		return gml_set_error(-EINVAL, "%s: NULL argument", fn);
+	if (!size)
+		return 0;
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	if (!block_containing(ctx, (uintptr_t)dptr, size)) {
+		ret = gml_set_error(-EINVAL, "%s: [%p, +%zu) is not inside one "
+				    "live block", fn, dptr, size);
+		goto out_leave;
+	}
+	ret = gml_stream_index(ctx, stream, &idx);
+	if (ret)
+		goto out_leave;
+	ret = gml_memcpy(&ctx->dev, dst, src, size, kind, stream);
+	if (!ret)
+		ret = gml_stream_sync(&ctx->dev, stream);
+out_leave:
+	ctx_leave(ctx);
+	return ret;
+}
+
+GML_EXPORT int gmlake_memcpy_htod(gmlake_ctx *ctx, void *dst, const void *src,
+				  size_t size, gmlake_stream_t stream)
+{
+	return copy(ctx, dst, src, size, GML_COPY_HTOD, stream);
+}
+
+GML_EXPORT int gmlake_memcpy_dtoh(gmlake_ctx *ctx, void *dst, const void *src,
+				  size_t size, gmlake_stream_t stream)
+{
+	return copy(ctx, dst, src, size, GML_COPY_DTOH, stream);
+}
+
+GML_EXPORT int gmlake_stream_create(gmlake_ctx *ctx, gmlake_stream_t *stream)
+{
+	int ret;
+
+	if (!ctx || !stream)
+		return gml_set_error(-EINVAL, "gmlake_stream_create: %s is NULL",
+				     ctx ? "stream" : "ctx");
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	ret = ctx->dev.ops->stream_create(ctx->dev.priv, stream);
+	ctx_leave(ctx);
+	return ret;
+}
+
+/* Index of a stream the context knows, or -1. */
+static int known_stream(gmlake_ctx *ctx, gmlake_stream_t stream)
+{
+	for (int i = 0; i < ctx->nstreams; i++)
+		if (ctx->streams[i].handle == stream)
+			return i;
+	return -1;
+}
+
+/*
+ * Destroying a stream: wait for its work, so every guard on it is complete,
+ * then forget its handle (the driver may hand the same value out again).
+ */
+GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
+{
+	int idx, ret;
+
+	if (!ctx || !stream)
+		return gml_set_error(-EINVAL, "gmlake_stream_destroy: %s is NULL",
+				     ctx ? "stream" : "ctx");
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	idx = known_stream(ctx, stream);
+	if (idx >= 0) {
+		ret = gml_stream_wait(ctx, idx, ctx->streams[idx].next_seq);
+		if (ret)
+			goto out_leave;
+	}
+	ret = ctx->dev.ops->stream_destroy(ctx->dev.priv, stream);
+	if (!ret && idx >= 0) {
+		ctx->streams[idx].handle = (gmlake_stream_t)&ctx->streams;
+		ctx->streams[idx].dead = true;
+	}
+out_leave:
+	ctx_leave(ctx);
+	return ret;
+}
+
+GML_EXPORT int gmlake_stream_synchronize(gmlake_ctx *ctx,
+					 gmlake_stream_t stream)
+{
+	int ret;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_stream_synchronize: ctx is "
+				     "NULL");
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	ret = gml_stream_sync(&ctx->dev, stream);
+	ctx_leave(ctx);
+	return ret;
+}
+
+GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
+{
+	static const struct gml_guard none = { -1, 0 };
+	struct gml_block *b;
+	int ret;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_ctx_destroy: ctx is NULL");
+	ret = ctx_enter(ctx);
+	if (ret)
+		return ret;
+	if (ctx->live && !force) {
+		ret = gml_set_error(-EBUSY, "gmlake_ctx_destroy: %lld blocks "
+				    "are live", (long long)
+				    ctx->st.active_blocks.current);
+		ctx_leave(ctx);
+		return ret;
+	}
+	if (ctx->cfg.show_stats)
+		gml_stats_at_destroy(ctx);
+	for (int i = 0; i < ctx->nstreams; i++)
+		gml_stream_wait(ctx, i, ctx->streams[i].next_seq);
+	while ((b = ctx->live)) {
+		live_del(&ctx->live, b);
+		gml_ptrmap_del(&ctx->blocks, b->ptr);
+		gml_block_release(ctx, b, &none);
+	}
+	process_deferred(ctx, true);
+	while ((b = ctx->deferred)) {
+		live_del(&ctx->deferred, b);
+		gml_block_release(ctx, b, &none);
+	}
+	gml_views_fini(ctx);
+	gml_streams_fini(ctx);
+	gml_spools_fini(ctx);
+	gml_ptrmap_fini(&ctx->blocks);
+	ctx->dev.ops->leave(ctx->dev.priv);
+	gml_dev_close(&ctx->dev);
+	pthread_mutex_unlock(&ctx->lock);
+	pthread_mutex_destroy(&ctx->lock);
+	free(ctx);
+	return 0;
+}
+
+struct gml_dev *gml_ctx_dev(gmlake_ctx *ctx)
+{
+	return &ctx->dev;
+}

@@ -1,0 +1,222 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The device wrapper: every driver operation of the allocator goes through
+ * here to be counted, timed, and failed on purpose when a test armed a fault.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <string.h>
+#include <time.h>
+
+#include "drv.h"
+#include "error.h"
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg)
+{
+	int ret;
+
+	memset(dev, 0, sizeof(*dev));
+	dev->fault.call = -1;
+	dev->ops = cfg->backend == GMLAKE_BACKEND_EMU ? &gml_drv_emu :
+							&gml_drv_cuda;
+	ret = dev->ops->open(cfg, &dev->priv);
+	if (ret)
+		return ret;
+	ret = dev->ops->granularity(dev->priv, &dev->granularity);
+	if (ret)
+		goto out_close;
+	if (!dev->granularity || (dev->granularity & (dev->granularity - 1))) {
+		ret = gml_set_error(-EIO, "device reports granularity %zu",
+				    dev->granularity);
+		goto out_close;
+	}
+	return 0;
+out_close:
+	dev->ops->close(dev->priv);
+	dev->priv = NULL;
+	return ret;
+}
+
+void gml_dev_close(struct gml_dev *dev)
+{
+	if (dev->priv)
+		dev->ops->close(dev->priv);
+	dev->priv = NULL;
+}
+
+bool gml_dev_is_emu(const struct gml_dev *dev)
+{
+	return dev->ops == &gml_drv_emu;
+}
+
+void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err)
+{
+	dev->fault.call = call;
+	dev->fault.nth = call >= 0 && call < GMLAKE_CALL_COUNT ?
+				 dev->calls[call] + nth : 0;
+	dev->fault.err = err ? err : ENOMEM;
+}
+
+/*
+ * Count the call and start its clock; true when an armed fault says this
+ * one fails (the caller then returns injected()).
+ */
+static bool begin(struct gml_dev *dev, int call, uint64_t *t0)
+{
+	*t0 = now_ns();
+	dev->calls[call]++;
+	if (dev->fault.call != call || dev->calls[call] != dev->fault.nth)
+		return false;
+	dev->fault.call = -1;
+	return true;
+}
+
+static int end(struct gml_dev *dev, int call, uint64_t t0, int ret)
+{
+	dev->call_ns[call] += now_ns() - t0;
+	if (ret && ret != -EBUSY)
+		dev->call_failures[call]++;
+	return ret;
+}
+
+static int injected(struct gml_dev *dev, int call)
+{
+	dev->call_failures[call]++;
+	return gml_set_error(-dev->fault.err, "%s: injected fault",
+			     gmlake_call_name(call));
+}
+
+int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_mem_create, &t0))
+		return injected(dev, GMLAKE_CALL_mem_create);
+	return end(dev, GMLAKE_CALL_mem_create, t0, dev->ops->mem_create(dev->priv, size, h));
+}
+
+int gml_mem_release(struct gml_dev *dev, gml_handle h)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_mem_release, &t0))
+		return injected(dev, GMLAKE_CALL_mem_release);
+	return end(dev, GMLAKE_CALL_mem_release, t0, dev->ops->mem_release(dev->priv, h));
+}
+
+int gml_va_reserve(struct gml_dev *dev, size_t size, gml_va *va)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_va_reserve, &t0))
+		return injected(dev, GMLAKE_CALL_va_reserve);
+	return end(dev, GMLAKE_CALL_va_reserve, t0, dev->ops->va_reserve(dev->priv, size,
+					      dev->granularity, va));
+}
+
+int gml_va_free(struct gml_dev *dev, gml_va va, size_t size)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_va_free, &t0))
+		return injected(dev, GMLAKE_CALL_va_free);
+	return end(dev, GMLAKE_CALL_va_free, t0, dev->ops->va_free(dev->priv, va, size));
+}
+
+int gml_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_mem_map, &t0))
+		return injected(dev, GMLAKE_CALL_mem_map);
+	return end(dev, GMLAKE_CALL_mem_map, t0, dev->ops->mem_map(dev->priv, va, size, h));
+}
+
+int gml_mem_unmap(struct gml_dev *dev, gml_va va, size_t size)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_mem_unmap, &t0))
+		return injected(dev, GMLAKE_CALL_mem_unmap);
+	return end(dev, GMLAKE_CALL_mem_unmap, t0, dev->ops->mem_unmap(dev->priv, va, size));
+}
+
+int gml_set_access(struct gml_dev *dev, gml_va va, size_t size)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_set_access, &t0))
+		return injected(dev, GMLAKE_CALL_set_access);
+	return end(dev, GMLAKE_CALL_set_access, t0, dev->ops->set_access(dev->priv, va, size));
+}
+
+int gml_event_create(struct gml_dev *dev, gml_event *e)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_event_create, &t0))
+		return injected(dev, GMLAKE_CALL_event_create);
+	return end(dev, GMLAKE_CALL_event_create, t0, dev->ops->event_create(dev->priv, e));
+}
+
+void gml_event_destroy(struct gml_dev *dev, gml_event e)
+{
+	dev->ops->event_destroy(dev->priv, e);
+}
+
+int gml_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_event_record, &t0))
+		return injected(dev, GMLAKE_CALL_event_record);
+	return end(dev, GMLAKE_CALL_event_record, t0, dev->ops->event_record(dev->priv, e, s));
+}
+
+int gml_event_query(struct gml_dev *dev, gml_event e)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_event_query, &t0))
+		return injected(dev, GMLAKE_CALL_event_query);
+	return end(dev, GMLAKE_CALL_event_query, t0, dev->ops->event_query(dev->priv, e));
+}
+
+int gml_event_sync(struct gml_dev *dev, gml_event e)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_event_sync, &t0))
+		return injected(dev, GMLAKE_CALL_event_sync);
+	return end(dev, GMLAKE_CALL_event_sync, t0, dev->ops->event_sync(dev->priv, e));
+}
+
+int gml_stream_sync(struct gml_dev *dev, gmlake_stream_t s)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_stream_sync, &t0))
+		return injected(dev, GMLAKE_CALL_stream_sync);
+	return end(dev, GMLAKE_CALL_stream_sync, t0, dev->ops->stream_sync(dev->priv, s));
+}
+
+int gml_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
+	       enum gml_copy_kind kind, gmlake_stream_t s)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_memcpy, &t0))
+		return injected(dev, GMLAKE_CALL_memcpy);
+	return end(dev, GMLAKE_CALL_memcpy, t0, dev->ops->memcpy_async(dev->priv, dst, src, size, kind, s));
+}

@@ -1,0 +1,125 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The primitive layer: everything that touches a device goes through one
+ * table of operations, filled by a backend (drv_cuda.c: the real driver,
+ * drv_emu.c: the emulated device). Every operation returns 0 or -errno; a
+ * backend keeps the raw driver code for the message in gml_set_error().
+ *
+ * Callers never use the table directly: dev.c wraps each operation to count
+ * and time it, and to inject faults ("fail the Nth call of kind K") on any
+ * backend, so tests reach every error path without a GPU.
+ */
+#ifndef GML_DRV_H
+#define GML_DRV_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gmlake.h"
+
+typedef uint64_t gml_handle;	/* a physical chunk (CUmemGenericAllocationHandle) */
+typedef uint64_t gml_va;	/* a device virtual address (CUdeviceptr) */
+typedef void *gml_event;	/* CUevent */
+
+enum gml_copy_kind {
+	GML_COPY_HTOD,
+	GML_COPY_DTOH,
+	GML_COPY_DTOD,
+};
+
+struct gml_drv_ops {
+	const char *name;
+	/* Open device cfg->device; *priv is the backend's state. */
+	int (*open)(const struct gmlake_config *cfg, void **priv);
+	void (*close)(void *priv);
+	/* Make the device's context current in this thread / undo it. */
+	int (*enter)(void *priv);
+	void (*leave)(void *priv);
+	int (*granularity)(void *priv, size_t *gran);
+	int (*mem_info)(void *priv, size_t *free, size_t *total);
+
+	int (*mem_create)(void *priv, size_t size, gml_handle *h);
+	int (*mem_release)(void *priv, gml_handle h);
+	int (*va_reserve)(void *priv, size_t size, size_t align, gml_va *va);
+	int (*va_free)(void *priv, gml_va va, size_t size);
+	/* Map all of h (size bytes) at va; unmap exactly one earlier map. */
+	int (*mem_map)(void *priv, gml_va va, size_t size, gml_handle h);
+	int (*mem_unmap)(void *priv, gml_va va, size_t size);
+	/* Read-write access for the device over [va, va+size). */
+	int (*set_access)(void *priv, gml_va va, size_t size);
+
+	int (*stream_create)(void *priv, gmlake_stream_t *s);
+	int (*stream_destroy)(void *priv, gmlake_stream_t s);
+	int (*stream_sync)(void *priv, gmlake_stream_t s);
+	int (*event_create)(void *priv, gml_event *e);
+	int (*event_destroy)(void *priv, gml_event e);
+	int (*event_record)(void *priv, gml_event e, gmlake_stream_t s);
+	/* 0 when complete, -EBUSY while pending. */
+	int (*event_query)(void *priv, gml_event e);
+	int (*event_sync)(void *priv, gml_event e);
+	int (*memcpy_async)(void *priv, void *dst, const void *src,
+			    size_t size, enum gml_copy_kind kind,
+			    gmlake_stream_t s);
+};
+
+extern const struct gml_drv_ops gml_drv_cuda;
+extern const struct gml_drv_ops gml_drv_emu;
+
+/* Fault plan: fail call number nth (1-based) of kind call, once. */
+struct gml_fault {
+	int call;		/* enum gmlake_call, or -1 for none */
+	uint64_t nth;
+	int err;		/* errno to return (positive), ENOMEM by default */
+};
+
+/* An open device: the backend plus the counters of its calls. */
+struct gml_dev {
+	const struct gml_drv_ops *ops;
+	void *priv;
+	size_t granularity;
+	uint64_t calls[GMLAKE_CALL_COUNT];
+	uint64_t call_ns[GMLAKE_CALL_COUNT];
+	uint64_t call_failures[GMLAKE_CALL_COUNT];
+	struct gml_fault fault;
+};
+
+int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg);
+void gml_dev_close(struct gml_dev *dev);
+/* Arm a fault: call kind `call` fails with -err on its nth call from now. */
+void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err);
+
+int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h);
+int gml_mem_release(struct gml_dev *dev, gml_handle h);
+int gml_va_reserve(struct gml_dev *dev, size_t size, gml_va *va);
+int gml_va_free(struct gml_dev *dev, gml_va va, size_t size);
+int gml_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h);
+int gml_mem_unmap(struct gml_dev *dev, gml_va va, size_t size);
+int gml_set_access(struct gml_dev *dev, gml_va va, size_t size);
+int gml_event_create(struct gml_dev *dev, gml_event *e);
+void gml_event_destroy(struct gml_dev *dev, gml_event e);
+int gml_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s);
+int gml_event_query(struct gml_dev *dev, gml_event e);
+int gml_event_sync(struct gml_dev *dev, gml_event e);
+int gml_stream_sync(struct gml_dev *dev, gmlake_stream_t s);
+int gml_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
+	       enum gml_copy_kind kind, gmlake_stream_t s);
+
+/* Emulated device only: the bytes behind it, for tests (NULL elsewhere). */
+struct gml_emu_info {
+	size_t capacity;
+	size_t used;		/* bytes held by live chunks */
+	uint64_t live_handles;
+	uint64_t live_mappings;
+	uint64_t live_reservations;
+	uint64_t live_events;
+	uint64_t live_streams;
+};
+int gml_emu_info(void *priv, struct gml_emu_info *info);
+/* Emulated device only: hold a stream's worker (queued work waits) or let
+ * it go, so tests can stall a stream on purpose. -EOPNOTSUPP elsewhere. */
+int gml_emu_stream_hold(void *priv, gmlake_stream_t s, bool hold);
+/* Whether priv belongs to the emulated backend. */
+bool gml_dev_is_emu(const struct gml_dev *dev);
+
+#endif

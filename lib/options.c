@@ -1,0 +1,185 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * GMLAKE_* environment options: one table, each entry naming the variable,
+ * its parser and the config field it sets. An invalid value gets a warning
+ * naming the variable and leaves the default in place.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "error.h"
+#include "options.h"
+
+enum opt_type { OPT_SIZE, OPT_UINT, OPT_BOOL, OPT_BACKEND, OPT_LOG };
+
+struct option_def {
+	const char *name;
+	enum opt_type type;
+	size_t offset;
+};
+
+#define FIELD(f) offsetof(struct gmlake_config, f)
+
+static const struct option_def options[] = {
+	{ "GMLAKE_BACKEND", OPT_BACKEND, FIELD(backend) },
+	{ "GMLAKE_DEVICE", OPT_UINT, FIELD(device) },
+	{ "GMLAKE_CHUNK_SIZE", OPT_SIZE, FIELD(chunk_size) },
+	{ "GMLAKE_SMALL_SIZE", OPT_SIZE, FIELD(small_size) },
+	{ "GMLAKE_STITCH_MIN", OPT_SIZE, FIELD(stitch_min) },
+	{ "GMLAKE_STITCH_CACHE", OPT_UINT, FIELD(stitch_cache_max) },
+	{ "GMLAKE_EMU_CAPACITY", OPT_SIZE, FIELD(emu_capacity) },
+	{ "GMLAKE_EMU_GRANULARITY", OPT_SIZE, FIELD(emu_granularity) },
+	{ "GMLAKE_LOG_LEVEL", OPT_LOG, FIELD(log_level) },
+	{ "GMLAKE_SHOW_STATS", OPT_BOOL, FIELD(show_stats) },
+};
+
+/* "64", "2M", "1GiB", "512k": bytes with an optional binary suffix. */
+int gml_parse_size(const char *s, size_t *out)
+{
+	unsigned long long v;
+	unsigned shift = 0;
+	char *end;
+
+	if (!s || *s < '0' || *s > '9')
+		return -EINVAL;
+	errno = 0;
+	v = strtoull(s, &end, 10);
+	if (errno)
+		return -EINVAL;
+	switch (*end) {
+	case 'k': case 'K': shift = 10; end++; break;
+	case 'm': case 'M': shift = 20; end++; break;
+	case 'g': case 'G': shift = 30; end++; break;
+	case 't': case 'T': shift = 40; end++; break;
+	}
+	if (shift && (*end == 'i' || *end == 'I'))
+		end++;
+	if (shift && (*end == 'b' || *end == 'B'))
+		end++;
+	if (*end != '\0' || (shift && v > (SIZE_MAX >> shift)))
+		return -EINVAL;
+	*out = (size_t)v << shift;
+	return 0;
+}
+
+int gml_parse_bool(const char *s, bool *out)
+{
+	static const char *const yes[] = { "1", "true", "yes", "on" };
+	static const char *const no[] = { "0", "false", "no", "off" };
+
+	for (size_t i = 0; i < 4; i++) {
+		if (!strcasecmp(s, yes[i]))
+			return *out = true, 0;
+		if (!strcasecmp(s, no[i]))
+			return *out = false, 0;
+	}
+	return -EINVAL;
+}
+
+static int parse_backend(const char *s, int *out)
+{
+	if (!strcasecmp(s, "cuda"))
+		*out = GMLAKE_BACKEND_CUDA;
+	else if (!strcasecmp(s, "emu"))
+		*out = GMLAKE_BACKEND_EMU;
+	else
+		return -EINVAL;
+	return 0;
+}
+
+static int parse_log(const char *s, int *out)
+{
+	static const char *const names[] = { "error", "warn", "info", "debug" };
+
+	for (int i = 0; i < 4; i++) {
+		if (!strcasecmp(s, names[i]) ||
+		    (s[0] == '0' + i && s[1] == '\0'))
+			return *out = i, 0;
+	}
+	if (!strcasecmp(s, "warning"))
+		return *out = GMLAKE_LOG_WARN, 0;
+	return -EINVAL;
+}
+
+static int parse_uint(const char *s, unsigned *out)
+{
+	unsigned long v;
+	char *end;
+
+	if (*s < '0' || *s > '9')
+		return -EINVAL;
+	errno = 0;
+	v = strtoul(s, &end, 10);
+	if (errno || *end != '\0' || v > INT32_MAX)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
+static int apply(const struct option_def *o, const char *val,
+		 struct gmlake_config *cfg)
+{
+	char *field = (char *)cfg + o->offset;
+	unsigned u;
+
+	switch (o->type) {
+	case OPT_SIZE:
+		return gml_parse_size(val, (size_t *)field);
+	case OPT_UINT:
+		if (parse_uint(val, &u))
+			return -EINVAL;
+		if (o->offset == FIELD(device))
+			*(int *)field = (int)u;
+		else
+			*(unsigned *)field = u;
+		return 0;
+	case OPT_BOOL:
+		return gml_parse_bool(val, (bool *)field);
+	case OPT_BACKEND:
+		return parse_backend(val, (int *)field);
+	case OPT_LOG:
+		return parse_log(val, (int *)field);
+	}
+	return -EINVAL;
+}
+
+void gml_config_defaults(struct gmlake_config *cfg)
+{
+	memset(cfg, 0, sizeof(*cfg));
+	cfg->version = GMLAKE_CONFIG_VERSION;
+	cfg->size = sizeof(*cfg);
+	cfg->backend = GMLAKE_BACKEND_DEFAULT;
+	cfg->small_size = 1 << 20;
+	cfg->stitch_min = 2 << 20;
+	cfg->stitch_cache_max = 256;
+	cfg->emu_capacity = (size_t)64 << 30;
+	cfg->emu_granularity = 2 << 20;
+	cfg->log_level = GMLAKE_LOG_WARN;
+}
+
+GML_EXPORT int gmlake_config_init(struct gmlake_config *cfg)
+{
+	if (!cfg)
+		return gml_set_error(-EINVAL, "gmlake_config_init: cfg is NULL");
+	gml_config_defaults(cfg);
+	for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++) {
+		const char *val = getenv(options[i].name);
+
+		if (!val)
+			continue;
+		if (apply(&options[i], val, cfg))
+			gml_log(GMLAKE_LOG_WARN,
+				"%s: invalid value '%s', using the default",
+				options[i].name, val);
+	}
+	gml_log_level = cfg->log_level;
+	return 0;
+}

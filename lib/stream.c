@@ -1,0 +1,258 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Stream-ordered reuse. Each stream the context has seen gets an index and
+ * a ring of recorded events with increasing sequence numbers; a guard
+ * (stream, seq) is complete once the event of seq has completed, which we
+ * learn by querying the ring in order.
+ *
+ * While a context has seen only one stream no other stream can reuse its
+ * memory, so frees record nothing (seq 0). When a second stream appears,
+ * one barrier event per existing stream covers every seq 0 guard before it.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "types.h"
+
+/* Never complete: for guards whose event could not be recorded. */
+#define SEQ_NEVER UINT64_MAX
+
+static int event_get(gmlake_ctx *ctx, gml_event *e)
+{
+	if (ctx->nevent_pool) {
+		*e = ctx->event_pool[--ctx->nevent_pool];
+		return 0;
+	}
+	return gml_event_create(&ctx->dev, e);
+}
+
+static void event_put(gmlake_ctx *ctx, gml_event e)
+{
+	size_t cap = ctx->cap_event_pool ? ctx->cap_event_pool * 2 : 16;
+	gml_event *pool;
+
+	if (ctx->nevent_pool == ctx->cap_event_pool) {
+		pool = realloc(ctx->event_pool, cap * sizeof(*pool));
+		if (!pool) {
+			gml_event_destroy(&ctx->dev, e);
+			return;
+		}
+		ctx->event_pool = pool;
+		ctx->cap_event_pool = cap;
+	}
+	ctx->event_pool[ctx->nevent_pool++] = e;
+}
+
+/* Record an event on stream idx; *seq is its sequence number. */
+static int record(gmlake_ctx *ctx, int idx, uint64_t *seq)
+{
+	struct gml_stream *s = &ctx->streams[idx];
+	size_t cap, tail;
+	gml_event e;
+	int ret;
+
+	if (s->count == s->cap) {
+		cap = s->cap ? s->cap * 2 : 16;
+		void *ring = malloc(cap * sizeof(*s->pending));
+
+		if (!ring)
+			return gml_set_error(-ENOMEM, "no memory for events");
+		for (size_t i = 0; i < s->count; i++)
+			memcpy((char *)ring + i * sizeof(*s->pending),
+			       &s->pending[(s->head + i) % (s->cap ? s->cap : 1)],
+			       sizeof(*s->pending));
+		free(s->pending);
+		s->pending = ring;
+		s->cap = cap;
+		s->head = 0;
+	}
+	ret = event_get(ctx, &e);
+	if (ret)
+		return ret;
+	ret = gml_event_record(&ctx->dev, e, s->handle);
+	if (ret) {
+		event_put(ctx, e);
+		return ret;
+	}
+	tail = (s->head + s->count) % s->cap;
+	s->pending[tail].seq = ++s->next_seq;
+	s->pending[tail].ev = e;
+	s->count++;
+	*seq = s->next_seq;
+	return 0;
+}
+
+/* Query events in order, advancing done_seq past completed ones. */
+static void poll_stream(gmlake_ctx *ctx, struct gml_stream *s)
+{
+	while (s->count) {
+		gml_event e = s->pending[s->head].ev;
+
+		if (gml_event_query(&ctx->dev, e))
+			break;
+		s->done_seq = s->pending[s->head].seq;
+		event_put(ctx, e);
+		s->head = (s->head + 1) % s->cap;
+		s->count--;
+	}
+}
+
+bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq)
+{
+	struct gml_stream *s = &ctx->streams[idx];
+
+	if (s->dead)
+		return true;
+	if (seq == SEQ_NEVER)
+		return false;
+	if (seq == 0) {
+		if (!s->barrier)
+			return false;
+		seq = s->barrier;
+	}
+	if (s->done_seq >= seq)
+		return true;
+	poll_stream(ctx, s);
+	return s->done_seq >= seq;
+}
+
+/* Block until guard (idx, seq) completed: by its event, else the stream. */
+int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq)
+{
+	struct gml_stream *s = &ctx->streams[idx];
+	int ret;
+
+	if (s->dead || gml_stream_done(ctx, idx, seq))
+		return 0;
+	while (s->count && s->pending[s->head].seq <= seq &&
+	       seq != SEQ_NEVER && seq != 0) {
+		ret = gml_event_sync(&ctx->dev, s->pending[s->head].ev);
+		if (ret)
+			break;
+		poll_stream(ctx, s);
+	}
+	if (gml_stream_done(ctx, idx, seq))
+		return 0;
+	/* seq 0 without a barrier, or an event that failed: the stream. */
+	ret = gml_stream_sync(&ctx->dev, s->handle);
+	if (ret)
+		return ret;
+	while (s->count) {
+		event_put(ctx, s->pending[s->head].ev);
+		s->head = (s->head + 1) % s->cap;
+		s->count--;
+	}
+	s->done_seq = s->next_seq;
+	return 0;
+}
+
+bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want)
+{
+	return g->stream < 0 || g->stream == want ||
+	       gml_stream_done(ctx, g->stream, g->seq);
+}
+
+/*
+ * A guard for "now" on stream idx. Single-stream contexts record nothing
+ * unless forced. If no event can be recorded the guard never completes,
+ * so the memory stays with its own stream: safe, and the free succeeds.
+ */
+int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
+{
+	if (ctx->streams[idx].dead) {
+		*seq = ctx->streams[idx].done_seq;
+		return 0;
+	}
+	if (ctx->nstreams == 1 && !force) {
+		*seq = 0;
+		return 0;
+	}
+	if (record(ctx, idx, seq)) {
+		*seq = SEQ_NEVER;
+		return -EIO;
+	}
+	return 0;
+}
+
+static int add_stream(gmlake_ctx *ctx, gmlake_stream_t handle)
+{
+	struct gml_stream *s;
+	struct gml_spool *sp;
+	int cap;
+
+	if (ctx->nstreams == ctx->cap_streams) {
+		cap = ctx->cap_streams ? ctx->cap_streams * 2 : 4;
+		s = realloc(ctx->streams, cap * sizeof(*s));
+		if (!s)
+			return -ENOMEM;
+		ctx->streams = s;
+		sp = realloc(ctx->spools, cap * sizeof(*sp));
+		if (!sp)
+			return -ENOMEM;
+		ctx->spools = sp;
+		ctx->cap_streams = cap;
+	}
+	memset(&ctx->streams[ctx->nstreams], 0, sizeof(*ctx->streams));
+	memset(&ctx->spools[ctx->nstreams], 0, sizeof(*ctx->spools));
+	ctx->streams[ctx->nstreams].handle = handle;
+	return ctx->nstreams++;
+}
+
+/*
+ * The index of a stream, registering it on first sight. Registration
+ * records an event on it, which also proves the handle valid. The second
+ * stream to appear puts a barrier on the first.
+ */
+int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx)
+{
+	uint64_t seq;
+	int i, ret;
+
+	for (i = 0; i < ctx->nstreams; i++) {
+		if (ctx->streams[i].handle == handle) {
+			*idx = i;
+			return 0;
+		}
+	}
+	i = add_stream(ctx, handle);
+	if (i < 0)
+		return gml_set_error(-ENOMEM, "no memory for a stream");
+	ret = record(ctx, i, &seq);
+	if (ret) {
+		ctx->nstreams--;
+		return gml_set_error(ret == -ENOMEM ? -ENOMEM : -EINVAL,
+				     "stream %p cannot be used: %s",
+				     (void *)handle, gmlake_last_error());
+	}
+	if (ctx->nstreams == 2 && record(ctx, 0, &seq) == 0)
+		ctx->streams[0].barrier = seq;
+	else if (ctx->nstreams == 2)
+		ctx->streams[0].barrier = SEQ_NEVER;
+	*idx = i;
+	return 0;
+}
+
+void gml_streams_fini(gmlake_ctx *ctx)
+{
+	for (int i = 0; i < ctx->nstreams; i++) {
+		struct gml_stream *s = &ctx->streams[i];
+
+		for (size_t k = 0; k < s->count; k++)
+			gml_event_destroy(&ctx->dev,
+					  s->pending[(s->head + k) % s->cap].ev);
+		free(s->pending);
+	}
+	for (size_t k = 0; k < ctx->nevent_pool; k++)
+		gml_event_destroy(&ctx->dev, ctx->event_pool[k]);
+	free(ctx->event_pool);
+	free(ctx->streams);
+	ctx->event_pool = NULL;
+	ctx->streams = NULL;
+	ctx->nstreams = 0;
+}

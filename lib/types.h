@@ -1,0 +1,171 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The object hierarchy of a context, bottom up:
+ *
+ *   chunk   one physical allocation of chunk_size bytes (one driver handle).
+ *           It is free or owned by exactly one live block, and carries the
+ *           guard of its last free: (stream, event sequence).
+ *   view    a virtual range with a chunk mapped at each position. A segment
+ *           is the view made when chunks are created (it maps them in
+ *           creation order); a stitched view maps chunks that already exist
+ *           in segments, in whatever order they were free. A chunk is mapped
+ *           by its segment and by any number of stitched views.
+ *   block   what the caller holds: a run of positions of one view (large)
+ *           or a piece of a small chunk (small, below small_size).
+ *   small chunk  a one-chunk large block cut into small pieces for one
+ *           stream.
+ *
+ * Invariants (lib/check.c verifies them): a live large block owns every
+ * chunk under its run; no chunk has two owners; a free chunk has no owner;
+ * a stitched view with live blocks stays mapped.
+ */
+#ifndef GML_TYPES_H
+#define GML_TYPES_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "drv.h"
+#include "gmlake.h"
+#include "ptrmap.h"
+
+struct gml_block;
+struct gml_view;
+
+/*
+ * A moment in a stream's work: seq 0 means "before the stream barrier";
+ * stream -1 means no work at all (a new chunk).
+ */
+struct gml_guard {
+	int stream;		/* index in ctx->streams */
+	uint64_t seq;
+};
+
+struct gml_chunk {
+	gml_handle handle;
+	struct gml_block *owner;	/* NULL when free */
+	struct gml_view *seg;		/* the segment that created it */
+	uint32_t seg_pos;
+	struct gml_guard guard;		/* last free */
+	struct gml_view **views;	/* stitched views mapping it */
+	uint32_t nviews, cap_views;
+};
+
+struct gml_view {
+	gml_va va;
+	uint32_t n;			/* positions */
+	struct gml_chunk **chunks;	/* NULL: a released position */
+	uint8_t *mapped;		/* per position: still mapped */
+	bool stitched;
+	bool dying;			/* evicted, on ctx->dying */
+	uint32_t live;			/* live blocks on this view */
+	uint64_t last_use;		/* LRU clock of stitched views */
+	struct gml_guard *guards;	/* last free per stream, for unmap */
+	uint32_t nguards;
+	struct gml_view *prev, *next;	/* ctx->segs or ctx->stitched */
+};
+
+struct gml_stream {
+	gmlake_stream_t handle;
+	bool dead;			/* destroyed: all its work is done */
+	uint64_t next_seq;		/* last sequence recorded */
+	uint64_t done_seq;		/* all up to here completed */
+	uint64_t barrier;		/* covers seq 0 guards; 0: none yet */
+	struct { uint64_t seq; gml_event ev; } *pending;
+	size_t head, count, cap;	/* ring of recorded events */
+};
+
+struct gml_schunk;
+
+struct gml_block {
+	uintptr_t ptr;
+	size_t size;			/* asked for */
+	size_t alloc_size;		/* handed out */
+	int stream;
+	bool small;
+	struct gml_view *view;		/* large: positions [pos, pos + n) */
+	uint32_t pos, n;
+	struct gml_schunk *sc;		/* small: the piece [ptr, +alloc_size) */
+	bool free;			/* small piece free (in the pool) */
+	struct gml_block *prev, *next;	/* small: neighbours by address */
+	struct gml_guard *extra;	/* record_stream streams, and at
+					   free the guards to wait for */
+	uint32_t nextra;
+	struct gml_block *lprev, *lnext; /* ctx->live / ctx->deferred */
+};
+
+struct gml_schunk {
+	struct gml_block *backing;	/* the one-chunk large block */
+	struct gml_block *first;	/* pieces by address */
+	int stream;
+	size_t used;
+};
+
+/* Free small pieces of one stream, sorted by (alloc_size, ptr). */
+struct gml_spool {
+	struct gml_block **free;
+	size_t count, cap;
+};
+
+struct gmlake_ctx {
+	pthread_mutex_t lock;
+	struct gmlake_config cfg;
+	struct gml_dev dev;
+	size_t chunk;			/* chunk size in bytes */
+	size_t dev_total;		/* device memory, for absurd sizes */
+	uint32_t chunk_shift;
+
+	struct gml_view *segs;		/* list of segments */
+	struct gml_view *stitched;	/* cached stitched views */
+	struct gml_view *dying;		/* evicted, waiting for guards */
+	uint32_t nstitched;
+	uint64_t clock;
+
+	struct gml_stream *streams;
+	int nstreams, cap_streams;
+	struct gml_spool *spools;	/* one per stream index */
+
+	struct gml_ptrmap blocks;	/* ptr -> live block */
+	struct gml_block *live;		/* live blocks */
+	struct gml_block *deferred;	/* freed, waiting for extra streams */
+	gml_event *event_pool;
+	size_t nevent_pool, cap_event_pool;
+
+	struct gmlake_stats st;
+};
+
+/* stream.c */
+int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx);
+int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq);
+bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq);
+int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq);
+bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want);
+void gml_streams_fini(gmlake_ctx *ctx);
+
+/* alloc.c: large blocks, views and chunks */
+int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
+		    struct gml_block **out);
+void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
+		    const struct gml_guard *g);
+int gml_release_cached(gmlake_ctx *ctx, bool all);
+void gml_reap_dying(gmlake_ctx *ctx, bool wait);
+void gml_views_fini(gmlake_ctx *ctx);
+
+/* small.c */
+int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
+		    struct gml_block **out);
+void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
+		    const struct gml_guard *g);
+void gml_spools_fini(gmlake_ctx *ctx);
+
+/* ctx.c */
+void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
+		       const struct gml_guard *g);
+
+/* stats.c */
+void gml_gauge_add(struct gmlake_stat *g, int64_t delta);
+void gml_stats_at_destroy(gmlake_ctx *ctx);
+
+#endif

@@ -1,0 +1,1469 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * check_alloc: the allocator (lib/alloc.c, lib/small.c) through the public
+ * API, with the invariant checker after every operation.
+ *
+ * Runs on the backend GMLAKE_BACKEND names (emu under make check); exits 77
+ * when that backend has no device. Cases that need a small device (out of
+ * memory, exact chunk counts) run on the emulated device only.
+ */
+#include <pthread.h>
+
+#include "helpers.h"
+
+#define CAP_CHUNKS(n) ((size_t)(n) * TH_CHUNK)
+
+/* ---------------------------------------------------------------------- */
+/* Integrity: a random workload, every block checked until it is freed.   */
+
+#define RW_SLOTS 40
+#define RW_OPS 500
+
+struct blk {
+	void *p;
+	size_t size;
+	uint64_t seed;
+};
+
+static size_t rw_size(struct th_rng *r)
+{
+	uint64_t k = th_range(r, 0, 99);
+
+	if (k < 25)
+		return th_range(r, 1, 4 * TH_KiB);
+	if (k < 45)
+		return th_range(r, 4 * TH_KiB, TH_MiB - 1);
+	if (k < 85)
+		return th_range(r, TH_MiB, 6 * TH_MiB);
+	return th_range(r, 6 * TH_MiB, 20 * TH_MiB);
+}
+
+static void rw_verify_all(gmlake_ctx *ctx, struct blk *b, int n)
+{
+	int i;
+
+	for (i = 0; i < n; i++)
+		th_verify_ok(ctx, b[i].p, b[i].size, b[i].seed, NULL);
+}
+
+static void rw_free_one(gmlake_ctx *ctx, struct blk *b, int *n, int j)
+{
+	th_verify_ok(ctx, b[j].p, b[j].size, b[j].seed, NULL);
+	th_free(ctx, b[j].p);
+	b[j] = b[--*n];
+}
+
+/* A fresh block must not overlap any live one in the address space. */
+static void rw_no_overlap(struct blk *b, int n, void *p, size_t size)
+{
+	int i;
+
+	for (i = 0; i < n; i++)
+		ck_assert_msg(!th_overlap(b[i].p, b[i].size, p, size),
+			      "new block %p+%zu overlaps live %p+%zu", p,
+			      size, b[i].p, b[i].size);
+}
+
+static void random_workload(uint64_t seed, size_t capacity)
+{
+	gmlake_ctx *ctx = th_ctx(capacity);
+	struct th_rng r = { seed };
+	struct blk b[RW_SLOTS];
+	struct gmlake_stats st, st1;
+	int n = 0, op, ooms = 0;
+
+	for (op = 0; op < RW_OPS; op++) {
+		bool do_alloc = n == 0 ||
+				(n < RW_SLOTS && th_range(&r, 0, 99) < 55);
+
+		if (do_alloc) {
+			size_t size = rw_size(&r);
+			void *p = NULL;
+			int ret;
+
+			th_stats(ctx, &st);
+			ret = gmlake_alloc(ctx, &p, size, NULL);
+			th_check(ctx);
+			if (ret == -ENOMEM && th_is_emu(ctx)) {
+				/* The device is full: state must be intact. */
+				th_stats(ctx, &st1);
+				ck_assert_uint_eq(st1.ooms, st.ooms + 1);
+				ck_assert_int_eq(st1.active_blocks.current,
+						 st.active_blocks.current);
+				ck_assert_int_eq(st1.requested_bytes.current,
+						 st.requested_bytes.current);
+				ooms++;
+				if (n)
+					rw_free_one(ctx, b, &n,
+						    (int)th_range(&r, 0, n - 1));
+				continue;
+			}
+			ck_assert_msg(ret == 0, "op %d: alloc %zu: %d (%s)",
+				      op, size, ret, gmlake_last_error());
+			ck_assert_msg((uintptr_t)p % 512 == 0, "%p", p);
+			rw_no_overlap(b, n, p, size);
+			b[n].p = p;
+			b[n].size = size;
+			b[n].seed = seed * 1000003u + (uint64_t)op;
+			th_fill_ok(ctx, p, size, b[n].seed, NULL);
+			th_check(ctx);
+			n++;
+		} else {
+			rw_free_one(ctx, b, &n, (int)th_range(&r, 0, n - 1));
+		}
+		if (op % 25 == 24)
+			rw_verify_all(ctx, b, n);
+	}
+	rw_verify_all(ctx, b, n);
+	while (n)
+		rw_free_one(ctx, b, &n, n - 1);
+
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	ck_assert_int_eq(st.requested_bytes.current, 0);
+	ck_assert_int_eq(st.allocated_bytes.current, 0);
+	ck_assert_int_eq(st.stitched_live.current, 0);
+	if (th_is_emu(ctx)) {
+		/* A device this small fragments: stitching must have served. */
+		ck_assert_msg(st.stitches > 0, "no stitch in %d ops", RW_OPS);
+		ck_assert_int_le(st.reserved_bytes.peak, (int64_t)capacity);
+	}
+	printf("random workload seed %" PRIu64 ": %" PRIu64 " allocs, %"
+	       PRIu64 " fits, %" PRIu64 " stitches, %" PRIu64
+	       " stitch reuses, %" PRIu64 " grows, %d ooms\n", seed,
+	       st.allocs, st.fits, st.stitches, st.stitch_reuses, st.grows,
+	       ooms);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_destroy(ctx);
+}
+
+START_TEST(test_random_workload)
+{
+	random_workload(1 + (uint64_t)_i, CAP_CHUNKS(48));
+}
+END_TEST
+
+/* Blocks filled one after another; each new block must leave all others. */
+START_TEST(test_fill_all_verify_all)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(64));
+	static const size_t sizes[] = {
+		512, 1, 777, 4096, 65536, 1000000, TH_MiB, TH_MiB + 1,
+		3 * TH_MiB, 2 * TH_MiB, 5 * TH_MiB + 512, 300, 8 * TH_MiB,
+	};
+	enum { N = sizeof(sizes) / sizeof(sizes[0]) };
+	void *p[N];
+	int i, j;
+
+	for (i = 0; i < N; i++) {
+		p[i] = th_alloc(ctx, sizes[i], NULL);
+		for (j = 0; j < i; j++)
+			ck_assert(!th_overlap(p[i], sizes[i], p[j], sizes[j]));
+		th_fill_ok(ctx, p[i], sizes[i], 500 + i, NULL);
+		for (j = 0; j <= i; j++)
+			th_verify_ok(ctx, p[j], sizes[j], 500 + j, NULL);
+	}
+	for (i = 0; i < N; i += 2)
+		th_free(ctx, p[i]);
+	for (i = 1; i < N; i += 2)
+		th_verify_ok(ctx, p[i], sizes[i], 500 + i, NULL);
+	for (i = 1; i < N; i += 2)
+		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Small requests are packed.                                             */
+
+static int cmp_ptr(const void *a, const void *b)
+{
+	uintptr_t x = (uintptr_t)((const struct blk *)a)->p;
+	uintptr_t y = (uintptr_t)((const struct blk *)b)->p;
+
+	return x < y ? -1 : x > y;
+}
+
+START_TEST(test_small_packing)
+{
+	enum { N = 1000 };
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(64));
+	struct th_rng r = { 7 };
+	struct blk *b = calloc(N, sizeof(*b));
+	struct gmlake_stats st;
+	size_t total = 0;
+	int i;
+
+	ck_assert_ptr_nonnull(b);
+	for (i = 0; i < N; i++) {
+		b[i].size = th_range(&r, 1, 8000);
+		b[i].seed = 9000 + i;
+		b[i].p = th_alloc(ctx, b[i].size, NULL);
+		total += b[i].size;
+		th_fill_ok(ctx, b[i].p, b[i].size, b[i].seed, NULL);
+	}
+	th_stats(ctx, &st);
+	printf("%d small blocks, %zu bytes: %" PRId64 " small chunks, %"
+	       PRId64 " bytes reserved\n", N, total, st.small_chunks.current,
+	       st.reserved_bytes.current);
+	ck_assert_int_eq(st.active_blocks.current, N);
+	ck_assert_int_eq(st.requested_bytes.current, (int64_t)total);
+	ck_assert_int_ge(st.allocated_bytes.current, (int64_t)total);
+	/* About 4 MB asked for: a handful of chunks, not one per block. */
+	ck_assert_int_ge(st.small_chunks.current, 1);
+	ck_assert_int_le(st.small_chunks.current, 8);
+	ck_assert_int_le(st.reserved_bytes.current, (int64_t)(16 * TH_MiB));
+
+	/* No two small blocks overlap, and each kept its own bytes. */
+	qsort(b, N, sizeof(*b), cmp_ptr);
+	for (i = 0; i + 1 < N; i++)
+		ck_assert_msg((uintptr_t)b[i].p + b[i].size <=
+				      (uintptr_t)b[i + 1].p,
+			      "%p+%zu overlaps %p", b[i].p, b[i].size,
+			      b[i + 1].p);
+	for (i = 0; i < N; i++)
+		th_verify_ok(ctx, b[i].p, b[i].size, b[i].seed, NULL);
+
+	/* Free every other one; the rest stay intact; holes are reused. */
+	for (i = 0; i < N; i += 2)
+		th_free(ctx, b[i].p);
+	th_stats(ctx, &st);
+	{
+		int64_t chunks = st.small_chunks.current;
+
+		for (i = 0; i < N; i += 2) {
+			b[i].p = th_alloc(ctx, b[i].size, NULL);
+			th_fill_ok(ctx, b[i].p, b[i].size, b[i].seed, NULL);
+		}
+		th_stats(ctx, &st);
+		ck_assert_int_le(st.small_chunks.current, chunks + 1);
+	}
+	for (i = 0; i < N; i++)
+		th_verify_ok(ctx, b[i].p, b[i].size, b[i].seed, NULL);
+	for (i = 0; i < N; i++)
+		th_free(ctx, b[i].p);
+
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	ck_assert_int_eq(st.requested_bytes.current, 0);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 0);
+	ck_assert_int_eq(st.reserved_bytes.current, 0);
+	free(b);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Small and large blocks side by side; large ones stay chunk aligned. */
+START_TEST(test_small_and_large_mixed)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(64));
+	size_t cs = th_chunk_size(ctx);
+	void *s1, *s2, *l1, *l2, *l3;
+
+	s1 = th_alloc(ctx, 100, NULL);
+	l1 = th_alloc(ctx, TH_MiB, NULL);	/* == small_size: large */
+	s2 = th_alloc(ctx, TH_MiB - 1, NULL);	/* just below: small */
+	l2 = th_alloc(ctx, 3 * TH_MiB + 5, NULL);
+	l3 = th_alloc(ctx, 2 * TH_MiB, NULL);
+	ck_assert_uint_eq((uintptr_t)l1 % cs, 0);
+	ck_assert_uint_eq((uintptr_t)l2 % cs, 0);
+	ck_assert_uint_eq((uintptr_t)l3 % cs, 0);
+	th_fill_ok(ctx, s1, 100, 1, NULL);
+	th_fill_ok(ctx, l1, TH_MiB, 2, NULL);
+	th_fill_ok(ctx, s2, TH_MiB - 1, 3, NULL);
+	th_fill_ok(ctx, l2, 3 * TH_MiB + 5, 4, NULL);
+	th_fill_ok(ctx, l3, 2 * TH_MiB, 5, NULL);
+	th_verify_ok(ctx, s1, 100, 1, NULL);
+	th_verify_ok(ctx, l1, TH_MiB, 2, NULL);
+	th_verify_ok(ctx, s2, TH_MiB - 1, 3, NULL);
+	th_verify_ok(ctx, l2, 3 * TH_MiB + 5, 4, NULL);
+	th_verify_ok(ctx, l3, 2 * TH_MiB, 5, NULL);
+	th_free(ctx, l2);
+	th_free(ctx, s1);
+	th_free(ctx, l1);
+	th_free(ctx, s2);
+	th_free(ctx, l3);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Best fit, split, coalesce.                                             */
+
+START_TEST(test_best_fit)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	struct gmlake_stats s0, s1;
+	void *a, *b, *c, *d, *x, *y, *z;
+
+	a = th_alloc(ctx, 6 * TH_MiB, NULL);
+	b = th_alloc(ctx, 2 * TH_MiB, NULL);
+	c = th_alloc(ctx, 4 * TH_MiB, NULL);
+	d = th_alloc(ctx, 2 * TH_MiB, NULL);
+	th_fill_ok(ctx, b, 2 * TH_MiB, 2, NULL);
+	th_fill_ok(ctx, d, 2 * TH_MiB, 4, NULL);
+	th_free(ctx, a);
+	th_free(ctx, c);
+
+	/* Free: a (6 MiB) and c (4 MiB). 4 MiB fits c best. */
+	th_stats(ctx, &s0);
+	x = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(x, c);
+	ck_assert_uint_eq(s1.fits, s0.fits + 1);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
+	ck_assert_uint_eq(s1.grows, s0.grows);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map]);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_create],
+			  s0.calls[GMLAKE_CALL_mem_create]);
+
+	/* 2 MiB: split out of a. */
+	y = th_alloc(ctx, 2 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_msg(th_overlap(y, 2 * TH_MiB, a, 6 * TH_MiB),
+		      "2 MiB at %p, not split from the free 6 MiB at %p", y,
+		      a);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map]);
+	th_fill_ok(ctx, y, 2 * TH_MiB, 20, NULL);
+	th_fill_ok(ctx, x, 4 * TH_MiB, 30, NULL);
+
+	/* Freed, y coalesces with the rest of a: 6 MiB fits at a again. */
+	th_free(ctx, y);
+	z = th_alloc(ctx, 6 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(z, a);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(s1.grows, s0.grows);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map]);
+	th_fill_ok(ctx, z, 6 * TH_MiB, 40, NULL);
+
+	th_verify_ok(ctx, b, 2 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, d, 2 * TH_MiB, 4, NULL);
+	th_verify_ok(ctx, x, 4 * TH_MiB, 30, NULL);
+	th_verify_ok(ctx, z, 6 * TH_MiB, 40, NULL);
+	th_free(ctx, b);
+	th_free(ctx, d);
+	th_free(ctx, x);
+	th_free(ctx, z);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_split_coalesce)
+{
+	static const int order[] = { 1, 3, 0, 2 };
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	struct gmlake_stats s0, s1;
+	void *x, *q[4], *z;
+	int i, j;
+
+	x = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_free(ctx, x);
+	th_stats(ctx, &s0);
+	for (i = 0; i < 4; i++) {
+		q[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+		ck_assert_msg((uintptr_t)q[i] >= (uintptr_t)x &&
+				      (uintptr_t)q[i] + 2 * TH_MiB <=
+					      (uintptr_t)x + 8 * TH_MiB,
+			      "piece %d at %p outside the free 8 MiB at %p",
+			      i, q[i], x);
+		for (j = 0; j < i; j++)
+			ck_assert_ptr_ne(q[i], q[j]);
+		th_fill_ok(ctx, q[i], 2 * TH_MiB, 60 + i, NULL);
+	}
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map]);
+	ck_assert_uint_eq(s1.fits, s0.fits + 4);
+	for (i = 0; i < 4; i++)
+		th_verify_ok(ctx, q[i], 2 * TH_MiB, 60 + i, NULL);
+
+	/* Freed out of order, the pieces coalesce into the 8 MiB again. */
+	for (i = 0; i < 4; i++)
+		th_free(ctx, q[order[i]]);
+	z = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(z, x);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(s1.grows, s0.grows);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map]);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
+	th_fill_ok(ctx, z, 8 * TH_MiB, 70, NULL);
+	th_verify_ok(ctx, z, 8 * TH_MiB, 70, NULL);
+	th_free(ctx, z);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A size that is no multiple of the chunk is rounded, never shared. */
+START_TEST(test_rounding)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	struct gmlake_stats st;
+	void *a, *b;
+
+	a = th_alloc(ctx, 3 * TH_MiB, NULL);
+	b = th_alloc(ctx, 3 * TH_MiB, NULL);
+	ck_assert(!th_overlap(a, 4 * TH_MiB, b, 4 * TH_MiB));
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.requested_bytes.current, (int64_t)(6 * TH_MiB));
+	ck_assert_int_ge(st.allocated_bytes.current, (int64_t)(8 * TH_MiB));
+	ck_assert_int_ge(st.reserved_bytes.current,
+			 st.allocated_bytes.current);
+	th_fill_ok(ctx, a, 3 * TH_MiB, 1, NULL);
+	th_fill_ok(ctx, b, 3 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, a, 3 * TH_MiB, 1, NULL);
+	th_free(ctx, a);
+	th_verify_ok(ctx, b, 3 * TH_MiB, 2, NULL);
+	th_free(ctx, b);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Stitching.                                                             */
+
+/*
+ * 16 blocks of one chunk on a 16-chunk device; the odd ones freed: 8 free
+ * chunks, none adjacent to another. Returns the context; p[] the blocks.
+ */
+static gmlake_ctx *fragmented(void *p[16], size_t capacity_chunks)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(capacity_chunks));
+	struct gmlake_stats st;
+	int i;
+
+	for (i = 0; i < 16; i++) {
+		p[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+		th_fill_ok(ctx, p[i], 2 * TH_MiB, 100 + i, NULL);
+	}
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.chunks.current, 16);
+	ck_assert_int_eq(st.reserved_bytes.current, (int64_t)(32 * TH_MiB));
+	for (i = 1; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	return ctx;
+}
+
+static void verify_even(gmlake_ctx *ctx, void *p[16])
+{
+	int i;
+
+	for (i = 0; i < 16; i += 2)
+		th_verify_ok(ctx, p[i], 2 * TH_MiB, 100 + i, NULL);
+}
+
+static void check_no_overlap_even(void *p[16], void *big, size_t size)
+{
+	int i;
+
+	for (i = 0; i < 16; i += 2)
+		ck_assert_msg(!th_overlap(p[i], 2 * TH_MiB, big, size),
+			      "block %p+%zu overlaps live %p", big, size, p[i]);
+}
+
+START_TEST(test_stitch_fragmented)
+{
+	void *p[16], *big, *big2;
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *ctx = fragmented(p, 16);
+	int i;
+
+	th_stats(ctx, &s0);
+	big = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.chunks.current, 16);
+	ck_assert_int_eq(s1.reserved_bytes.current, (int64_t)(32 * TH_MiB));
+	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+	ck_assert_uint_eq(s1.grows, s0.grows);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_create],
+			  s0.calls[GMLAKE_CALL_mem_create]);
+	ck_assert_int_eq(s1.stitched_live.current, 1);
+	check_no_overlap_even(p, big, 16 * TH_MiB);
+
+	/* Real bytes behind the stitched range; no aliasing of neighbours. */
+	th_fill_ok(ctx, big, 16 * TH_MiB, 999, NULL);
+	th_verify_ok(ctx, big, 16 * TH_MiB, 999, NULL);
+	verify_even(ctx, p);
+	for (i = 0; i < 16; i += 2)
+		th_fill_ok(ctx, p[i], 2 * TH_MiB, 100 + i, NULL);
+	th_verify_ok(ctx, big, 16 * TH_MiB, 999, NULL);
+
+	/* Freed and asked for again: the cached stitched range, no map. */
+	th_free(ctx, big);
+	th_stats(ctx, &s0);
+	ck_assert_int_eq(s0.stitched_live.current, 0);
+	big2 = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitch_reuses, s0.stitch_reuses + 1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map]);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_create],
+			  s0.calls[GMLAKE_CALL_mem_create]);
+	ck_assert_int_eq(s1.chunks.current, 16);
+	ck_assert_int_eq(s1.stitched_live.current, 1);
+	check_no_overlap_even(p, big2, 16 * TH_MiB);
+	th_fill_ok(ctx, big2, 16 * TH_MiB, 1000, NULL);
+	th_verify_ok(ctx, big2, 16 * TH_MiB, 1000, NULL);
+	verify_even(ctx, p);
+
+	/* A smaller request also fits in the free chunks again. */
+	th_free(ctx, big2);
+	big = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_fill_ok(ctx, big, 8 * TH_MiB, 1001, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.chunks.current, 16);
+	verify_even(ctx, p);
+	th_verify_ok(ctx, big, 8 * TH_MiB, 1001, NULL);
+	th_free(ctx, big);
+	for (i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * A cached stitched range whose chunk went to another block must not be
+ * handed out: its tail would alias that block.
+ */
+START_TEST(test_stitch_cache_no_alias)
+{
+	void *p[16], *big, *small, *big2;
+	gmlake_ctx *ctx = fragmented(p, 24);
+	int i;
+
+	big = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_fill_ok(ctx, big, 16 * TH_MiB, 7, NULL);
+	th_free(ctx, big);
+
+	/* One chunk of the cached range goes to a 2 MiB block. */
+	small = th_alloc(ctx, 2 * TH_MiB, NULL);
+	th_fill_ok(ctx, small, 2 * TH_MiB, 8, NULL);
+
+	big2 = th_alloc(ctx, 16 * TH_MiB, NULL);
+	ck_assert(!th_overlap(big2, 16 * TH_MiB, small, 2 * TH_MiB));
+	check_no_overlap_even(p, big2, 16 * TH_MiB);
+	th_fill_ok(ctx, big2, 16 * TH_MiB, 9, NULL);
+	th_verify_ok(ctx, small, 2 * TH_MiB, 8, NULL);
+	verify_even(ctx, p);
+	th_verify_ok(ctx, big2, 16 * TH_MiB, 9, NULL);
+
+	th_free(ctx, small);
+	th_free(ctx, big2);
+	for (i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Not enough free chunks: grow only the shortfall and stitch. */
+START_TEST(test_grow_shortfall)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	struct gmlake_stats s0, s1;
+	void *p[4], *big;
+	int i;
+
+	for (i = 0; i < 4; i++) {
+		p[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+		th_fill_ok(ctx, p[i], 2 * TH_MiB, 200 + i, NULL);
+	}
+	th_free(ctx, p[0]);
+	th_free(ctx, p[2]);
+	th_stats(ctx, &s0);
+	ck_assert_int_eq(s0.chunks.current, 4);
+
+	big = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_msg(s1.chunks.current == 6,
+		      "8 MiB with 2 free chunks: %" PRId64 " chunks, not 6",
+		      s1.chunks.current);
+	ck_assert_uint_eq(s1.grows, s0.grows + 1);
+	ck_assert_int_eq(s1.reserved_bytes.current, (int64_t)(12 * TH_MiB));
+	ck_assert(!th_overlap(big, 8 * TH_MiB, p[1], 2 * TH_MiB));
+	ck_assert(!th_overlap(big, 8 * TH_MiB, p[3], 2 * TH_MiB));
+	th_fill_ok(ctx, big, 8 * TH_MiB, 210, NULL);
+	th_verify_ok(ctx, p[1], 2 * TH_MiB, 201, NULL);
+	th_verify_ok(ctx, p[3], 2 * TH_MiB, 203, NULL);
+	th_verify_ok(ctx, big, 8 * TH_MiB, 210, NULL);
+	th_free(ctx, big);
+	th_free(ctx, p[1]);
+	th_free(ctx, p[3]);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* The whole device in one block after fragmentation, then pieces again. */
+START_TEST(test_stitch_whole_device)
+{
+	void *p[16], *big;
+	gmlake_ctx *ctx = fragmented(p, 16);
+	int i;
+
+	big = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_free(ctx, big);
+	for (i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	/* Everything free, one cached stitched range: all 32 MiB at once. */
+	big = th_alloc(ctx, 32 * TH_MiB, NULL);
+	th_fill_ok(ctx, big, 32 * TH_MiB, 1, NULL);
+	th_verify_ok(ctx, big, 32 * TH_MiB, 1, NULL);
+	th_free(ctx, big);
+	for (i = 0; i < 16; i++) {
+		p[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+		th_fill_ok(ctx, p[i], 2 * TH_MiB, 300 + i, NULL);
+	}
+	for (i = 0; i < 16; i++)
+		th_verify_ok(ctx, p[i], 2 * TH_MiB, 300 + i, NULL);
+	for (i = 0; i < 16; i++)
+		th_free(ctx, p[i]);
+	big = th_alloc(ctx, 10 * TH_MiB, NULL);
+	th_free(ctx, big);
+	big = th_alloc(ctx, 22 * TH_MiB, NULL);
+	th_free(ctx, big);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Out of memory.                                                         */
+
+static void expect_oom(gmlake_ctx *ctx, size_t size)
+{
+	struct gmlake_stats s0, s1;
+	void *p = NULL;
+	int ret;
+
+	th_stats(ctx, &s0);
+	ret = gmlake_alloc(ctx, &p, size, NULL);
+	ck_assert_msg(ret == -ENOMEM, "alloc %zu: %d, expected -ENOMEM",
+		      size, ret);
+	th_check(ctx);
+	ck_assert_str_ne(gmlake_last_error(), "");
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.ooms, s0.ooms + 1);
+	ck_assert_int_eq(s1.active_blocks.current, s0.active_blocks.current);
+	ck_assert_int_eq(s1.requested_bytes.current,
+			 s0.requested_bytes.current);
+	ck_assert_int_eq(s1.allocated_bytes.current,
+			 s0.allocated_bytes.current);
+	ck_assert_int_eq(s1.stitched_live.current, s0.stitched_live.current);
+}
+
+START_TEST(test_oom_full)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(8));
+	void *a, *b[8];
+	int i;
+
+	a = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_fill_ok(ctx, a, 16 * TH_MiB, 1, NULL);
+	expect_oom(ctx, 2 * TH_MiB);
+	expect_oom(ctx, 4096);		/* no chunk left for small blocks */
+	expect_oom(ctx, 16 * TH_MiB);
+	th_verify_ok(ctx, a, 16 * TH_MiB, 1, NULL);
+	th_free(ctx, a);
+
+	/* Recovery: the device is whole again. */
+	for (i = 0; i < 8; i++) {
+		b[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+		th_fill_ok(ctx, b[i], 2 * TH_MiB, 10 + i, NULL);
+	}
+	expect_oom(ctx, 1);
+	for (i = 0; i < 8; i++)
+		th_verify_ok(ctx, b[i], 2 * TH_MiB, 10 + i, NULL);
+	for (i = 0; i < 8; i += 2)
+		th_free(ctx, b[i]);
+	expect_oom(ctx, 10 * TH_MiB);	/* 8 MiB free, fragmented */
+	a = th_alloc(ctx, 8 * TH_MiB, NULL);	/* stitched */
+	th_fill_ok(ctx, a, 8 * TH_MiB, 2, NULL);
+	for (i = 1; i < 8; i += 2)
+		th_verify_ok(ctx, b[i], 2 * TH_MiB, 10 + i, NULL);
+	th_free(ctx, a);
+	for (i = 1; i < 8; i += 2)
+		th_free(ctx, b[i]);
+	a = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_free(ctx, a);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_oom_absurd)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(8));
+	struct gmlake_stats st;
+	void *a;
+
+	expect_oom(ctx, SIZE_MAX);
+	expect_oom(ctx, SIZE_MAX / 2);
+	expect_oom(ctx, SIZE_MAX - 4095);
+	expect_oom(ctx, (size_t)1 << 62);
+	expect_oom(ctx, CAP_CHUNKS(8) + 1);
+	expect_oom(ctx, CAP_CHUNKS(9));
+	th_stats(ctx, &st);
+	ck_assert_int_le(st.reserved_bytes.current, (int64_t)CAP_CHUNKS(8));
+	/* Whatever it kept, the whole device is still there to use. */
+	a = th_alloc(ctx, CAP_CHUNKS(8), NULL);
+	th_fill_ok(ctx, a, CAP_CHUNKS(8), 3, NULL);
+	th_verify_ok(ctx, a, CAP_CHUNKS(8), 3, NULL);
+	expect_oom(ctx, SIZE_MAX);
+	th_free(ctx, a);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Small blocks until the device is full; freed, their chunks come back. */
+START_TEST(test_oom_small)
+{
+	enum { MAX = 4096 };
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	void **p = calloc(MAX, sizeof(*p));
+	int n, i, ret = 0;
+	void *big;
+
+	ck_assert_ptr_nonnull(p);
+	for (n = 0; n < MAX; n++) {
+		ret = gmlake_alloc(ctx, &p[n], 64 * TH_KiB, NULL);
+		if (ret)
+			break;
+	}
+	ck_assert_msg(ret == -ENOMEM, "small alloc %d: %d", n, ret);
+	th_check(ctx);
+	printf("%d blocks of 64 KiB on an 8 MiB device\n", n);
+	ck_assert_int_ge(n, 64);	/* at least half the device usable */
+	ck_assert_int_le(n, 128);
+	th_fill_ok(ctx, p[0], 64 * TH_KiB, 1, NULL);
+	th_fill_ok(ctx, p[n - 1], 64 * TH_KiB, 2, NULL);
+	expect_oom(ctx, 2 * TH_MiB);
+	th_verify_ok(ctx, p[0], 64 * TH_KiB, 1, NULL);
+	th_verify_ok(ctx, p[n - 1], 64 * TH_KiB, 2, NULL);
+	for (i = 0; i < n; i++)
+		th_free(ctx, p[i]);
+	/* Empty small chunks must go back for a large block. */
+	big = th_alloc(ctx, CAP_CHUNKS(4), NULL);
+	th_fill_ok(ctx, big, CAP_CHUNKS(4), 3, NULL);
+	th_free(ctx, big);
+	free(p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Misuse: documented errors, no crash, state intact.                     */
+
+START_TEST(test_bad_free)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	void *big, *sm, *other;
+	size_t sz;
+	int local = 0;
+
+	big = th_alloc(ctx, 4 * TH_MiB, NULL);
+	sm = th_alloc(ctx, 1000, NULL);
+	other = th_alloc(ctx, 3000, NULL);
+	th_fill_ok(ctx, big, 4 * TH_MiB, 1, NULL);
+	th_fill_ok(ctx, sm, 1000, 2, NULL);
+	th_fill_ok(ctx, other, 3000, 3, NULL);
+
+	TH_OK(ctx, gmlake_free(ctx, NULL));
+	TH_ERR(ctx, gmlake_free(ctx, &local), -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (void *)(uintptr_t)4096), -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (char *)big + 512), -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (char *)big + 2 * TH_MiB), -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (char *)big + 4 * TH_MiB - 512),
+	       -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (char *)big + 1), -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (char *)sm + 1), -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (char *)sm + 512), -EINVAL);
+	TH_ERR(ctx, gmlake_free(ctx, (char *)other + 2048), -EINVAL);
+	ck_assert_str_ne(gmlake_last_error(), "");
+	TH_ERR(ctx, gmlake_block_size(ctx, (char *)big + 512, &sz), -EINVAL);
+	TH_ERR(ctx, gmlake_block_size(ctx, &local, &sz), -EINVAL);
+	TH_ERR(ctx, gmlake_block_size(ctx, (char *)sm + 512, &sz), -EINVAL);
+	TH_ERR(ctx, gmlake_record_stream(ctx, &local, NULL), -EINVAL);
+	TH_ERR(ctx, gmlake_record_stream(ctx, (char *)big + 512, NULL),
+	       -EINVAL);
+	TH_OK(ctx, gmlake_record_stream(ctx, big, NULL));
+
+	/* Nothing was freed by the bad calls. */
+	th_verify_ok(ctx, big, 4 * TH_MiB, 1, NULL);
+	th_verify_ok(ctx, sm, 1000, 2, NULL);
+	th_verify_ok(ctx, other, 3000, 3, NULL);
+	TH_OK(ctx, gmlake_block_size(ctx, big, &sz));
+	ck_assert_uint_eq(sz, 4 * TH_MiB);
+
+	/* Double frees. */
+	th_free(ctx, big);
+	TH_ERR(ctx, gmlake_free(ctx, big), -EINVAL);
+	TH_ERR(ctx, gmlake_block_size(ctx, big, &sz), -EINVAL);
+	TH_ERR(ctx, gmlake_record_stream(ctx, big, NULL), -EINVAL);
+	th_free(ctx, sm);
+	TH_ERR(ctx, gmlake_free(ctx, sm), -EINVAL);
+	th_verify_ok(ctx, other, 3000, 3, NULL);
+
+	/* Still works. */
+	big = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_fill_ok(ctx, big, 4 * TH_MiB, 4, NULL);
+	th_verify_ok(ctx, big, 4 * TH_MiB, 4, NULL);
+	th_free(ctx, big);
+	th_free(ctx, other);
+	TH_ERR(ctx, gmlake_free(ctx, other), -EINVAL);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_bad_args)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	void *p = (void *)(uintptr_t)0x1234;
+	size_t sz;
+
+	ck_assert_int_eq(gmlake_alloc(NULL, &p, 4096, NULL), -EINVAL);
+	ck_assert_int_eq(gmlake_free(NULL, p), -EINVAL);
+	ck_assert_int_eq(gmlake_block_size(NULL, p, &sz), -EINVAL);
+	ck_assert_int_eq(gmlake_record_stream(NULL, p, NULL), -EINVAL);
+	ck_assert_int_eq(gmlake_trim(NULL), -EINVAL);
+	ck_assert_int_eq(gmlake_ctx_destroy(NULL, false), -EINVAL);
+	ck_assert_int_eq(gmlake_ctx_init(NULL, NULL), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, NULL, 4096, NULL), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, NULL, 4 * TH_MiB, NULL), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, 0, NULL), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, SIZE_MAX, NULL), -ENOMEM);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, SIZE_MAX / 2, NULL), -ENOMEM);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, SIZE_MAX / 2 + 1, NULL), -ENOMEM);
+	{
+		struct gmlake_stats st;
+
+		th_stats(ctx, &st);
+		ck_assert_int_eq(st.active_blocks.current, 0);
+		ck_assert_uint_eq(st.allocs, 0);
+	}
+	p = th_alloc(ctx, 4096, NULL);
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Streams the context does not know (emulated device: it can tell). */
+START_TEST(test_bad_stream)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	gmlake_ctx *ctx2 = th_ctx(CAP_CHUNKS(8));
+	gmlake_stream_t bogus = (gmlake_stream_t)(uintptr_t)0xdeadbee0;
+	gmlake_stream_t other = th_stream(ctx2), dead = th_stream(ctx);
+	void *p = NULL, *q;
+
+	TH_OK(ctx, gmlake_stream_destroy(ctx, dead));
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4 * TH_MiB, bogus), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4096, bogus), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4 * TH_MiB, other), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4096, other), -EINVAL);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4 * TH_MiB, dead), -EINVAL);
+	q = th_alloc(ctx, 4 * TH_MiB, NULL);
+	TH_ERR(ctx, gmlake_record_stream(ctx, q, bogus), -EINVAL);
+	TH_ERR(ctx, gmlake_record_stream(ctx, q, other), -EINVAL);
+	th_fill_ok(ctx, q, 4 * TH_MiB, 5, NULL);
+	th_free(ctx, q);
+	TH_OK(ctx, gmlake_stream_destroy(ctx2, other));
+	th_destroy(ctx2);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A pointer from another context is no block of this one. */
+START_TEST(test_foreign_pointer)
+{
+	gmlake_ctx *a = th_ctx(CAP_CHUNKS(16));
+	gmlake_ctx *b = th_ctx(CAP_CHUNKS(16));
+	void *pa, *pb, *sb;
+	size_t sz;
+
+	pa = th_alloc(a, 4 * TH_MiB, NULL);
+	pb = th_alloc(b, 4 * TH_MiB, NULL);
+	sb = th_alloc(b, 100, NULL);
+	th_fill_ok(a, pa, 4 * TH_MiB, 1, NULL);
+	th_fill_ok(b, pb, 4 * TH_MiB, 2, NULL);
+	th_fill_ok(b, sb, 100, 3, NULL);
+	TH_ERR(a, gmlake_free(a, pb), -EINVAL);
+	TH_ERR(a, gmlake_free(a, sb), -EINVAL);
+	TH_ERR(a, gmlake_block_size(a, pb, &sz), -EINVAL);
+	TH_ERR(b, gmlake_free(b, pa), -EINVAL);
+	th_check(b);
+	th_verify_ok(a, pa, 4 * TH_MiB, 1, NULL);
+	th_verify_ok(b, pb, 4 * TH_MiB, 2, NULL);
+	th_verify_ok(b, sb, 100, 3, NULL);
+	th_free(b, pb);
+	th_free(b, sb);
+	th_free(a, pa);
+	th_destroy(a);
+	th_destroy(b);
+}
+END_TEST
+
+START_TEST(test_destroy_busy)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	void *p = th_alloc(ctx, 4 * TH_MiB, NULL);
+	void *s = th_alloc(ctx, 64, NULL);
+
+	th_fill_ok(ctx, p, 4 * TH_MiB, 1, NULL);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), -EBUSY);
+	th_check(ctx);
+	th_verify_ok(ctx, p, 4 * TH_MiB, 1, NULL);
+	th_free(ctx, p);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), -EBUSY);
+	th_check(ctx);
+	th_free(ctx, s);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Forced destroy with live blocks leaves nothing of the device behind. */
+START_TEST(test_destroy_force)
+{
+	int fds = th_count_fds(), maps = th_count_memfd_maps();
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	gmlake_stream_t s = th_stream(ctx);
+	void *p[16], *big;
+	int i;
+
+	for (i = 0; i < 16; i++)
+		p[i] = th_alloc(ctx, i % 3 ? 2 * TH_MiB : 4000, s);
+	for (i = 1; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	big = th_alloc(ctx, 8 * TH_MiB, s);
+	th_fill_ok(ctx, big, 8 * TH_MiB, 1, s);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+	ck_assert_int_eq(th_count_fds(), fds);
+	ck_assert_int_eq(th_count_memfd_maps(), maps);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Many threads on one context.                                           */
+
+#define TW_THREADS 8
+#define TW_LIVE 6
+#define TW_ITER 150
+
+struct tw {
+	gmlake_ctx *ctx;
+	int id;
+	int ooms;
+	int ops;
+	char err[256];
+};
+
+static void *tw_main(void *arg)
+{
+	struct tw *t = arg;
+	struct th_rng r = { 0x1000 + (uint64_t)t->id };
+	struct blk b[TW_LIVE];
+	gmlake_stream_t s = NULL;
+	int n = 0, i, ret;
+	size_t diff = 0;
+
+	ret = gmlake_stream_create(t->ctx, &s);
+	if (ret) {
+		snprintf(t->err, sizeof(t->err), "stream_create: %d", ret);
+		return NULL;
+	}
+	for (i = 0; i < TW_ITER; i++) {
+		if (n < TW_LIVE && (n == 0 || th_range(&r, 0, 1))) {
+			size_t size = th_range(&r, 0, 9) < 6 ?
+				th_range(&r, 16, 64 * TH_KiB) :
+				th_range(&r, TH_MiB, 4 * TH_MiB);
+			void *p = NULL;
+
+			ret = gmlake_alloc(t->ctx, &p, size, s);
+			if (ret == -ENOMEM) {
+				t->ooms++;
+				continue;
+			}
+			if (ret || !p || (uintptr_t)p % 512) {
+				snprintf(t->err, sizeof(t->err),
+					 "alloc %zu: %d %p", size, ret, p);
+				break;
+			}
+			b[n].p = p;
+			b[n].size = size;
+			b[n].seed = ((uint64_t)t->id << 32) + (uint64_t)i;
+			ret = th_fill(t->ctx, p, size, b[n].seed, s);
+			if (ret) {
+				snprintf(t->err, sizeof(t->err),
+					 "fill: %d", ret);
+				break;
+			}
+			n++;
+		} else {
+			int j = (int)th_range(&r, 0, n - 1);
+
+			ret = th_verify(t->ctx, b[j].p, b[j].size, b[j].seed,
+					s, &diff);
+			if (ret) {
+				snprintf(t->err, sizeof(t->err),
+					 "block %p+%zu: verify %d at %zu",
+					 b[j].p, b[j].size, ret, diff);
+				break;
+			}
+			ret = gmlake_free(t->ctx, b[j].p);
+			if (ret) {
+				snprintf(t->err, sizeof(t->err),
+					 "free %p: %d", b[j].p, ret);
+				break;
+			}
+			b[j] = b[--n];
+		}
+		t->ops++;
+	}
+	for (i = 0; i < n; i++) {
+		ret = th_verify(t->ctx, b[i].p, b[i].size, b[i].seed, s,
+				&diff);
+		if (ret && !t->err[0])
+			snprintf(t->err, sizeof(t->err),
+				 "block %p+%zu: verify %d at %zu at the end",
+				 b[i].p, b[i].size, ret, diff);
+		ret = gmlake_free(t->ctx, b[i].p);
+		if (ret && !t->err[0])
+			snprintf(t->err, sizeof(t->err), "free: %d", ret);
+	}
+	ret = gmlake_stream_destroy(t->ctx, s);
+	if (ret && !t->err[0])
+		snprintf(t->err, sizeof(t->err), "stream_destroy: %d", ret);
+	return NULL;
+}
+
+START_TEST(test_threads)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(96));
+	struct tw t[TW_THREADS];
+	pthread_t tid[TW_THREADS];
+	struct gmlake_stats st;
+	int i, ops = 0, ooms = 0;
+
+	for (i = 0; i < TW_THREADS; i++) {
+		memset(&t[i], 0, sizeof(t[i]));
+		t[i].ctx = ctx;
+		t[i].id = i;
+		ck_assert_int_eq(pthread_create(&tid[i], NULL, tw_main, &t[i]),
+				 0);
+	}
+	for (i = 0; i < TW_THREADS; i++)
+		ck_assert_int_eq(pthread_join(tid[i], NULL), 0);
+	for (i = 0; i < TW_THREADS; i++) {
+		ck_assert_msg(!t[i].err[0], "thread %d: %s", i, t[i].err);
+		ops += t[i].ops;
+		ooms += t[i].ooms;
+	}
+	th_check(ctx);
+	th_stats(ctx, &st);
+	printf("%d threads: %d ops, %d ooms, %" PRIu64 " stitches, %" PRIu64
+	       " cross-stream waits\n", TW_THREADS, ops, ooms, st.stitches,
+	       st.cross_stream_waits);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	ck_assert_int_eq(st.requested_bytes.current, 0);
+	ck_assert_uint_eq(st.allocs, st.frees);
+	ck_assert_uint_eq(st.allocs, (uint64_t)(ops - (ops - ops)) -
+			  (uint64_t)(ops - (int)st.allocs));
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Trim and leaks.                                                        */
+
+START_TEST(test_trim)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	struct gml_emu_info i0, i1, i2;
+	struct gmlake_stats s0, s1;
+	void *big[8], *keep, *sm[10], *st;
+	int i;
+
+	th_emu_info(ctx, &i0);
+	for (i = 0; i < 8; i++)
+		big[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+	keep = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_fill_ok(ctx, keep, 4 * TH_MiB, 1, NULL);
+	for (i = 0; i < 10; i++) {
+		sm[i] = th_alloc(ctx, 4096, NULL);
+		th_fill_ok(ctx, sm[i], 4096, 10 + i, NULL);
+	}
+	/* A cached stitched range too. */
+	for (i = 0; i < 8; i += 2)
+		th_free(ctx, big[i]);
+	st = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_free(ctx, st);
+	for (i = 1; i < 8; i += 2)
+		th_free(ctx, big[i]);
+
+	th_stats(ctx, &s0);
+	th_emu_info(ctx, &i1);
+	ck_assert_int_ge(s0.reserved_bytes.current, (int64_t)(20 * TH_MiB));
+	ck_assert_uint_eq(i1.used, (uint64_t)s0.reserved_bytes.current);
+
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_stats(ctx, &s1);
+	th_emu_info(ctx, &i2);
+	ck_assert_int_eq(s1.reserved_bytes.current,
+			 (int64_t)(4 * TH_MiB) +
+				 s1.small_chunks.current *
+					 (int64_t)s1.chunk_size);
+	ck_assert_int_eq(s1.chunks.current, 2 + s1.small_chunks.current);
+	ck_assert_int_ge(s1.small_chunks.current, 1);
+	ck_assert_int_eq(s1.stitched_cached.current, 0);
+	ck_assert_uint_gt(s1.releases, s0.releases);
+	ck_assert_uint_eq(i2.used, (uint64_t)s1.reserved_bytes.current);
+	ck_assert_uint_lt(i2.used, i1.used);
+	ck_assert_uint_eq(i2.live_handles, (uint64_t)s1.chunks.current);
+
+	th_verify_ok(ctx, keep, 4 * TH_MiB, 1, NULL);
+	for (i = 0; i < 10; i++)
+		th_verify_ok(ctx, sm[i], 4096, 10 + i, NULL);
+	/* Trimmed, it grows again. */
+	big[0] = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_fill_ok(ctx, big[0], 16 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, keep, 4 * TH_MiB, 1, NULL);
+	th_free(ctx, big[0]);
+
+	th_free(ctx, keep);
+	for (i = 0; i < 10; i++)
+		th_free(ctx, sm[i]);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_stats(ctx, &s1);
+	th_emu_info(ctx, &i2);
+	ck_assert_int_eq(s1.reserved_bytes.current, 0);
+	ck_assert_int_eq(s1.chunks.current, 0);
+	ck_assert_int_eq(s1.small_chunks.current, 0);
+	ck_assert_int_eq(s1.mapped_bytes.current, 0);
+	ck_assert_uint_eq(i2.used, 0);
+	ck_assert_uint_eq(i2.live_handles, 0);
+	ck_assert_uint_eq(i2.live_mappings, 0);
+	ck_assert_uint_le(i2.live_reservations, i0.live_reservations);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A full life on the device, then nothing left before destroy. */
+START_TEST(test_no_leak)
+{
+	int fds = th_count_fds(), maps = th_count_memfd_maps();
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(48));
+	struct gml_emu_info info, i0;
+
+	th_emu_info(ctx, &i0);
+	random_workload(99, CAP_CHUNKS(48));	/* its own context */
+	{
+		gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+		void *p[16], *big;
+		int i;
+
+		for (i = 0; i < 16; i++)
+			p[i] = th_alloc(ctx, i % 4 ? 2 * TH_MiB : 5000,
+					i % 2 ? a : b);
+		for (i = 1; i < 16; i += 2)
+			th_free(ctx, p[i]);
+		th_sync(ctx, a);
+		big = th_alloc(ctx, 6 * TH_MiB, b);
+		th_free(ctx, big);
+		for (i = 0; i < 16; i += 2)
+			th_free(ctx, p[i]);
+		th_sync(ctx, b);
+		TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+		TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	}
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_emu_info(ctx, &info);
+	ck_assert_uint_eq(info.live_handles, 0);
+	ck_assert_uint_eq(info.live_mappings, 0);
+	ck_assert_uint_eq(info.used, 0);
+	ck_assert_uint_le(info.live_reservations, i0.live_reservations);
+	ck_assert_uint_le(info.live_streams, i0.live_streams);
+	ck_assert_uint_le(info.live_events, i0.live_events);
+	th_destroy(ctx);
+	ck_assert_int_eq(th_count_fds(), fds);
+	ck_assert_int_eq(th_count_memfd_maps(), maps);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Statistics.                                                            */
+
+START_TEST(test_stats_gauges)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	struct gmlake_stats s0, s1;
+	void *p, *q;
+
+	th_stats(ctx, &s0);
+	ck_assert_uint_eq(s0.version, GMLAKE_STATS_VERSION);
+	ck_assert_uint_eq(s0.size, sizeof(s0));
+	ck_assert_uint_eq(s0.chunk_size, TH_CHUNK);
+	ck_assert_int_eq(s0.requested_bytes.current, 0);
+	ck_assert_int_eq(s0.active_blocks.current, 0);
+	ck_assert_uint_eq(s0.allocs, 0);
+
+	p = th_alloc(ctx, 1000, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.requested_bytes.current, 1000);
+	ck_assert_int_ge(s1.allocated_bytes.current, 1000);
+	ck_assert_int_ge(s1.reserved_bytes.current,
+			 s1.allocated_bytes.current);
+	ck_assert_int_eq(s1.active_blocks.current, 1);
+	ck_assert_uint_eq(s1.allocs, 1);
+
+	th_stats(ctx, &s0);
+	q = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.requested_bytes.current, 1000 + 16 * TH_MiB);
+	ck_assert_int_ge(s1.allocated_bytes.current, 1000 + 16 * TH_MiB);
+	ck_assert_int_ge(s1.reserved_bytes.current,
+			 s1.allocated_bytes.current);
+	ck_assert_int_ge(s1.mapped_bytes.current, (int64_t)(16 * TH_MiB));
+	ck_assert_int_eq(s1.active_blocks.current, 2);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current + 8);
+	ck_assert_uint_eq(s1.grows, s0.grows + 1);
+	/* Driver calls counted; one set_access per mapped range. */
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_create],
+			  s0.calls[GMLAKE_CALL_mem_create] + 8);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map] + 8);
+	ck_assert_uint_ge(s1.calls[GMLAKE_CALL_va_reserve],
+			  s0.calls[GMLAKE_CALL_va_reserve] + 1);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_set_access],
+			  s0.calls[GMLAKE_CALL_set_access] + 1);
+	ck_assert_uint_ge(s1.access_bytes, s0.access_bytes + 16 * TH_MiB);
+
+	th_free(ctx, q);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.requested_bytes.current, 1000);
+	ck_assert_int_eq(s1.requested_bytes.peak, 1000 + 16 * TH_MiB);
+	ck_assert_int_ge(s1.requested_bytes.total, 1000 + 16 * TH_MiB);
+	ck_assert_int_ge(s1.allocated_bytes.peak, 1000 + 16 * TH_MiB);
+	ck_assert_int_eq(s1.active_blocks.peak, 2);
+	ck_assert_uint_eq(s1.frees, 1);
+	ck_assert_int_ge(s1.reserved_bytes.current, (int64_t)(16 * TH_MiB));
+
+	TH_OK(ctx, gmlake_stats_reset_peaks(ctx));
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.requested_bytes.peak, s1.requested_bytes.current);
+	ck_assert_int_eq(s1.allocated_bytes.peak, s1.allocated_bytes.current);
+	ck_assert_int_eq(s1.reserved_bytes.peak, s1.reserved_bytes.current);
+	ck_assert_int_eq(s1.mapped_bytes.peak, s1.mapped_bytes.current);
+	ck_assert_int_eq(s1.active_blocks.peak, 1);
+	ck_assert_int_eq(s1.chunks.peak, s1.chunks.current);
+	/* Totals are not peaks: they stay. */
+	ck_assert_int_ge(s1.requested_bytes.total, 1000 + 16 * TH_MiB);
+
+	th_free(ctx, p);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.requested_bytes.current, 0);
+	ck_assert_int_eq(s1.allocated_bytes.current, 0);
+	ck_assert_int_eq(s1.active_blocks.current, 0);
+	ck_assert_int_eq(s1.requested_bytes.peak, 1000);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_stats_bad_version)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(8));
+	struct gmlake_stats st;
+
+	memset(&st, 0, sizeof(st));
+	st.size = sizeof(st);
+	st.version = GMLAKE_STATS_VERSION + 1;
+	ck_assert_int_eq(gmlake_stats_get(ctx, &st), -EINVAL);
+	st.version = 0;
+	ck_assert_int_eq(gmlake_stats_get(ctx, &st), -EINVAL);
+	st.version = GMLAKE_STATS_VERSION;
+	st.size = sizeof(st) - 8;
+	ck_assert_int_eq(gmlake_stats_get(ctx, &st), -EINVAL);
+	st.size = sizeof(st) + 8;
+	ck_assert_int_eq(gmlake_stats_get(ctx, &st), -EINVAL);
+	st.size = 0;
+	ck_assert_int_eq(gmlake_stats_get(ctx, &st), -EINVAL);
+	ck_assert_int_eq(gmlake_stats_get(ctx, NULL), -EINVAL);
+	st.size = sizeof(st);
+	ck_assert_int_eq(gmlake_stats_get(NULL, &st), -EINVAL);
+	ck_assert_int_eq(gmlake_stats_get(ctx, &st), 0);
+	ck_assert_int_eq(gmlake_stats_reset_peaks(NULL), -EINVAL);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Nothing but whitespace after the last '}', braces balanced. */
+static void check_json_object(const char *s)
+{
+	int depth = 0, closed = 0;
+	bool str = false, esc = false;
+	const char *c;
+
+	while (*s == ' ' || *s == '\n' || *s == '\t')
+		s++;
+	ck_assert_msg(*s == '{', "JSON does not start with '{': %.40s", s);
+	for (c = s; *c; c++) {
+		if (str) {
+			if (esc)
+				esc = false;
+			else if (*c == '\\')
+				esc = true;
+			else if (*c == '"')
+				str = false;
+			continue;
+		}
+		if (closed) {
+			ck_assert_msg(*c == ' ' || *c == '\n' || *c == '\t',
+				      "text after the JSON object: %.40s", c);
+			continue;
+		}
+		if (*c == '"')
+			str = true;
+		else if (*c == '{' || *c == '[')
+			depth++;
+		else if (*c == '}' || *c == ']')
+			closed = --depth == 0;
+		ck_assert_int_ge(depth, 0);
+	}
+	ck_assert_msg(closed && !str, "JSON object not closed");
+}
+
+START_TEST(test_stats_print)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	void *p[16], *big;
+	char *text, *json;
+	int i;
+
+	for (i = 0; i < 16; i++)
+		p[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+	for (i = 1; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	big = th_alloc(ctx, 16 * TH_MiB, NULL);
+	text = th_stats_text(ctx, false);
+	json = th_stats_text(ctx, true);
+	ck_assert_msg(strlen(text) > 20, "text: '%s'", text);
+	ck_assert_msg(strstr(text, "stitch"), "no stitch count in '%s'", text);
+	check_json_object(json);
+	ck_assert_msg(strstr(json, "\"stitches\""), "json: %s", json);
+	ck_assert_msg(strstr(json, "\"mem_map\""), "json: %s", json);
+	ck_assert_msg(strstr(json, "\"allocs\""), "json: %s", json);
+	ck_assert_int_lt(gmlake_stats_print(ctx, -1, false), 0);
+	ck_assert_int_lt(gmlake_stats_print(ctx, -1, true), 0);
+	ck_assert_int_eq(gmlake_stats_print(NULL, 1, false), -EINVAL);
+	free(text);
+	free(json);
+	th_free(ctx, big);
+	for (i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_names_versions)
+{
+	const char *seen[GMLAKE_CALL_COUNT];
+	int i, j;
+
+	for (i = 0; i < GMLAKE_CALL_COUNT; i++) {
+		seen[i] = gmlake_call_name(i);
+		ck_assert_ptr_nonnull(seen[i]);
+		for (j = 0; j < i; j++)
+			ck_assert_str_ne(seen[i], seen[j]);
+	}
+	ck_assert_str_eq(gmlake_call_name(GMLAKE_CALL_mem_map), "mem_map");
+	ck_assert_str_eq(gmlake_call_name(GMLAKE_CALL_event_query),
+			 "event_query");
+	ck_assert_ptr_null(gmlake_call_name(-1));
+	ck_assert_ptr_null(gmlake_call_name(GMLAKE_CALL_COUNT));
+	ck_assert_int_eq(gmlake_version_major(), GMLAKE_VERSION_MAJOR);
+	ck_assert_int_eq(gmlake_version_minor(), GMLAKE_VERSION_MINOR);
+	ck_assert(gmlake_check_version(GMLAKE_VERSION_MAJOR,
+				       GMLAKE_VERSION_MINOR));
+	ck_assert(gmlake_check_version(0, 0));
+	ck_assert(!gmlake_check_version(GMLAKE_VERSION_MAJOR,
+					GMLAKE_VERSION_MINOR + 1));
+	ck_assert(!gmlake_check_version(GMLAKE_VERSION_MAJOR + 1, 0));
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+
+static Suite *alloc_suite(bool emu)
+{
+	Suite *s = suite_create("alloc");
+	TCase *tc;
+
+	tc = th_tcase(s, "Integrity");
+	tcase_add_loop_test(tc, test_random_workload, 0, 3);
+	tcase_add_test(tc, test_fill_all_verify_all);
+
+	tc = th_tcase(s, "Small");
+	tcase_add_test(tc, test_small_packing);
+	tcase_add_test(tc, test_small_and_large_mixed);
+
+	tc = th_tcase(s, "Fit");
+	tcase_add_test(tc, test_best_fit);
+	tcase_add_test(tc, test_split_coalesce);
+	tcase_add_test(tc, test_rounding);
+
+	tc = th_tcase(s, "Stitch");
+	tcase_add_test(tc, test_stitch_fragmented);
+	tcase_add_test(tc, test_stitch_cache_no_alias);
+	tcase_add_test(tc, test_grow_shortfall);
+	if (emu)
+		tcase_add_test(tc, test_stitch_whole_device);
+
+	if (emu) {
+		tc = th_tcase(s, "OOM");
+		tcase_add_test(tc, test_oom_full);
+		tcase_add_test(tc, test_oom_absurd);
+		tcase_add_test(tc, test_oom_small);
+	}
+
+	tc = th_tcase(s, "Misuse");
+	tcase_add_test(tc, test_bad_free);
+	tcase_add_test(tc, test_bad_args);
+	if (emu)
+		tcase_add_test(tc, test_bad_stream);
+	tcase_add_test(tc, test_foreign_pointer);
+	tcase_add_test(tc, test_destroy_busy);
+	if (emu)
+		tcase_add_test(tc, test_destroy_force);
+
+	tc = th_tcase(s, "Threads");
+	tcase_add_test(tc, test_threads);
+
+	if (emu) {
+		tc = th_tcase(s, "Trim");
+		tcase_add_test(tc, test_trim);
+		tcase_add_test(tc, test_no_leak);
+	}
+
+	tc = th_tcase(s, "Stats");
+	tcase_add_test(tc, test_stats_gauges);
+	tcase_add_test(tc, test_stats_bad_version);
+	tcase_add_test(tc, test_stats_print);
+	tcase_add_test(tc, test_names_versions);
+	return s;
+}
+
+int main(void)
+{
+	int probe = th_probe();
+
+	if (probe)
+		return probe;
+	return th_run_suite(alloc_suite(th_env_is_emu()));
+}

@@ -1,0 +1,212 @@
+#!/bin/bash
+# SPDX-License-Identifier: MIT
+#
+# Build here, then check and time everything on a GPU machine in one call.
+#
+#   tools/gpu.sh build [CONFIGURE-ARGS...]
+#	On the build machine (Debian, with the packages of
+#	tools/setup-debian.sh). Configures a static build (--disable-shared,
+#	so no libtool wrapper scripts) in build-gpu/, builds the library, the
+#	tools and every check program without running them, and copies the
+#	shared libraries they need that a bare GPU machine lacks (Check's
+#	libsubunit, ...) into build-gpu/runtime-libs/.
+#
+#   tools/gpu.sh run
+#	On the GPU machine, in the repository root, with build-gpu/ copied
+#	beside the sources (no compiler, libtool or Check needed there).
+#	Runs every tests/check_* program and examples/example with
+#	GMLAKE_BACKEND=cuda and then =emu, then replays tests/data/*.trace.gz
+#	with gmlake-replay on both backends, timing each step. Logs go to
+#	${OUT:-/tmp}/gpu-*.log, a summary to ${OUT:-/tmp}/gpu-summary.log; the
+#	last line is "N passed, M failed, K skipped". Exit 1 if any step failed.
+#
+# Environment for run: CK_DEFAULT_TIMEOUT (default 120 s per test case),
+# GML_STEP_TIMEOUT (default 300 s per program), OUT (log folder).
+
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+build=build-gpu
+
+usage() {
+	sed -n '4,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+	exit 2
+}
+
+now() {
+	date +%s.%N
+}
+
+# Seconds between two now() readings, 3 decimals.
+elapsed() {
+	awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", b - a }'
+}
+
+# ---------------------------------------------------------------------------
+# build (here)
+# ---------------------------------------------------------------------------
+
+# Shared libraries that every Linux machine has; the rest are copied.
+is_system_lib() {
+	case "$1" in
+	linux-vdso.so.* | ld-linux*.so.* | libc.so.* | libm.so.* | \
+	libdl.so.* | libpthread.so.* | librt.so.* | libresolv.so.* | \
+	libgcc_s.so.* | libstdc++.so.* | libz.so.*)
+		return 0 ;;
+	esac
+	return 1
+}
+
+do_build() {
+	local t0 src progs p lib
+	t0=$(now)
+
+	# Build from a pristine copy of the sources, so that an in-tree
+	# ./configure of the checkout does not block this VPATH build.
+	if git -C "$root" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+		src="$build/src"
+		rm -rf "$src"
+		mkdir -p "$src"
+		git -C "$root" ls-files -z --cached --others --exclude-standard |
+			(cd "$root" && xargs -0 tar -cf - --) |
+			tar -xf - -C "$src"
+		(cd "$src" && autoreconf -fi)
+		src="$(cd "$src" && pwd)"
+	else
+		if [ -f "$root/config.status" ]; then
+			echo "gpu.sh: $root is configured in-tree; run 'make distclean' there first" >&2
+			exit 1
+		fi
+		[ -x "$root/configure" ] || (cd "$root" && autoreconf -fi)
+		src="$root"
+	fi
+
+	mkdir -p "$build"
+	(cd "$build" && "$src/configure" --disable-shared --enable-static "$@")
+	make -C "$build" -j"$(nproc)"
+	# TESTS= builds check_PROGRAMS without running anything.
+	make -C "$build" -j"$(nproc)" check TESTS=
+
+	rm -rf "$build/runtime-libs"
+	mkdir -p "$build/runtime-libs"
+	progs=$(find "$build/tests" "$build/examples" "$build/tools" \
+		-maxdepth 1 -type f -perm -u+x ! -name '*.*' 2>/dev/null)
+	for p in $progs; do
+		[ "$(head -c 4 "$p" | tail -c 3)" = ELF ] || continue
+		ldd "$p" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }'
+	done | sort -u | while read -r lib; do
+		is_system_lib "$(basename "$lib")" && continue
+		cp -L "$lib" "$build/runtime-libs/"
+		echo "gpu.sh: runtime lib $(basename "$lib")"
+	done
+	rm -rf "$build/src/autom4te.cache"
+	echo "gpu.sh: built in $build/ in $(elapsed "$t0" "$(now)") s; programs:"
+	echo "$progs" | sed 's/^/  /'
+}
+
+# ---------------------------------------------------------------------------
+# run (on the GPU machine)
+# ---------------------------------------------------------------------------
+
+out=${OUT:-/tmp}
+summary=()
+n_pass=0
+n_fail=0
+n_skip=0
+
+# step NAME LOG CMD...: run CMD with its output in LOG, time it, record it.
+step() {
+	local name=$1 log=$2 t0 t1 rc result secs
+	shift 2
+	t0=$(now)
+	set +e
+	timeout "${GML_STEP_TIMEOUT:-300}" "$@" >"$log" 2>&1
+	rc=$?
+	set -e
+	t1=$(now)
+	secs=$(elapsed "$t0" "$t1")
+	case $rc in
+	0) result=PASS; n_pass=$((n_pass + 1)) ;;
+	77) result=SKIP; n_skip=$((n_skip + 1)) ;;
+	124) result="FAIL (timeout)"; n_fail=$((n_fail + 1)) ;;
+	*) result="FAIL (rc $rc)"; n_fail=$((n_fail + 1)) ;;
+	esac
+	summary+=("$(printf '%-40s %9s s  %s' "$name" "$secs" "$result")")
+	printf '%-40s %9s s  %s\n' "$name" "$secs" "$result"
+	# Check's own summary line, e.g. "100%: Checks: 9, Failures: 0, Errors: 0"
+	grep -E '^[0-9]+%: Checks: ' "$log" | sed 's/^/    /' || true
+	case $result in
+	FAIL*) tail -n 20 "$log" | sed 's/^/    | /' ;;
+	esac
+}
+
+xid_count() {
+	dmesg 2>/dev/null | grep -c 'NVRM: Xid' || true
+}
+
+do_run() {
+	local t0 backend t name xid0 xid1 traces
+	if [ ! -d "$build/tests" ]; then
+		echo "gpu.sh: $build/tests missing; run 'tools/gpu.sh build' first" >&2
+		exit 1
+	fi
+	mkdir -p "$out"
+	t0=$(now)
+	export LD_LIBRARY_PATH="$root/$build/runtime-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+	export CK_DEFAULT_TIMEOUT="${CK_DEFAULT_TIMEOUT:-120}"
+	# Test data is found through srcdir, relative to the repository root.
+	export srcdir=. top_srcdir=. top_builddir="$build"
+
+	{
+		echo "host: $(uname -n) $(uname -r)"
+		if command -v nvidia-smi >/dev/null 2>&1; then
+			nvidia-smi -L || true
+			nvidia-smi --query-gpu=name,driver_version,memory.total \
+				--format=csv,noheader || true
+		else
+			echo "nvidia-smi: not found"
+		fi
+	} 2>&1 | tee "$out/gpu-nvidia-smi.log"
+	xid0=$(xid_count)
+
+	for backend in cuda emu; do
+		echo "== GMLAKE_BACKEND=$backend"
+		for t in "$build"/tests/check_* "$build"/examples/example; do
+			name=$(basename "$t")
+			case $name in *.*) continue ;; esac
+			[ -f "$t" ] && [ -x "$t" ] || continue
+			step "$name ($backend)" "$out/gpu-$backend-$name.log" \
+				env GMLAKE_BACKEND="$backend" "$t"
+		done
+	done
+
+	traces=(tests/data/*.trace.gz)
+	for backend in cuda emu; do
+		echo "== gmlake-replay --backend $backend"
+		step "gmlake-replay ($backend)" "$out/gpu-replay-$backend.log" \
+			sh -c '"$@" >"$0"' "$out/gpu-replay-$backend.json" \
+			"$build/tools/gmlake-replay" --backend "$backend" --json \
+			"${traces[@]}"
+	done
+
+	xid1=$(xid_count)
+	{
+		echo "== summary ($(elapsed "$t0" "$(now)") s in all)"
+		printf '%s\n' "${summary[@]}"
+		if [ "$xid1" != "$xid0" ]; then
+			echo "warning: $((xid1 - xid0)) new 'NVRM: Xid' lines in dmesg"
+		fi
+		echo "logs: $out/gpu-*.log, replay JSON: $out/gpu-replay-*.json"
+		echo "$n_pass passed, $n_fail failed, $n_skip skipped"
+	} | tee "$out/gpu-summary.log"
+	[ "$n_fail" -eq 0 ]
+}
+
+mode=${1:-}
+[ $# -gt 0 ] && shift
+case $mode in
+build) do_build "$@" ;;
+run) do_run ;;
+*) usage ;;
+esac
