@@ -25,6 +25,16 @@ static void fail(const char *what, int err)
 		gmlake_last_error());
 }
 
+/* Free a block (NULL is a no-op, as with free(3)); 1 if that failed. */
+static int free_block(gmlake_ctx *ctx, void *ptr)
+{
+	int ret = gmlake_free(ctx, ptr);
+
+	if (ret < 0)
+		fail("gmlake_free", ret);
+	return ret < 0;
+}
+
 /* Copy a pattern into the block at dptr and back; 0 if it is intact. */
 static int check_block(gmlake_ctx *ctx, void *dptr, size_t size,
 		       gmlake_stream_t stream, unsigned seed)
@@ -107,12 +117,10 @@ int main(void)
 	 * their total: the free chunks can be stitched into one range.
 	 */
 	for (i = 1; i < NBLOCKS; i += 2) {
-		ret = gmlake_free(ctx, blocks[i]);
+		ret = free_block(ctx, blocks[i]);
 		blocks[i] = NULL;
-		if (ret < 0) {
-			fail("gmlake_free", ret);
+		if (ret)
 			goto out_free;
-		}
 	}
 	ret = gmlake_alloc(ctx, &big, 16 * MiB, stream);
 	if (ret < 0) {
@@ -136,14 +144,11 @@ int main(void)
 	status = 0;
 
 out_free:
-	/* Freeing NULL is a no-op, as with free(3). */
-	for (i = 0; i <= NBLOCKS; i++) {
-		ret = gmlake_free(ctx, i < NBLOCKS ? blocks[i] : big);
-		if (ret < 0) {
-			fail("gmlake_free", ret);
+	if (free_block(ctx, big))
+		status = 1;
+	for (i = 0; i < NBLOCKS; i++)
+		if (free_block(ctx, blocks[i]))
 			status = 1;
-		}
-	}
 	ret = gmlake_stream_destroy(ctx, stream);
 	if (ret < 0) {
 		fail("gmlake_stream_destroy", ret);

@@ -64,6 +64,7 @@ struct gmlake_stat {
 	X(fits)			/* served by best fit, no driver work */\
 	X(stitch_reuses)	/* served by a cached stitched range */	\
 	X(stitches)		/* new stitched ranges mapped */	\
+	X(stitch_repairs)	/* cached ranges partly remapped */	\
 	X(grows)		/* growths by new chunks */		\
 	X(evictions)		/* stitched ranges unmapped */		\
 	X(releases)		/* chunks given back to the driver */	\

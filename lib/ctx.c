@@ -286,7 +286,13 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 	gml_gauge_add(&ctx->st.active_blocks, -1);
 	ctx->st.frees++;
 	g.stream = b->stream;
-	gml_stream_mark(ctx, b->stream, b->nextra > 0, &g.seq);
+	/*
+	 * A real event even on one stream for blocks on stitched views (a
+	 * few per training step), so their views can be repaired or unmapped
+	 * later without waiting for the whole stream.
+	 */
+	gml_stream_mark(ctx, b->stream, b->nextra > 0 ||
+			(!b->small && b->view->stitched), &g.seq);
 	if (!b->nextra) {
 		gml_block_release(ctx, b, &g);
 		goto out_leave;

@@ -88,7 +88,7 @@ struct emu_chunk {
 	uint64_t start;		/* in granularity units */
 	uint64_t units;
 	uint64_t maps;		/* live mappings of it */
-	bool released;		/* the handle is gone; memory waits for maps */
+	bool released;		/* handle gone; memory stays if mapped */
 };
 
 struct emu_map {
@@ -363,7 +363,8 @@ static int emu_mem_create(void *priv, size_t size, gml_handle *h)
 			size, dev->gran);
 	c = calloc(1, sizeof(*c));
 	if (!c)
-		return gml_set_error(-ENOMEM, "emu: mem_create: out of host memory");
+		return gml_set_error(-ENOMEM,
+			"emu: mem_create: out of host memory");
 	c->units = size / dev->gran;
 
 	pthread_mutex_lock(&dev->lock);
@@ -459,7 +460,8 @@ static int emu_va_reserve(void *priv, size_t size, size_t align, gml_va *va)
 	if (align < dev->gran)
 		align = dev->gran;
 	if (size > SIZE_MAX - align)
-		return gml_set_error(-EINVAL, "emu: va_reserve: size %zu too large",
+		return gml_set_error(-EINVAL,
+			"emu: va_reserve: size %zu too large",
 				     size);
 	len = size + align;
 	p = mmap(NULL, len, PROT_NONE,
@@ -486,7 +488,8 @@ static int emu_va_reserve(void *priv, size_t size, size_t align, gml_va *va)
 	pthread_mutex_unlock(&dev->lock);
 	if (ret) {
 		munmap((void *)start, size);
-		return gml_set_error(ret, "emu: va_reserve: out of host memory");
+		return gml_set_error(ret,
+			"emu: va_reserve: out of host memory");
 	}
 	*va = start;
 	return 0;
@@ -634,8 +637,8 @@ static int emu_mem_unmap(void *priv, gml_va va, size_t size)
 			(unsigned long long)va, size);
 		goto out_unlock;
 	}
-	p = mmap((void *)(uintptr_t)va, size, PROT_NONE,
-		 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+	p = mmap((void *)(uintptr_t)va, size, PROT_NONE, MAP_PRIVATE |
+		 MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
 	if (p == MAP_FAILED) {
 		ret = gml_set_error(-errno, "emu: mem_unmap: mmap: %s",
 				    strerror(errno));
@@ -877,15 +880,18 @@ static int emu_stream_create(void *priv, gmlake_stream_t *out)
 	int ret;
 
 	if (!out)
-		return gml_set_error(-EINVAL, "emu: stream_create: NULL stream");
+		return gml_set_error(-EINVAL,
+			"emu: stream_create: NULL stream");
 	if (emu_stream_new(dev, &s))
-		return gml_set_error(-ENOMEM, "emu: stream_create: out of host memory");
+		return gml_set_error(-ENOMEM,
+			"emu: stream_create: out of host memory");
 	pthread_mutex_lock(&dev->lock);
 	ret = emu_table_add(&dev->streams, s, &s->id);
 	pthread_mutex_unlock(&dev->lock);
 	if (ret) {
 		emu_stream_free(s);
-		return gml_set_error(ret, "emu: stream_create: out of host memory");
+		return gml_set_error(ret,
+			"emu: stream_create: out of host memory");
 	}
 	*out = (gmlake_stream_t)(uintptr_t)s->id;
 	return 0;
@@ -951,14 +957,16 @@ static int emu_event_create(void *priv, gml_event *out)
 		return gml_set_error(-EINVAL, "emu: event_create: NULL event");
 	ev = calloc(1, sizeof(*ev));
 	if (!ev)
-		return gml_set_error(-ENOMEM, "emu: event_create: out of host memory");
+		return gml_set_error(-ENOMEM,
+			"emu: event_create: out of host memory");
 	ev->refs = 1;
 	pthread_mutex_lock(&dev->lock);
 	ret = emu_table_add(&dev->events, ev, &ev->id);
 	pthread_mutex_unlock(&dev->lock);
 	if (ret) {
 		free(ev);
-		return gml_set_error(ret, "emu: event_create: out of host memory");
+		return gml_set_error(ret,
+			"emu: event_create: out of host memory");
 	}
 	*out = (gml_event)(uintptr_t)ev->id;
 	return 0;
@@ -999,7 +1007,8 @@ static int emu_event_record(void *priv, gml_event h, gmlake_stream_t sh)
 	int ret = -EINVAL;
 
 	if (!it)
-		return gml_set_error(-ENOMEM, "emu: event_record: out of host memory");
+		return gml_set_error(-ENOMEM,
+			"emu: event_record: out of host memory");
 	pthread_mutex_lock(&dev->lock);
 	it->ev = emu_event_get(dev, h, "event_record");
 	s = emu_stream_get(dev, sh, "event_record");
@@ -1101,14 +1110,16 @@ static int emu_memcpy_async(void *priv, void *dst, const void *src,
 
 	if (kind != GML_COPY_HTOD && kind != GML_COPY_DTOH &&
 	    kind != GML_COPY_DTOD)
-		return gml_set_error(-EINVAL, "emu: memcpy: unknown copy kind %d",
+		return gml_set_error(-EINVAL,
+			"emu: memcpy: unknown copy kind %d",
 				     (int)kind);
 	if (size && (!dst || !src))
 		return gml_set_error(-EINVAL, "emu: memcpy: NULL %s",
 				     dst ? "source" : "destination");
 	it = calloc(1, sizeof(*it));
 	if (!it)
-		return gml_set_error(-ENOMEM, "emu: memcpy: out of host memory");
+		return gml_set_error(-ENOMEM,
+			"emu: memcpy: out of host memory");
 	it->dst = dst;
 	it->src = src;
 	it->size = size;
@@ -1204,7 +1215,8 @@ static int emu_open_memory(struct emu_dev *dev)
 		return gml_set_error(-errno, "emu: memfd_create: %s",
 				     strerror(errno));
 	if (ftruncate(dev->fd, (off_t)dev->capacity)) {
-		ret = gml_set_error(-errno, "emu: cannot size device memory to %zu bytes: %s",
+		ret = gml_set_error(-errno,
+			"emu: cannot size device memory to %zu bytes: %s",
 				    dev->capacity, strerror(errno));
 		goto out_close;
 	}
@@ -1342,7 +1354,8 @@ int gml_emu_info(void *priv, struct gml_emu_info *info)
 	struct emu_dev *dev = emu_dev_of(priv);
 
 	if (!dev)
-		return gml_set_error(-EOPNOTSUPP, "emu_info: not an emulated device");
+		return gml_set_error(-EOPNOTSUPP,
+			"emu_info: not an emulated device");
 	if (!info)
 		return gml_set_error(-EINVAL, "emu_info: NULL result");
 	pthread_mutex_lock(&dev->lock);

@@ -324,7 +324,7 @@ START_TEST(test_chunk_bad_handle)
 	ck_assert_err(ops->mem_release(dev, 0), -EINVAL);
 	ck_assert_err(ops->mem_release(dev, 12345), -EINVAL);
 	ck_assert_err(ops->mem_release(dev, ~(gml_handle)0), -EINVAL);
-	ck_assert_err(ops->mem_release(dev, (gml_handle)(uintptr_t)&a), -EINVAL);
+	ck_assert_err(ops->mem_release(dev, (uintptr_t)&a), -EINVAL);
 
 	a = chunk(1);
 	ck_assert_int_eq(ops->mem_release(dev, a), 0);
@@ -574,11 +574,12 @@ START_TEST(test_set_access_errors)
 	ck_assert_int_eq(ops->mem_map(dev, va + 3 * G, 2 * G, c), 0);
 
 	ck_assert_err(ops->set_access(dev, va, 0), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va, 5 * G), -EINVAL);	/* gap */
-	ck_assert_err(ops->set_access(dev, va, 3 * G), -EINVAL);	/* gap */
+	/* Over the gap, in it, over half of c. */
+	ck_assert_err(ops->set_access(dev, va, 5 * G), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va, 3 * G), -EINVAL);
 	ck_assert_err(ops->set_access(dev, va + 2 * G, G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va + 3 * G, G), -EINVAL);	/* half */
-	ck_assert_err(ops->set_access(dev, va + 4 * G, G), -EINVAL);	/* half */
+	ck_assert_err(ops->set_access(dev, va + 3 * G, G), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va + 4 * G, G), -EINVAL);
 	ck_assert_err(ops->set_access(dev, va + 3 * G, 3 * G), -EINVAL);
 	ck_assert_err(ops->set_access(dev, va + 4096, G), -EINVAL);
 	ck_assert_err(ops->set_access(dev, va, SIZE_MAX), -EINVAL);
@@ -1083,6 +1084,7 @@ START_TEST(test_memcpy_errors)
 	gml_va v = reserve(3);
 	char *pv = (char *)(uintptr_t)v;
 	char host[256] = { 0 };
+	gmlake_stream_t bad = (gmlake_stream_t)(uintptr_t)3;
 
 	/* v: b mapped with access, a gap, c mapped without access. */
 	ck_assert_int_eq(ops->mem_map(dev, v, G, b), 0);
@@ -1115,8 +1117,8 @@ START_TEST(test_memcpy_errors)
 					GML_COPY_HTOD, NULL), -EINVAL);
 	ck_assert_err(ops->memcpy_async(dev, p, host, 16,
 					(enum gml_copy_kind)7, NULL), -EINVAL);
-	ck_assert_err(ops->memcpy_async(dev, p, host, 16, GML_COPY_HTOD,
-					(gmlake_stream_t)(uintptr_t)3), -EINVAL);
+	ck_assert_err(ops->memcpy_async(dev, p, host, 16, GML_COPY_HTOD, bad),
+		      -EINVAL);
 	/* The valid ones still work, then fail once unmapped. */
 	ck_assert_int_eq(ops->memcpy_async(dev, pv, p, G, GML_COPY_DTOD,
 					   NULL), 0);
@@ -1245,9 +1247,11 @@ START_TEST(test_threads)
 	void *ret;
 	int i;
 
-	for (i = 0; i < THREADS; i++)
-		ck_assert_int_eq(pthread_create(&t[i], NULL, churn,
-						(void *)(uintptr_t)(i * 17)), 0);
+	for (i = 0; i < THREADS; i++) {
+		void *seed = (void *)(uintptr_t)(i * 17);
+
+		ck_assert_int_eq(pthread_create(&t[i], NULL, churn, seed), 0);
+	}
 	for (i = 0; i < THREADS; i++) {
 		pthread_join(t[i], &ret);
 		ck_assert_ptr_null(ret);

@@ -705,13 +705,13 @@ static int cmp_u64(const void *a, const void *b)
 }
 
 /* Nearest-rank percentile q (0..100) of sorted v[n], in microseconds. */
-static double pct_us(const uint64_t *v, uint64_t n, double q)
+static double pct_us(const uint64_t *v, uint64_t n, unsigned q)
 {
 	uint64_t k;
 
 	if (!n)
 		return NAN;
-	k = (uint64_t)ceil(q / 100.0 * (double)n);
+	k = (q * n + 99) / 100;		/* ceil(q / 100 * n), no libm */
 	if (k)
 		k--;
 	if (k >= n)

@@ -1,0 +1,664 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * check_stream: stream-ordered reuse (lib/stream.c with lib/alloc.c).
+ *
+ * A block freed on stream A is reusable at once on A, and on another stream
+ * only once the work queued on A before the free has completed;
+ * gmlake_record_stream() adds streams whose work must complete too.
+ *
+ * Most cases stall a stream on purpose with gml_emu_stream_hold() and so
+ * run on the emulated device only. The trick that makes reuse visible: a
+ * copy from the block to the host is queued on the held stream before the
+ * free; if the allocator hands the block's chunks to another stream too
+ * early, that stream's writes land first and the held copy reads them.
+ */
+#include "helpers.h"
+
+#define CAP_CHUNKS(n) ((size_t)(n) * TH_CHUNK)
+
+/* A device-to-host copy queued on a (held) stream, checked later. */
+struct pending {
+	void *host;
+	size_t size;
+	uint64_t seed;
+};
+
+static void pending_queue(gmlake_ctx *ctx, struct pending *pd,
+			  const void *p, size_t size, uint64_t seed,
+			  gmlake_stream_t s)
+{
+	int ret;
+
+	pd->host = malloc(size);
+	ck_assert_ptr_nonnull(pd->host);
+	memset(pd->host, 0x5a, size);
+	pd->size = size;
+	pd->seed = seed;
+	ret = gmlake_memcpy_dtoh(ctx, pd->host, p, size, s);
+	ck_assert_msg(ret == 0, "memcpy_dtoh: %d (%s)", ret,
+		      gmlake_last_error());
+}
+
+/* After the stream completed: the copy saw the block's own pattern. */
+static void pending_check(struct pending *pd, const char *what)
+{
+	size_t off = th_pattern_diff(pd->host, pd->size, pd->seed);
+
+	ck_assert_msg(off == SIZE_MAX,
+		      "%s: queued read saw foreign data at offset %zu: the "
+		      "block was reused before its stream's work completed",
+		      what, off);
+	free(pd->host);
+	pd->host = NULL;
+}
+
+static void expect_alloc(gmlake_ctx *ctx, void **p, size_t size,
+			 gmlake_stream_t s, const char *why)
+{
+	int ret = gmlake_alloc(ctx, p, size, s);
+
+	ck_assert_msg(ret == 0, "%s: alloc %zu: %d (%s)", why, size, ret,
+		      gmlake_last_error());
+	th_check(ctx);
+}
+
+/* ---------------------------------------------------------------------- */
+
+/* Freed on A while A is busy: A may take it back at once. */
+START_TEST(test_same_stream_at_once)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(2));
+	gmlake_stream_t a = th_stream(ctx);
+	struct pending pd;
+	struct gmlake_stats s0, s1;
+	void *x, *y;
+
+	x = th_alloc(ctx, 4 * TH_MiB, a);
+	th_fill_ok(ctx, x, 4 * TH_MiB, 1, a);
+	th_hold(ctx, a, true);
+	pending_queue(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	th_free(ctx, x);
+	th_stats(ctx, &s0);
+	/* The device holds only x's chunks: a must get them. */
+	expect_alloc(ctx, &y, 4 * TH_MiB, a, "same stream, stream busy");
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.grows, s0.grows);
+	ck_assert_int_eq(s1.chunks.current, 2);
+	/* Stream order: a write queued now runs after the queued read. */
+	{
+		void *buf = malloc(4 * TH_MiB);
+
+		ck_assert_ptr_nonnull(buf);
+		th_pattern(buf, 4 * TH_MiB, 2);
+		ck_assert_int_eq(gmlake_memcpy_htod(ctx, y, buf, 4 * TH_MiB,
+						    a), 0);
+		th_hold(ctx, a, false);
+		th_sync(ctx, a);
+		free(buf);
+	}
+	pending_check(&pd, "same stream");
+	th_verify_ok(ctx, y, 4 * TH_MiB, 2, a);
+	th_free(ctx, y);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Freed on A while A is held: not for B until A completes; then it is. */
+START_TEST(test_cross_stream_pending)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct gmlake_stats s0, s1;
+	struct pending pd;
+	void *x, *y, *z, *w;
+
+	x = th_alloc(ctx, 4 * TH_MiB, a);
+	th_fill_ok(ctx, x, 4 * TH_MiB, 1, a);
+	th_hold(ctx, a, true);
+	pending_queue(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	th_free(ctx, x);
+
+	th_stats(ctx, &s0);
+	expect_alloc(ctx, &y, 4 * TH_MiB, b, "other stream, 2 chunks left");
+	th_stats(ctx, &s1);
+	ck_assert_msg(!th_overlap(x, 4 * TH_MiB, y, 4 * TH_MiB),
+		      "B got %p, inside the block freed on busy A at %p", y,
+		      x);
+	ck_assert_int_eq(s1.chunks.current, 4);	/* new chunks, not x's */
+	ck_assert_uint_ge(s1.cross_stream_waits, s0.cross_stream_waits);
+	printf("cross-stream waits: %" PRIu64 " -> %" PRIu64 "\n",
+	       s0.cross_stream_waits, s1.cross_stream_waits);
+	th_fill_ok(ctx, y, 4 * TH_MiB, 2, b);
+
+	/* A itself may take x back: only x's chunks are free. */
+	expect_alloc(ctx, &z, 4 * TH_MiB, a, "same stream while busy");
+	th_free(ctx, z);
+
+	th_hold(ctx, a, false);
+	th_sync(ctx, a);
+	pending_check(&pd, "freed on A, allocated on B");
+	th_verify_ok(ctx, y, 4 * TH_MiB, 2, b);
+
+	/* A's work is done: B may have the chunks now, and must. */
+	expect_alloc(ctx, &w, 4 * TH_MiB, b, "other stream after sync");
+	th_fill_ok(ctx, w, 4 * TH_MiB, 3, b);
+	th_verify_ok(ctx, y, 4 * TH_MiB, 2, b);
+	th_verify_ok(ctx, w, 4 * TH_MiB, 3, b);
+	th_free(ctx, w);
+	th_free(ctx, y);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* The same for small blocks, which share chunks. */
+START_TEST(test_cross_stream_small)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct pending pd[8];
+	void *x[8], *y[8];
+	int i, j;
+
+	for (i = 0; i < 8; i++) {
+		x[i] = th_alloc(ctx, 64 * TH_KiB, a);
+		th_fill_ok(ctx, x[i], 64 * TH_KiB, 10 + i, a);
+	}
+	th_hold(ctx, a, true);
+	for (i = 0; i < 8; i++) {
+		pending_queue(ctx, &pd[i], x[i], 64 * TH_KiB, 10 + i, a);
+		th_free(ctx, x[i]);
+	}
+	for (i = 0; i < 8; i++) {
+		expect_alloc(ctx, &y[i], 64 * TH_KiB, b, "small on B");
+		for (j = 0; j < 8; j++)
+			ck_assert_msg(!th_overlap(x[j], 64 * TH_KiB, y[i],
+						  64 * TH_KiB),
+				      "B got %p, freed on busy A", y[i]);
+		th_fill_ok(ctx, y[i], 64 * TH_KiB, 20 + i, b);
+	}
+	th_hold(ctx, a, false);
+	th_sync(ctx, a);
+	for (i = 0; i < 8; i++)
+		pending_check(&pd[i], "small block");
+	for (i = 0; i < 8; i++) {
+		th_verify_ok(ctx, y[i], 64 * TH_KiB, 20 + i, b);
+		th_free(ctx, y[i]);
+	}
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Stitching must not take chunks whose last stream is still busy. */
+START_TEST(test_cross_stream_stitch)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(6));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct pending p0, p2;
+	void *x[4], *y, *z, *w;
+	int i;
+
+	for (i = 0; i < 4; i++) {
+		x[i] = th_alloc(ctx, 2 * TH_MiB, a);
+		th_fill_ok(ctx, x[i], 2 * TH_MiB, 30 + i, a);
+	}
+	th_hold(ctx, a, true);
+	pending_queue(ctx, &p0, x[0], 2 * TH_MiB, 30, a);
+	pending_queue(ctx, &p2, x[2], 2 * TH_MiB, 32, a);
+	th_free(ctx, x[0]);
+	th_free(ctx, x[2]);
+
+	/* B: two new chunks, never x[0] and x[2] stitched. */
+	expect_alloc(ctx, &y, 4 * TH_MiB, b, "4 MiB on B");
+	th_fill_ok(ctx, y, 4 * TH_MiB, 40, b);
+	/* A: the device is full but for x[0] and x[2]: stitch them. */
+	expect_alloc(ctx, &z, 4 * TH_MiB, a, "4 MiB on busy A");
+	th_free(ctx, z);
+
+	th_hold(ctx, a, false);
+	th_sync(ctx, a);
+	pending_check(&p0, "x[0]");
+	pending_check(&p2, "x[2]");
+	th_verify_ok(ctx, y, 4 * TH_MiB, 40, b);
+	th_verify_ok(ctx, x[1], 2 * TH_MiB, 31, b);
+	th_verify_ok(ctx, x[3], 2 * TH_MiB, 33, b);
+
+	expect_alloc(ctx, &w, 4 * TH_MiB, b, "4 MiB on B after sync");
+	th_fill_ok(ctx, w, 4 * TH_MiB, 41, b);
+	th_verify_ok(ctx, y, 4 * TH_MiB, 40, b);
+	th_verify_ok(ctx, x[1], 2 * TH_MiB, 31, b);
+	th_verify_ok(ctx, x[3], 2 * TH_MiB, 33, b);
+	th_free(ctx, w);
+	th_free(ctx, y);
+	th_free(ctx, x[1]);
+	th_free(ctx, x[3]);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A cached stitched range freed on busy A is not for B either. */
+START_TEST(test_cross_stream_stitched_reuse)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(12));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct pending pd;
+	void *x[4], *big, *y;
+	int i;
+
+	for (i = 0; i < 4; i++)
+		x[i] = th_alloc(ctx, 2 * TH_MiB, a);
+	th_free(ctx, x[0]);
+	th_free(ctx, x[2]);
+	big = th_alloc(ctx, 4 * TH_MiB, a);	/* stitched */
+	th_fill_ok(ctx, big, 4 * TH_MiB, 50, a);
+	th_hold(ctx, a, true);
+	pending_queue(ctx, &pd, big, 4 * TH_MiB, 50, a);
+	th_free(ctx, big);
+
+	expect_alloc(ctx, &y, 4 * TH_MiB, b, "4 MiB on B");
+	ck_assert(!th_overlap(y, 4 * TH_MiB, big, 4 * TH_MiB));
+	th_fill_ok(ctx, y, 4 * TH_MiB, 51, b);
+	th_hold(ctx, a, false);
+	th_sync(ctx, a);
+	pending_check(&pd, "stitched block");
+	th_verify_ok(ctx, y, 4 * TH_MiB, 51, b);
+	th_free(ctx, y);
+	th_free(ctx, x[1]);
+	th_free(ctx, x[3]);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* record_stream(B): freed, the block waits for B too, even on A. */
+START_TEST(test_record_stream)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct pending pd;
+	void *x, *y, *w;
+
+	x = th_alloc(ctx, 4 * TH_MiB, a);
+	th_fill_ok(ctx, x, 4 * TH_MiB, 60, a);
+	th_hold(ctx, b, true);
+	pending_queue(ctx, &pd, x, 4 * TH_MiB, 60, b);
+	TH_OK(ctx, gmlake_record_stream(ctx, x, b));
+	TH_OK(ctx, gmlake_record_stream(ctx, x, a));	/* its own: no-op */
+	th_free(ctx, x);
+
+	expect_alloc(ctx, &y, 4 * TH_MiB, a, "4 MiB on A, B busy");
+	ck_assert_msg(!th_overlap(x, 4 * TH_MiB, y, 4 * TH_MiB),
+		      "A got %p back while recorded stream B is busy", y);
+	th_fill_ok(ctx, y, 4 * TH_MiB, 61, a);
+
+	th_hold(ctx, b, false);
+	th_sync(ctx, b);
+	pending_check(&pd, "recorded stream");
+	th_verify_ok(ctx, y, 4 * TH_MiB, 61, a);
+	/* B done: the chunks are free for A, and the device has no more. */
+	expect_alloc(ctx, &w, 4 * TH_MiB, a, "4 MiB on A after B");
+	th_fill_ok(ctx, w, 4 * TH_MiB, 62, a);
+	th_verify_ok(ctx, y, 4 * TH_MiB, 61, a);
+	th_free(ctx, w);
+	th_free(ctx, y);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* record_stream on a small block. */
+START_TEST(test_record_stream_small)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct pending pd;
+	void *x, *y[4];
+	int i;
+
+	x = th_alloc(ctx, 4096, a);
+	th_fill_ok(ctx, x, 4096, 70, a);
+	th_hold(ctx, b, true);
+	pending_queue(ctx, &pd, x, 4096, 70, b);
+	TH_OK(ctx, gmlake_record_stream(ctx, x, b));
+	th_free(ctx, x);
+	for (i = 0; i < 4; i++) {
+		expect_alloc(ctx, &y[i], 4096, a, "small on A, B busy");
+		ck_assert_msg(!th_overlap(x, 4096, y[i], 4096),
+			      "A got %p back while B is busy", y[i]);
+		th_fill_ok(ctx, y[i], 4096, 71 + i, a);
+	}
+	th_hold(ctx, b, false);
+	th_sync(ctx, b);
+	pending_check(&pd, "recorded stream, small block");
+	for (i = 0; i < 4; i++) {
+		th_verify_ok(ctx, y[i], 4096, 71 + i, a);
+		th_free(ctx, y[i]);
+	}
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Cases that need no hold (any backend).                                 */
+
+/* Freed on A, A synchronized: B gets the memory. */
+START_TEST(test_sync_then_other_stream)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(2));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	void *x, *y;
+	int i;
+
+	for (i = 0; i < 4; i++) {
+		x = th_alloc(ctx, 4 * TH_MiB, a);
+		th_fill_ok(ctx, x, 4 * TH_MiB, 80 + i, a);
+		th_verify_ok(ctx, x, 4 * TH_MiB, 80 + i, a);
+		th_free(ctx, x);
+		th_sync(ctx, a);
+		expect_alloc(ctx, &y, 4 * TH_MiB, b, "B after A synced");
+		th_fill_ok(ctx, y, 4 * TH_MiB, 90 + i, b);
+		th_verify_ok(ctx, y, 4 * TH_MiB, 90 + i, b);
+		th_free(ctx, y);
+		th_sync(ctx, b);
+	}
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* The default stream and created streams side by side. */
+START_TEST(test_default_stream)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t a = th_stream(ctx);
+	void *x, *y;
+
+	x = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_fill_ok(ctx, x, 4 * TH_MiB, 1, NULL);
+	th_free(ctx, x);
+	th_sync(ctx, NULL);
+	expect_alloc(ctx, &y, 4 * TH_MiB, a, "A after the default stream");
+	th_fill_ok(ctx, y, 4 * TH_MiB, 2, a);
+	th_free(ctx, y);
+	th_sync(ctx, a);
+	expect_alloc(ctx, &x, 8 * TH_MiB, NULL, "default after A");
+	th_fill_ok(ctx, x, 8 * TH_MiB, 3, NULL);
+	th_verify_ok(ctx, x, 8 * TH_MiB, 3, NULL);
+	th_free(ctx, x);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A stream destroyed after a free: its blocks become free for others. */
+START_TEST(test_destroyed_stream)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(2));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	void *x, *y;
+
+	x = th_alloc(ctx, 4 * TH_MiB, a);
+	th_fill_ok(ctx, x, 4 * TH_MiB, 1, a);
+	th_free(ctx, x);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	expect_alloc(ctx, &y, 4 * TH_MiB, b, "B after A destroyed");
+	th_fill_ok(ctx, y, 4 * TH_MiB, 2, b);
+	th_verify_ok(ctx, y, 4 * TH_MiB, 2, b);
+	th_free(ctx, y);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_stream_api)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t s[4];
+	struct gml_emu_info i0, i1;
+	int i;
+
+	if (th_is_emu(ctx))
+		th_emu_info(ctx, &i0);
+	for (i = 0; i < 4; i++) {
+		s[i] = th_stream(ctx);
+		ck_assert_ptr_nonnull(s[i]);
+	}
+	if (th_is_emu(ctx)) {
+		th_emu_info(ctx, &i1);
+		ck_assert_uint_eq(i1.live_streams, i0.live_streams + 4);
+	}
+	for (i = 0; i < 4; i++)
+		th_sync(ctx, s[i]);
+	th_sync(ctx, NULL);
+	ck_assert_int_eq(gmlake_stream_create(ctx, NULL), -EINVAL);
+	ck_assert_int_eq(gmlake_stream_create(NULL, &s[0]), -EINVAL);
+	ck_assert_int_eq(gmlake_stream_synchronize(NULL, s[0]), -EINVAL);
+	ck_assert_int_eq(gmlake_stream_destroy(NULL, s[0]), -EINVAL);
+	if (th_is_emu(ctx)) {
+		gmlake_stream_t bogus = (gmlake_stream_t)(uintptr_t)0x8000;
+
+		ck_assert_int_eq(gmlake_stream_destroy(ctx, bogus), -EINVAL);
+		ck_assert_int_eq(gmlake_stream_synchronize(ctx, bogus),
+				 -EINVAL);
+	}
+	for (i = 0; i < 4; i++)
+		TH_OK(ctx, gmlake_stream_destroy(ctx, s[i]));
+	if (th_is_emu(ctx)) {
+		th_emu_info(ctx, &i1);
+		ck_assert_uint_eq(i1.live_streams, i0.live_streams);
+	}
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Copies on a held stream wait, in order, and run when let go. */
+START_TEST(test_copy_order)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t a = th_stream(ctx);
+	size_t n = 2 * TH_MiB + 100;
+	void *x = th_alloc(ctx, n, a);
+	char *src = malloc(n), *dst = malloc(n);
+
+	ck_assert_ptr_nonnull(src);
+	ck_assert_ptr_nonnull(dst);
+	th_pattern(src, n, 5);
+	memset(dst, 0, n);
+	th_hold(ctx, a, true);
+	ck_assert_int_eq(gmlake_memcpy_htod(ctx, x, src, n, a), 0);
+	ck_assert_int_eq(gmlake_memcpy_dtoh(ctx, dst, x, n, a), 0);
+	usleep(20000);
+	ck_assert_int_eq(dst[0], 0);	/* not run while held */
+	th_hold(ctx, a, false);
+	th_sync(ctx, a);
+	ck_assert_uint_eq(th_pattern_diff(dst, n, 5), SIZE_MAX);
+	free(src);
+	free(dst);
+	th_free(ctx, x);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Random: three streams held and let go at random, every block checked.  */
+
+#define RS_STREAMS 3
+#define RS_LIVE 16
+#define RS_OPS 400
+#define RS_PENDING 256
+
+struct rs_blk {
+	void *p;
+	size_t size;
+	uint64_t seed;
+	int s;
+};
+
+struct rs {
+	gmlake_ctx *ctx;
+	gmlake_stream_t st[RS_STREAMS];
+	bool held[RS_STREAMS];
+	struct pending pd[RS_STREAMS][RS_PENDING];
+	int npd[RS_STREAMS];
+	struct rs_blk b[RS_LIVE];
+	int n;
+};
+
+static void rs_release(struct rs *r, int s)
+{
+	int i;
+
+	th_hold(r->ctx, r->st[s], false);
+	r->held[s] = false;
+	th_sync(r->ctx, r->st[s]);
+	for (i = 0; i < r->npd[s]; i++)
+		pending_check(&r->pd[s][i], "random streams");
+	r->npd[s] = 0;
+}
+
+static int rs_unheld(struct rs *r, struct th_rng *g)
+{
+	int k = (int)th_range(g, 0, RS_STREAMS - 1), i;
+
+	for (i = 0; i < RS_STREAMS; i++, k = (k + 1) % RS_STREAMS)
+		if (!r->held[k])
+			return k;
+	return -1;
+}
+
+static void rs_free(struct rs *r, struct th_rng *g, int j)
+{
+	struct rs_blk *b = &r->b[j];
+	int h = (int)th_range(g, 0, RS_STREAMS - 1);
+
+	if (r->held[b->s]) {
+		ck_assert_int_lt(r->npd[b->s], RS_PENDING);
+		pending_queue(r->ctx, &r->pd[b->s][r->npd[b->s]++], b->p,
+			      b->size, b->seed, r->st[b->s]);
+	} else {
+		th_verify_ok(r->ctx, b->p, b->size, b->seed, r->st[b->s]);
+	}
+	/* Sometimes a held stream reads it too, and is recorded. */
+	if (h != b->s && r->held[h] && th_range(g, 0, 1)) {
+		ck_assert_int_lt(r->npd[h], RS_PENDING);
+		pending_queue(r->ctx, &r->pd[h][r->npd[h]++], b->p, b->size,
+			      b->seed, r->st[h]);
+		TH_OK(r->ctx, gmlake_record_stream(r->ctx, b->p, r->st[h]));
+	}
+	th_free(r->ctx, b->p);
+	*b = r->b[--r->n];
+}
+
+START_TEST(test_random_streams)
+{
+	struct rs *r = calloc(1, sizeof(*r));
+	struct th_rng g = { 77 + (uint64_t)_i };
+	int op, s, ooms = 0;
+
+	ck_assert_ptr_nonnull(r);
+	r->ctx = th_ctx(CAP_CHUNKS(64));
+	for (s = 0; s < RS_STREAMS; s++)
+		r->st[s] = th_stream(r->ctx);
+	for (op = 0; op < RS_OPS; op++) {
+		uint64_t k = th_range(&g, 0, 99);
+
+		if (k < 10) {
+			s = (int)th_range(&g, 0, RS_STREAMS - 1);
+			if (r->held[s]) {
+				rs_release(r, s);
+			} else {
+				th_hold(r->ctx, r->st[s], true);
+				r->held[s] = true;
+			}
+		} else if (k < 55 && r->n < RS_LIVE &&
+			   (s = rs_unheld(r, &g)) >= 0) {
+			struct rs_blk *b = &r->b[r->n];
+			size_t size = th_range(&g, 0, 2) ?
+				th_range(&g, 2 * TH_MiB, 6 * TH_MiB) :
+				th_range(&g, 1, 256 * TH_KiB);
+			int ret = gmlake_alloc(r->ctx, &b->p, size, r->st[s]);
+
+			th_check(r->ctx);
+			if (ret == -ENOMEM) {
+				ooms++;
+				continue;
+			}
+			ck_assert_msg(ret == 0, "alloc: %d", ret);
+			b->size = size;
+			b->seed = 1000 + (uint64_t)op;
+			b->s = s;
+			th_fill_ok(r->ctx, b->p, size, b->seed, r->st[s]);
+			r->n++;
+		} else if (r->n) {
+			rs_free(r, &g, (int)th_range(&g, 0, r->n - 1));
+		}
+	}
+	for (s = 0; s < RS_STREAMS; s++)
+		if (r->held[s])
+			rs_release(r, s);
+	while (r->n)
+		rs_free(r, &g, r->n - 1);
+	printf("random streams: %d ooms\n", ooms);
+	for (s = 0; s < RS_STREAMS; s++)
+		TH_OK(r->ctx, gmlake_stream_destroy(r->ctx, r->st[s]));
+	TH_OK(r->ctx, gmlake_trim(r->ctx));
+	th_destroy(r->ctx);
+	free(r);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+
+static Suite *stream_suite(bool emu)
+{
+	Suite *s = suite_create("stream");
+	TCase *tc;
+
+	tc = th_tcase(s, "Basic");
+	tcase_add_test(tc, test_sync_then_other_stream);
+	tcase_add_test(tc, test_default_stream);
+	tcase_add_test(tc, test_destroyed_stream);
+	tcase_add_test(tc, test_stream_api);
+
+	if (!emu)	/* the rest stall streams with the emulated hold */
+		return s;
+
+	tc = th_tcase(s, "SameStream");
+	tcase_add_test(tc, test_same_stream_at_once);
+	tcase_add_test(tc, test_copy_order);
+
+	tc = th_tcase(s, "CrossStream");
+	tcase_add_test(tc, test_cross_stream_pending);
+	tcase_add_test(tc, test_cross_stream_small);
+	tcase_add_test(tc, test_cross_stream_stitch);
+	tcase_add_test(tc, test_cross_stream_stitched_reuse);
+
+	tc = th_tcase(s, "RecordStream");
+	tcase_add_test(tc, test_record_stream);
+	tcase_add_test(tc, test_record_stream_small);
+
+	tc = th_tcase(s, "Random");
+	tcase_add_loop_test(tc, test_random_streams, 0, 3);
+	return s;
+}
+
+int main(void)
+{
+	int probe = th_probe();
+
+	if (probe)
+		return probe;
+	return th_run_suite(stream_suite(th_env_is_emu()));
+}
