@@ -203,7 +203,7 @@ static int view_map(gmlake_ctx *ctx, struct gml_view *v)
 	size_t bytes = (size_t)v->n * ctx->chunk;
 	int ret;
 
-	ret = gml_va_reserve(&ctx->dev, bytes, &v->va);
+	ret = gml_va_reserve(&ctx->dev, bytes, ctx->chunk, &v->va);
 	if (ret)
 		return ret;
 	for (uint32_t i = 0; i < v->n; i++) {
@@ -379,7 +379,8 @@ static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
 			len = 0;
 		}
 	}
-	qsort(runs, count, sizeof(*runs), run_cmp_len_desc);
+	if (count)
+		qsort(runs, count, sizeof(*runs), run_cmp_len_desc);
 	*out = runs;
 	*nruns = count;
 	return 0;
@@ -450,7 +451,7 @@ out_free:
 	return ret;
 }
 
-static bool chunk_in_view(const struct gml_chunk *c, const struct gml_view *v)
+bool gml_chunk_in_view(const struct gml_chunk *c, const struct gml_view *v)
 {
 	for (uint32_t i = 0; i < c->nviews; i++)
 		if (c->views[i] == v)
@@ -496,7 +497,7 @@ static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
 				    (pass || !c->nviews) &&
 				    (!pass || c->nviews) &&
 				    gml_guard_ready(ctx, &c->guard, stream) &&
-				    !chunk_in_view(c, v))
+				    !gml_chunk_in_view(c, v))
 					out[got++] = c;
 			}
 	return got;
@@ -693,6 +694,8 @@ static void view_guard(struct gml_view *v, const struct gml_guard *g)
 {
 	struct gml_guard *grown;
 
+	if (g->stream < 0)
+		return;		/* the work is known complete */
 	for (uint32_t i = 0; i < v->nguards; i++) {
 		if (v->guards[i].stream == g->stream) {
 			v->guards[i].seq = g->seq;
@@ -721,9 +724,12 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 	}
 	view_guard(v, g);
 	v->live--;
-	if (v->stitched)
-		gml_gauge_add(&ctx->st.stitched_live, -1);
 	free(b);
+	if (!v->stitched)
+		return;
+	gml_gauge_add(&ctx->st.stitched_live, -1);
+	if (ctx->nstitched > ctx->cfg.stitch_cache_max)
+		cache_trim(ctx, ctx->cfg.stitch_cache_max);
 }
 
 /* Retry the teardown of views the driver did not let go of. */
@@ -806,6 +812,13 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 	for (v = ctx->segs; all && v; v = next) {
 		next = v->next;
 		for (uint32_t i = 0; i < v->n; i++) {
+			/* A position whose unmap failed earlier: again. */
+			if (!v->chunks[i] && v->mapped[i] &&
+			    !gml_mem_unmap(&ctx->dev, v->va + (gml_va)i *
+					   ctx->chunk, ctx->chunk)) {
+				v->mapped[i] = 0;
+				count_mapping(ctx, -1);
+			}
 			if (!chunk_releasable(v->chunks[i]))
 				continue;
 			err = chunk_release(ctx, v, i);

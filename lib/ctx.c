@@ -30,7 +30,7 @@ static int ctx_enter(gmlake_ctx *ctx)
 static void ctx_leave(gmlake_ctx *ctx)
 {
 #ifdef GML_DEBUG
-	if (gml_ctx_check(ctx))
+	if (gml_ctx_check_locked(ctx))
 		gml_log(GMLAKE_LOG_ERROR, "invariant broken: %s",
 			gmlake_last_error());
 #endif
@@ -93,8 +93,14 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 		ctx->cfg = *cfg;
 	else
 		gmlake_config_init(&ctx->cfg);
-	if (ctx->cfg.backend == GMLAKE_BACKEND_DEFAULT)
-		ctx->cfg.backend = GMLAKE_BACKEND_CUDA;
+	if (ctx->cfg.backend == GMLAKE_BACKEND_DEFAULT) {
+		struct gmlake_config env;
+
+		gmlake_config_init(&env);
+		ctx->cfg.backend = env.backend == GMLAKE_BACKEND_EMU ?
+					   GMLAKE_BACKEND_EMU :
+					   GMLAKE_BACKEND_CUDA;
+	}
 	gml_log_level = ctx->cfg.log_level;
 	ret = gml_dev_open(&ctx->dev, &ctx->cfg);
 	if (ret)
@@ -102,8 +108,12 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 	ret = set_chunk(ctx);
 	if (ret)
 		goto out_close;
+	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	if (ret)
+		goto out_close;
 	ret = ctx->dev.ops->mem_info(ctx->dev.priv, &free_bytes,
 				     &ctx->dev_total);
+	ctx->dev.ops->leave(ctx->dev.priv);
 	if (ret)
 		goto out_close;
 	pthread_mutex_init(&ctx->lock, NULL);
@@ -374,6 +384,7 @@ GML_EXPORT int gmlake_trim(gmlake_ctx *ctx)
 		return ret;
 	process_deferred(ctx, true);
 	ret = gml_release_cached(ctx, true);
+	gml_events_trim(ctx);
 	ctx_leave(ctx);
 	return ret;
 }
@@ -432,7 +443,23 @@ GML_EXPORT int gmlake_stream_create(gmlake_ctx *ctx, gmlake_stream_t *stream)
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;
+	if (ctx->ncreated == ctx->cap_created) {
+		int cap = ctx->cap_created ? ctx->cap_created * 2 : 8;
+		gmlake_stream_t *grown = realloc(ctx->created,
+						 cap * sizeof(*grown));
+
+		if (!grown) {
+			ret = gml_set_error(-ENOMEM, "no host memory for a "
+					    "stream");
+			goto out_leave;
+		}
+		ctx->created = grown;
+		ctx->cap_created = cap;
+	}
 	ret = ctx->dev.ops->stream_create(ctx->dev.priv, stream);
+	if (!ret)
+		ctx->created[ctx->ncreated++] = *stream;
+out_leave:
 	ctx_leave(ctx);
 	return ret;
 }
@@ -452,7 +479,7 @@ static int known_stream(gmlake_ctx *ctx, gmlake_stream_t stream)
  */
 GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 {
-	int idx, ret;
+	int created, idx, ret;
 
 	if (!ctx || !stream)
 		return gml_set_error(-EINVAL, "gmlake_stream_destroy: %s is NULL",
@@ -460,6 +487,15 @@ GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;
+	for (created = 0; created < ctx->ncreated; created++)
+		if (ctx->created[created] == stream)
+			break;
+	if (created == ctx->ncreated) {
+		ret = gml_set_error(-EINVAL, "gmlake_stream_destroy: %p was "
+				    "not made by gmlake_stream_create",
+				    (void *)stream);
+		goto out_leave;
+	}
 	idx = known_stream(ctx, stream);
 	if (idx >= 0) {
 		ret = gml_stream_wait(ctx, idx, ctx->streams[idx].next_seq);
@@ -467,6 +503,8 @@ GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 			goto out_leave;
 	}
 	ret = ctx->dev.ops->stream_destroy(ctx->dev.priv, stream);
+	if (!ret)
+		ctx->created[created] = ctx->created[--ctx->ncreated];
 	if (!ret && idx >= 0) {
 		ctx->streams[idx].handle = (gmlake_stream_t)&ctx->streams;
 		ctx->streams[idx].dead = true;
@@ -525,9 +563,12 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		gml_block_release(ctx, b, &none);
 	}
 	gml_views_fini(ctx);
-	gml_streams_fini(ctx);
 	gml_spools_fini(ctx);
+	gml_streams_fini(ctx);
 	gml_ptrmap_fini(&ctx->blocks);
+	for (int i = 0; i < ctx->ncreated; i++)
+		ctx->dev.ops->stream_destroy(ctx->dev.priv, ctx->created[i]);
+	free(ctx->created);
 	ctx->dev.ops->leave(ctx->dev.priv);
 	gml_dev_close(&ctx->dev);
 	pthread_mutex_unlock(&ctx->lock);

@@ -115,14 +115,13 @@ int gml_mem_release(struct gml_dev *dev, gml_handle h)
 	return end(dev, GMLAKE_CALL_mem_release, t0, dev->ops->mem_release(dev->priv, h));
 }
 
-int gml_va_reserve(struct gml_dev *dev, size_t size, gml_va *va)
+int gml_va_reserve(struct gml_dev *dev, size_t size, size_t align, gml_va *va)
 {
 	uint64_t t0;
 
 	if (begin(dev, GMLAKE_CALL_va_reserve, &t0))
 		return injected(dev, GMLAKE_CALL_va_reserve);
-	return end(dev, GMLAKE_CALL_va_reserve, t0, dev->ops->va_reserve(dev->priv, size,
-					      dev->granularity, va));
+	return end(dev, GMLAKE_CALL_va_reserve, t0, dev->ops->va_reserve(dev->priv, size, align, va));
 }
 
 int gml_va_free(struct gml_dev *dev, gml_va va, size_t size)

@@ -91,7 +91,8 @@ void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err);
 
 int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h);
 int gml_mem_release(struct gml_dev *dev, gml_handle h);
-int gml_va_reserve(struct gml_dev *dev, size_t size, gml_va *va);
+int gml_va_reserve(struct gml_dev *dev, size_t size, size_t align,
+		   gml_va *va);
 int gml_va_free(struct gml_dev *dev, gml_va va, size_t size);
 int gml_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h);
 int gml_mem_unmap(struct gml_dev *dev, gml_va va, size_t size);

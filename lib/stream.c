@@ -238,6 +238,14 @@ int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx)
 	return 0;
 }
 
+/* Destroy the pooled events (trim); recorded ones stay. */
+void gml_events_trim(gmlake_ctx *ctx)
+{
+	for (size_t k = 0; k < ctx->nevent_pool; k++)
+		gml_event_destroy(&ctx->dev, ctx->event_pool[k]);
+	ctx->nevent_pool = 0;
+}
+
 void gml_streams_fini(gmlake_ctx *ctx)
 {
 	for (int i = 0; i < ctx->nstreams; i++) {
@@ -248,8 +256,7 @@ void gml_streams_fini(gmlake_ctx *ctx)
 					  s->pending[(s->head + k) % s->cap].ev);
 		free(s->pending);
 	}
-	for (size_t k = 0; k < ctx->nevent_pool; k++)
-		gml_event_destroy(&ctx->dev, ctx->event_pool[k]);
+	gml_events_trim(ctx);
 	free(ctx->event_pool);
 	free(ctx->streams);
 	ctx->event_pool = NULL;

@@ -123,6 +123,8 @@ struct gmlake_ctx {
 	uint32_t nstitched;
 	uint64_t clock;
 
+	gmlake_stream_t *created;	/* by gmlake_stream_create */
+	int ncreated, cap_created;
 	struct gml_stream *streams;
 	int nstreams, cap_streams;
 	struct gml_spool *spools;	/* one per stream index */
@@ -142,6 +144,7 @@ int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq);
 bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq);
 int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq);
 bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want);
+void gml_events_trim(gmlake_ctx *ctx);
 void gml_streams_fini(gmlake_ctx *ctx);
 
 /* alloc.c: large blocks, views and chunks */
@@ -152,6 +155,7 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 int gml_release_cached(gmlake_ctx *ctx, bool all);
 void gml_reap_dying(gmlake_ctx *ctx, bool wait);
 void gml_views_fini(gmlake_ctx *ctx);
+bool gml_chunk_in_view(const struct gml_chunk *c, const struct gml_view *v);
 
 /* small.c */
 int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
@@ -163,6 +167,9 @@ void gml_spools_fini(gmlake_ctx *ctx);
 /* ctx.c */
 void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 		       const struct gml_guard *g);
+
+/* check.c: the invariant checker, lock held */
+int gml_ctx_check_locked(gmlake_ctx *ctx);
 
 /* stats.c */
 void gml_gauge_add(struct gmlake_stat *g, int64_t delta);

@@ -58,8 +58,7 @@ static void drop_temp(char *path)
 	free(path);
 }
 
-static int parse(const char *line, struct gml_trace_event *ev,
-		 const char **why)
+static int parse(const char *line, struct gml_trace_event *ev, const char **why)
 {
 	return gml_trace_parse_line(line, strlen(line), ev, why);
 }
@@ -152,12 +151,14 @@ START_TEST(test_line_limits)
 
 	ck_assert_int_eq(parse("alloc 18446744073709551615 "
 			       "18446744073709551615 18446744073709551615",
-			       &ev, NULL), 1);
+			       &ev, NULL),
+			 1);
 	ck_assert_uint_eq(ev.addr, UINT64_MAX);
 	ck_assert_uint_eq(ev.size, UINT64_MAX);
 	ck_assert_uint_eq(ev.stream, UINT64_MAX);
-	ck_assert_int_eq(parse("alloc 0000000000000000000000000000001 1 1",
-			       &ev, NULL), 1);
+	ck_assert_int_eq(
+		parse("alloc 0000000000000000000000000000001 1 1", &ev, NULL),
+		1);
 	ck_assert_uint_eq(ev.addr, 1);
 }
 END_TEST
@@ -227,7 +228,7 @@ START_TEST(test_line_length_bound)
 
 	buf = malloc(12);
 	ck_assert_ptr_nonnull(buf);
-	memcpy(buf, "alloc 1 2 34", 12);	/* no NUL */
+	memcpy(buf, "alloc 1 2 34", 12); /* no NUL */
 	ck_assert_int_eq(gml_trace_parse_line(buf, 12, &ev, NULL), 1);
 	ck_assert_uint_eq(ev.stream, 34);
 	ck_assert_int_eq(gml_trace_parse_line(buf, 11, &ev, NULL), 1);
@@ -261,24 +262,28 @@ START_TEST(test_line_random)
 		ck_assert(ret == 1 || ret == 0 || ret == -EINVAL);
 		ck_assert_ptr_nonnull(why);
 		if (ret == 1)
-			ck_assert(ev.kind >= 0 && ev.kind < GML_TRACE_KIND_COUNT);
+			ck_assert(ev.kind >= 0 &&
+				  ev.kind < GML_TRACE_KIND_COUNT);
 	}
 }
 END_TEST
 
 START_TEST(test_header_first_line)
 {
-	static const char line[] = "# pytorch 2.11.0+cu130 workload=plain "
+	static const char line[] =
+		"# pytorch 2.11.0+cu130 workload=plain "
 		"steps=12 peak_alloc=17388220416 peak_reserved=19631439872";
-	struct gml_trace_header hdr = { 0 };
+	struct gml_trace_header hdr = {0};
 	const char *why;
 
-	ck_assert_int_eq(gml_trace_parse_comment(line, strlen(line), true,
-						 &hdr, &why), 0);
+	ck_assert_int_eq(
+		gml_trace_parse_comment(line, strlen(line), true, &hdr, &why),
+		0);
 	ck_assert_uint_eq(hdr.have, GML_TRACE_HAVE_PRODUCER |
-			  GML_TRACE_HAVE_WORKLOAD | GML_TRACE_HAVE_STEPS |
-			  GML_TRACE_HAVE_PEAK_ALLOC |
-			  GML_TRACE_HAVE_PEAK_RESERVED);
+					    GML_TRACE_HAVE_WORKLOAD |
+					    GML_TRACE_HAVE_STEPS |
+					    GML_TRACE_HAVE_PEAK_ALLOC |
+					    GML_TRACE_HAVE_PEAK_RESERVED);
 	ck_assert_str_eq(hdr.producer, "pytorch 2.11.0+cu130");
 	ck_assert_str_eq(hdr.workload, "plain");
 	ck_assert_uint_eq(hdr.steps, 12);
@@ -289,25 +294,28 @@ END_TEST
 
 START_TEST(test_header_other_comments)
 {
-	struct gml_trace_header hdr = { 0 };
+	struct gml_trace_header hdr = {0};
 	const char *line;
 
 	/* Not the first line: words without '=' are no producer. */
 	line = "# action addr size stream";
-	ck_assert_int_eq(gml_trace_parse_comment(line, strlen(line), false,
-						 &hdr, NULL), 0);
+	ck_assert_int_eq(
+		gml_trace_parse_comment(line, strlen(line), false, &hdr, NULL),
+		0);
 	ck_assert_uint_eq(hdr.have, 0);
 	/* Unknown keys are ignored; later values replace earlier ones. */
 	line = "#steps=3 foo=bar =x y= steps=4";
-	ck_assert_int_eq(gml_trace_parse_comment(line, strlen(line), false,
-						 &hdr, NULL), 0);
+	ck_assert_int_eq(
+		gml_trace_parse_comment(line, strlen(line), false, &hdr, NULL),
+		0);
 	ck_assert_uint_eq(hdr.have, GML_TRACE_HAVE_STEPS);
 	ck_assert_uint_eq(hdr.steps, 4);
 	/* The producer stops at the first key=value word. */
 	line = "# tool 1 steps=5 more words";
 	memset(&hdr, 0, sizeof(hdr));
-	ck_assert_int_eq(gml_trace_parse_comment(line, strlen(line), true,
-						 &hdr, NULL), 0);
+	ck_assert_int_eq(
+		gml_trace_parse_comment(line, strlen(line), true, &hdr, NULL),
+		0);
 	ck_assert_str_eq(hdr.producer, "tool 1");
 	ck_assert_uint_eq(hdr.steps, 5);
 }
@@ -316,12 +324,18 @@ END_TEST
 START_TEST(test_header_malformed)
 {
 	static const char *const bad[] = {
-		"# steps=abc", "# steps=", "# steps=-1", "# steps=1x",
-		"# peak_alloc=99999999999999999999", "# peak_reserved=1.5",
-		"# workload=", "# workload=a\x01",
-		"# workload=aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
-		"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-		"alloc 1 2 3", "",
+		"# steps=abc",
+		"# steps=",
+		"# steps=-1",
+		"# steps=1x",
+		"# peak_alloc=99999999999999999999",
+		"# peak_reserved=1.5",
+		"# workload=",
+		"# workload=a\x01",
+		("# workload=aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+		 "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"),
+		"alloc 1 2 3",
+		"",
 	};
 	struct gml_trace_header hdr;
 	const char *why;
@@ -331,8 +345,9 @@ START_TEST(test_header_malformed)
 		memset(&hdr, 0, sizeof(hdr));
 		why = NULL;
 		ck_assert_msg(gml_trace_parse_comment(bad[i], strlen(bad[i]),
-						      true, &hdr, &why) ==
-			      -EINVAL, "accepted \"%s\"", bad[i]);
+						      true, &hdr,
+						      &why) == -EINVAL,
+			      "accepted \"%s\"", bad[i]);
 		ck_assert_ptr_nonnull(why);
 		ck_assert_str_ne(why, "");
 	}
@@ -341,14 +356,15 @@ END_TEST
 
 START_TEST(test_header_long_producer)
 {
-	struct gml_trace_header hdr = { 0 };
+	struct gml_trace_header hdr = {0};
 	char line[400];
 
 	memset(line, 'p', sizeof(line));
 	line[0] = '#';
 	line[1] = ' ';
-	ck_assert_int_eq(gml_trace_parse_comment(line, sizeof(line), true,
-						 &hdr, NULL), 0);
+	ck_assert_int_eq(
+		gml_trace_parse_comment(line, sizeof(line), true, &hdr, NULL),
+		0);
 	ck_assert_uint_eq(strlen(hdr.producer), sizeof(hdr.producer) - 1);
 }
 END_TEST
@@ -365,15 +381,16 @@ static const char small_trace[] =
 	"free_requested 4096 1024 0\n"
 	"free_completed 4096 1024 0\n"
 	"# steps=99 a late comment is no header\n"
-	"free_completed 5120 2048 7";	/* no final newline */
+	"free_completed 5120 2048 7"; /* no final newline */
 
 /* Read small_trace back from a plain or a gzip file. */
 static void check_small(bool gz)
 {
 	static const enum gml_trace_kind want[] = {
-		GML_TRACE_SEGMENT_ALLOC, GML_TRACE_ALLOC, GML_TRACE_ALLOC,
-		GML_TRACE_OTHER, GML_TRACE_FREE_REQUESTED,
-		GML_TRACE_FREE_COMPLETED, GML_TRACE_FREE_COMPLETED,
+		GML_TRACE_SEGMENT_ALLOC,  GML_TRACE_ALLOC,
+		GML_TRACE_ALLOC,	  GML_TRACE_OTHER,
+		GML_TRACE_FREE_REQUESTED, GML_TRACE_FREE_COMPLETED,
+		GML_TRACE_FREE_COMPLETED,
 	};
 	const struct gml_trace_info *info;
 	struct gml_trace_event ev;
@@ -490,7 +507,8 @@ END_TEST
 /* A malformed line is reported with its number; reading goes on. */
 START_TEST(test_file_malformed_line)
 {
-	static const char text[] = "# x\nalloc 1 2 3\nalloc 1 2\n"
+	static const char text[] =
+		"# x\nalloc 1 2 3\nalloc 1 2\n"
 		"free_completed 1 2 3\nalloc 1 2 -3\nalloc 4 5 6\n";
 	struct gml_trace_event ev;
 	struct gml_trace *t;
@@ -656,7 +674,8 @@ END_TEST
 /* A file that claims gzip but is not. */
 START_TEST(test_file_corrupt_gzip)
 {
-	static const char junk[] = "\x1f\x8b\x08\x00garbage that is not deflate";
+	static const char junk[] =
+		"\x1f\x8b\x08\x00garbage that is not deflate";
 	struct gml_trace_event ev;
 	struct gml_trace *t;
 	char *path;
@@ -715,32 +734,38 @@ START_TEST(test_sidecar_path)
 
 	ck_assert_int_eq(gml_trace_sidecar_path("d/plain.trace.gz",
 						".trace.json", buf,
-						sizeof(buf)), 0);
+						sizeof(buf)),
+			 0);
 	ck_assert_str_eq(buf, "d/plain.trace.json");
 	ck_assert_int_eq(gml_trace_sidecar_path("d/plain.trace.gz",
 						".expandable.json", buf,
-						sizeof(buf)), 0);
+						sizeof(buf)),
+			 0);
 	ck_assert_str_eq(buf, "d/plain.expandable.json");
 	ck_assert_int_eq(gml_trace_sidecar_path("plain.trace", ".trace.json",
-						buf, sizeof(buf)), 0);
+						buf, sizeof(buf)),
+			 0);
 	ck_assert_str_eq(buf, "plain.trace.json");
-	ck_assert_int_eq(gml_trace_sidecar_path("x.gz", ".trace.json", buf,
-						sizeof(buf)), 0);
+	ck_assert_int_eq(
+		gml_trace_sidecar_path("x.gz", ".trace.json", buf, sizeof(buf)),
+		0);
 	ck_assert_str_eq(buf, "x.trace.json");
 	ck_assert_int_eq(gml_trace_sidecar_path("gz", ".j", buf, sizeof(buf)),
 			 0);
 	ck_assert_str_eq(buf, "gz.j");
-	ck_assert_int_eq(gml_trace_sidecar_path("plain.trace.gz",
-						".trace.json", buf, 16),
+	ck_assert_int_eq(gml_trace_sidecar_path("plain.trace.gz", ".trace.json",
+						buf, 16),
 			 -ENAMETOOLONG);
-	ck_assert_int_eq(gml_trace_sidecar_path("plain.trace.gz",
-						".trace.json", buf, 17), 0);
+	ck_assert_int_eq(gml_trace_sidecar_path("plain.trace.gz", ".trace.json",
+						buf, 17),
+			 0);
 }
 END_TEST
 
 START_TEST(test_sidecar_parse)
 {
-	static const char text[] = "{\"workload\": \"plain\", \"mode\": "
+	static const char text[] =
+		"{\"workload\": \"plain\", \"mode\": "
 		"\"trace\", \"steps\": 12, \"step_ms\": 233.3, \"peak_alloc\": "
 		"17388220416, \"peak_reserved\": 19631439872, \"nested\": "
 		"{\"a\": [1, \"}\", {}]}, \"ok\": true, \"no\": null, "
@@ -748,13 +773,13 @@ START_TEST(test_sidecar_parse)
 	struct gml_trace_sidecar sc;
 	const char *why;
 
-	ck_assert_int_eq(gml_trace_sidecar_parse(text, sizeof(text) - 1, &sc,
-						 &why), 0);
+	ck_assert_int_eq(
+		gml_trace_sidecar_parse(text, sizeof(text) - 1, &sc, &why), 0);
 	ck_assert_uint_eq(sc.have, GML_SIDECAR_HAVE_STEPS |
-			  GML_SIDECAR_HAVE_STEP_MS |
-			  GML_SIDECAR_HAVE_PEAK_ALLOC |
-			  GML_SIDECAR_HAVE_PEAK_RESERVED |
-			  GML_SIDECAR_HAVE_FRAG_PCT);
+					   GML_SIDECAR_HAVE_STEP_MS |
+					   GML_SIDECAR_HAVE_PEAK_ALLOC |
+					   GML_SIDECAR_HAVE_PEAK_RESERVED |
+					   GML_SIDECAR_HAVE_FRAG_PCT);
 	ck_assert_double_eq(sc.steps, 12);
 	ck_assert_double_eq_tol(sc.step_ms, 233.3, 1e-9);
 	ck_assert_double_eq(sc.peak_alloc, 17388220416.0);
@@ -762,8 +787,9 @@ START_TEST(test_sidecar_parse)
 	ck_assert_double_eq_tol(sc.frag_pct, 11.4, 1e-9);
 	ck_assert_int_eq(gml_trace_sidecar_parse("{}", 2, &sc, &why), 0);
 	ck_assert_uint_eq(sc.have, 0);
-	ck_assert_int_eq(gml_trace_sidecar_parse(" {\"steps\": null} ", 17,
-						 &sc, &why), 0);
+	ck_assert_int_eq(
+		gml_trace_sidecar_parse(" {\"steps\": null} ", 17, &sc, &why),
+		0);
 	ck_assert_uint_eq(sc.have, 0);
 }
 END_TEST
@@ -771,11 +797,23 @@ END_TEST
 START_TEST(test_sidecar_malformed)
 {
 	static const char *const bad[] = {
-		"", "[]", "{", "{\"steps\"}", "{\"steps\": }", "{\"steps\": 1",
-		"{\"steps\": 1,}", "{\"steps\": 1} x", "{steps: 1}",
-		"{\"steps\": 1e999}", "{\"steps\": --1}", "{\"a\": \"x}",
-		"{\"a\": [1, 2}", "{\"steps\": 1 \"step_ms\": 2}",
-		"{\"a\": tru}", "{\"a\\", "{\"a\": \"\x01\"}",
+		"",
+		"[]",
+		"{",
+		"{\"steps\"}",
+		"{\"steps\": }",
+		"{\"steps\": 1",
+		"{\"steps\": 1,}",
+		"{\"steps\": 1} x",
+		"{steps: 1}",
+		"{\"steps\": 1e999}",
+		"{\"steps\": --1}",
+		"{\"a\": \"x}",
+		"{\"a\": [1, 2}",
+		"{\"steps\": 1 \"step_ms\": 2}",
+		"{\"a\": tru}",
+		"{\"a\\",
+		"{\"a\": \"\x01\"}",
 	};
 	struct gml_trace_sidecar sc;
 	const char *why;
@@ -805,8 +843,9 @@ START_TEST(test_sidecar_load)
 	ck_assert_double_eq(sc.steps, 24);
 	ck_assert_double_eq_tol(sc.step_ms, 246.9, 1e-9);
 	drop_temp(path);
-	ck_assert_int_eq(gml_trace_sidecar_load("/nonexistent/x.json", &sc,
-						&why), -ENOENT);
+	ck_assert_int_eq(
+		gml_trace_sidecar_load("/nonexistent/x.json", &sc, &why),
+		-ENOENT);
 	ck_assert_uint_eq(sc.have, 0);
 }
 END_TEST

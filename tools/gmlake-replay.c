@@ -30,25 +30,25 @@
 
 #include "trace.h"
 
-#define MIB		(1ull << 20)
-#define GIB		(1ull << 30)
-#define PRICE_CHUNK	(2 * MIB)
+#define MIB	    (1ull << 20)
+#define GIB	    (1ull << 30)
+#define PRICE_CHUNK (2 * MIB)
 
 /* H200 driver costs per 2 MiB chunk, in microseconds. */
 #define COST_CREATE_US	17.0
 #define COST_MAP_US	2.0
 #define COST_ACCESS_US	40.0
 #define COST_UNMAP_US	23.0
-#define COST_RELEASE_US	37.0
+#define COST_RELEASE_US 37.0
 
 /* Exit statuses. */
-#define EXIT_TRACE_FAILED	1
-#define EXIT_USAGE		2
+#define EXIT_TRACE_FAILED 1
+#define EXIT_USAGE	  2
 
 struct options {
-	int backend;		/* enum gmlake_backend; DEFAULT: not given */
-	size_t chunk_size;	/* 0: not given */
-	size_t capacity;	/* 0: not given */
+	int backend;	   /* enum gmlake_backend; DEFAULT: not given */
+	size_t chunk_size; /* 0: not given */
+	size_t capacity;   /* 0: not given */
 	bool json;
 	bool touch;
 	bool quiet;
@@ -60,7 +60,7 @@ struct rev {
 	uint64_t size;
 	uint64_t stream;
 	uint64_t line;
-	bool alloc;		/* else free_completed */
+	bool alloc; /* else free_completed */
 };
 
 /* A live block: trace address -> our pointer (open addressing). */
@@ -68,14 +68,14 @@ struct slot {
 	uint64_t addr;
 	void *ptr;
 	uint64_t size;
-	uint64_t cookie;	/* --touch pattern */
+	uint64_t cookie; /* --touch pattern */
 	gmlake_stream_t stream;
 	bool used;
 };
 
 struct blockmap {
 	struct slot *slots;
-	size_t cap;		/* a power of two */
+	size_t cap; /* a power of two */
 	size_t n;
 };
 
@@ -91,18 +91,18 @@ struct replay {
 	const char *path;
 	char name[256];
 	struct gml_trace_header hdr;
-	struct gml_trace_sidecar sc;	/* NAME.trace.json */
-	struct gml_trace_sidecar exp;	/* NAME.expandable.json */
+	struct gml_trace_sidecar sc;  /* NAME.trace.json */
+	struct gml_trace_sidecar exp; /* NAME.expandable.json */
 	struct rev *ev;
 	size_t nev, evcap;
-	uint64_t events;		/* every event line of the trace */
+	uint64_t events; /* every event line of the trace */
 	uint64_t nalloc, nfree, unknown;
-	uint64_t trace_peak_live;	/* sum of live sizes, from the trace */
+	uint64_t trace_peak_live; /* sum of live sizes, from the trace */
 
 	const char *backend;
 	size_t capacity;
 	struct gmlake_stats mid, end;
-	uint64_t *lat_ns;		/* one per alloc */
+	uint64_t *lat_ns; /* one per alloc */
 	uint64_t done_allocs;
 	uint64_t skipped_frees, dup_allocs, touch_errors;
 	double replay_ms;
@@ -157,7 +157,7 @@ static struct slot *bm_find(struct blockmap *m, uint64_t addr)
 
 static int bm_grow(struct blockmap *m)
 {
-	struct blockmap bigger = { 0 };
+	struct blockmap bigger = {0};
 	size_t i, j;
 
 	bigger.cap = m->cap ? m->cap * 2 : 1024;
@@ -322,7 +322,7 @@ static int read_trace(struct replay *r)
 	const struct gml_trace_info *info;
 	struct gml_trace_event e;
 	struct gml_trace *t;
-	struct blockmap live = { 0 };
+	struct blockmap live = {0};
 	struct slot *s;
 	uint64_t cur = 0;
 	int ret;
@@ -424,8 +424,7 @@ static size_t pick_capacity(const struct replay *r, const struct options *o,
 	return cap > SIZE_MAX ? SIZE_MAX : (size_t)cap;
 }
 
-static int new_ctx(struct replay *r, const struct options *o,
-		   gmlake_ctx **ctx)
+static int new_ctx(struct replay *r, const struct options *o, gmlake_ctx **ctx)
 {
 	struct gmlake_config cfg;
 	int ret;
@@ -517,8 +516,8 @@ static int touch_check(struct replay *r, gmlake_ctx *ctx, struct slot *s,
 	if (memcmp(&head, &s->cookie, n) || memcmp(&tail, &s->cookie, n)) {
 		r->touch_errors++;
 		errmsg("%s:%" PRIu64 ": block at trace address %" PRIu64
-		       " (%" PRIu64 " bytes) lost its pattern", r->name, line,
-		       s->addr, s->size);
+		       " (%" PRIu64 " bytes) lost its pattern",
+		       r->name, line, s->addr, s->size);
 		return -EFAULT;
 	}
 	return 0;
@@ -671,8 +670,8 @@ static int teardown(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 
 static int replay(struct replay *r, const struct options *o)
 {
-	struct blockmap bm = { 0 };
-	struct streammap sm = { 0 };
+	struct blockmap bm = {0};
+	struct streammap sm = {0};
 	gmlake_ctx *ctx;
 	uint64_t t0;
 	int ret, ret2;
@@ -711,7 +710,7 @@ static double pct_us(const uint64_t *v, uint64_t n, unsigned q)
 
 	if (!n)
 		return NAN;
-	k = (q * n + 99) / 100;		/* ceil(q / 100 * n), no libm */
+	k = (q * n + 99) / 100; /* ceil(q / 100 * n), no libm */
 	if (k)
 		k--;
 	if (k >= n)
@@ -754,7 +753,7 @@ static void compute(struct replay *r, struct result *x)
 	static const int vmm[] = {
 		GMLAKE_CALL_mem_create, GMLAKE_CALL_mem_release,
 		GMLAKE_CALL_va_reserve, GMLAKE_CALL_va_free,
-		GMLAKE_CALL_mem_map, GMLAKE_CALL_mem_unmap,
+		GMLAKE_CALL_mem_map,	GMLAKE_CALL_mem_unmap,
 		GMLAKE_CALL_set_access,
 	};
 	const struct gmlake_stats *e = &r->end;
@@ -928,9 +927,10 @@ static void print_row(const struct replay *r, const struct result *x)
 	       " %7" PRIu64 " %7" PRIu64 " %8s %8s %7" PRIu64 "\n",
 	       r->name, r->events, (double)e->requested_bytes.peak / GIB,
 	       (double)e->reserved_bytes.peak / GIB,
-	       cell(b[0], 32, x->frag_pct, 2), cell(b[1], 32, x->torch_frag_pct, 2),
-	       cell(b[2], 32, x->exp_frag_pct, 2), cell(b[3], 32, x->half_ms, 1),
-	       cell(b[4], 32, x->half_pct, 2),
+	       cell(b[0], 32, x->frag_pct, 2),
+	       cell(b[1], 32, x->torch_frag_pct, 2),
+	       cell(b[2], 32, x->exp_frag_pct, 2),
+	       cell(b[3], 32, x->half_ms, 1), cell(b[4], 32, x->half_pct, 2),
 	       cell(b[5], 32, x->measured_half_ms, 1), x->creates, x->maps,
 	       x->set_access, x->unmaps, x->releases, e->stitches,
 	       e->stitch_reuses, cell(b[6], 32, x->p50_us, 1),
@@ -1002,20 +1002,20 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, struct options *o)
 {
 	static const struct option longopts[] = {
-		{ "backend", required_argument, NULL, 'b' },
-		{ "json", no_argument, NULL, 'j' },
-		{ "touch", no_argument, NULL, 't' },
-		{ "chunk-size", required_argument, NULL, 'c' },
-		{ "capacity", required_argument, NULL, 'C' },
-		{ "quiet", no_argument, NULL, 'q' },
-		{ "help", no_argument, NULL, 'h' },
-		{ "version", no_argument, NULL, 'V' },
-		{ NULL, 0, NULL, 0 },
+		{"backend", required_argument, NULL, 'b'},
+		{"json", no_argument, NULL, 'j'},
+		{"touch", no_argument, NULL, 't'},
+		{"chunk-size", required_argument, NULL, 'c'},
+		{"capacity", required_argument, NULL, 'C'},
+		{"quiet", no_argument, NULL, 'q'},
+		{"help", no_argument, NULL, 'h'},
+		{"version", no_argument, NULL, 'V'},
+		{NULL, 0, NULL, 0},
 	};
 	int c;
 
-	while ((c = getopt_long(argc, argv, "b:jtc:C:qhV", longopts,
-				NULL)) != -1) {
+	while ((c = getopt_long(argc, argv, "b:jtc:C:qhV", longopts, NULL)) !=
+	       -1) {
 		switch (c) {
 		case 'b':
 			if (!strcasecmp(optarg, "emu")) {
@@ -1037,7 +1037,7 @@ static int parse_args(int argc, char **argv, struct options *o)
 		case 'c':
 		case 'C':
 			if (parse_size(optarg, c == 'c' ? &o->chunk_size :
-					       &o->capacity)) {
+							  &o->capacity)) {
 				errmsg("bad size '%s'", optarg);
 				return -EINVAL;
 			}
@@ -1069,7 +1069,7 @@ static int parse_args(int argc, char **argv, struct options *o)
 static int one_trace(const char *path, const struct options *o,
 		     bool *header_done)
 {
-	struct replay r = { .path = path };
+	struct replay r = {.path = path};
 	struct result x;
 	int ret;
 
@@ -1098,7 +1098,7 @@ static int one_trace(const char *path, const struct options *o,
 
 int main(int argc, char **argv)
 {
-	struct options o = { .backend = GMLAKE_BACKEND_DEFAULT };
+	struct options o = {.backend = GMLAKE_BACKEND_DEFAULT};
 	bool header_done = false;
 	int i, failed = 0;
 

@@ -16,9 +16,11 @@
 #	beside the sources (no compiler, libtool or Check needed there).
 #	Runs every tests/check_* program and examples/example with
 #	GMLAKE_BACKEND=cuda and then =emu, then replays tests/data/*.trace.gz
-#	with gmlake-replay on both backends, timing each step. Logs go to
-#	${OUT:-/tmp}/gpu-*.log, a summary to ${OUT:-/tmp}/gpu-summary.log; the
-#	last line is "N passed, M failed, K skipped". Exit 1 if any step failed.
+#	with gmlake-replay on both backends, timing each step. Writes four
+#	files to ${OUT:-/tmp}: gpu-summary.log (machine, timings, results;
+#	its last line is "N passed, M failed, K skipped"), gpu-tests.log (every
+#	step's output, in order) and gpu-replay-{cuda,emu}.json. Exit 1 if any
+#	step failed.
 #
 # Environment for run: CK_DEFAULT_TIMEOUT (default 120 s per test case),
 # GML_STEP_TIMEOUT (default 300 s per program), OUT (log folder).
@@ -30,7 +32,7 @@ cd "$root"
 build=build-gpu
 
 usage() {
-	sed -n '4,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+	sed -n '4,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 	exit 2
 }
 
@@ -110,15 +112,20 @@ do_build() {
 # ---------------------------------------------------------------------------
 
 out=${OUT:-/tmp}
+logdir=""
+steps=()
 summary=()
 n_pass=0
 n_fail=0
 n_skip=0
 
-# step NAME LOG CMD...: run CMD with its output in LOG, time it, record it.
+# step NAME CMD...: run CMD with its output in a log of its own, time it,
+# record the result.
 step() {
-	local name=$1 log=$2 t0 t1 rc result secs
-	shift 2
+	local name=$1 log t0 t1 rc result secs
+	shift
+	log="$logdir/$(printf '%03d' ${#steps[@]}).log"
+	steps+=("$name")
 	t0=$(now)
 	set +e
 	timeout "${GML_STEP_TIMEOUT:-300}" "$@" >"$log" 2>&1
@@ -152,6 +159,8 @@ do_run() {
 		exit 1
 	fi
 	mkdir -p "$out"
+	logdir=$(mktemp -d)
+	trap 'rm -rf "$logdir"' EXIT
 	t0=$(now)
 	export LD_LIBRARY_PATH="$root/$build/runtime-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 	export CK_DEFAULT_TIMEOUT="${CK_DEFAULT_TIMEOUT:-120}"
@@ -167,7 +176,7 @@ do_run() {
 		else
 			echo "nvidia-smi: not found"
 		fi
-	} 2>&1 | tee "$out/gpu-nvidia-smi.log"
+	} 2>&1 | tee "$logdir/machine"
 	xid0=$(xid_count)
 
 	for backend in cuda emu; do
@@ -176,7 +185,7 @@ do_run() {
 			name=$(basename "$t")
 			case $name in *.*) continue ;; esac
 			[ -f "$t" ] && [ -x "$t" ] || continue
-			step "$name ($backend)" "$out/gpu-$backend-$name.log" \
+			step "$name ($backend)" \
 				env GMLAKE_BACKEND="$backend" "$t"
 		done
 	done
@@ -184,20 +193,25 @@ do_run() {
 	traces=(tests/data/*.trace.gz)
 	for backend in cuda emu; do
 		echo "== gmlake-replay --backend $backend"
-		step "gmlake-replay ($backend)" "$out/gpu-replay-$backend.log" \
+		step "gmlake-replay ($backend)" \
 			sh -c '"$@" >"$0"' "$out/gpu-replay-$backend.json" \
 			"$build/tools/gmlake-replay" --backend "$backend" --json \
 			"${traces[@]}"
 	done
 
 	xid1=$(xid_count)
+	for i in "${!steps[@]}"; do
+		echo "===== ${steps[$i]}"
+		cat "$logdir/$(printf '%03d' "$i").log"
+	done >"$out/gpu-tests.log"
 	{
+		cat "$logdir/machine"
 		echo "== summary ($(elapsed "$t0" "$(now)") s in all)"
 		printf '%s\n' "${summary[@]}"
 		if [ "$xid1" != "$xid0" ]; then
 			echo "warning: $((xid1 - xid0)) new 'NVRM: Xid' lines in dmesg"
 		fi
-		echo "logs: $out/gpu-*.log, replay JSON: $out/gpu-replay-*.json"
+		echo "output of each step: $out/gpu-tests.log; replay JSON: $out/gpu-replay-*.json"
 		echo "$n_pass passed, $n_fail failed, $n_skip skipped"
 	} | tee "$out/gpu-summary.log"
 	[ "$n_fail" -eq 0 ]

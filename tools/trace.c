@@ -22,22 +22,22 @@
 
 #include "trace.h"
 
-#define TRACE_BUF_SIZE	(64 * 1024)	/* must exceed GML_TRACE_LINE_MAX + 1 */
-#define ACTION_MAX	32
-#define SIDECAR_MAX	(1024 * 1024)
+#define TRACE_BUF_SIZE (64 * 1024) /* must exceed GML_TRACE_LINE_MAX + 1 */
+#define ACTION_MAX     32
+#define SIDECAR_MAX    (1024 * 1024)
 
 struct gml_trace {
 	gzFile gz;
 	char *path;
 	struct gml_trace_info info;
-	bool header_done;	/* an event line has been seen */
-	bool eof;		/* gzread has nothing more */
-	bool skipping;		/* discarding the rest of an overlong line */
-	bool truncated;		/* the compressed stream ended early */
-	int io_err;		/* sticky -EIO */
-	bool pending;		/* read_header's look-ahead in pending_ev */
+	bool header_done; /* an event line has been seen */
+	bool eof;	  /* gzread has nothing more */
+	bool skipping;	  /* discarding the rest of an overlong line */
+	bool truncated;	  /* the compressed stream ended early */
+	int io_err;	  /* sticky -EIO */
+	bool pending;	  /* read_header's look-ahead in pending_ev */
 	struct gml_trace_event pending_ev;
-	size_t start, end;	/* unread bytes are buf[start, end) */
+	size_t start, end; /* unread bytes are buf[start, end) */
 	char err[1024];
 	char buf[TRACE_BUF_SIZE];
 };
@@ -137,7 +137,7 @@ int gml_trace_parse_line(const char *line, size_t len,
 {
 	const char *dummy;
 	const char *p = line, *e = line + len, *action;
-	uint64_t *fields[3] = { &ev->addr, &ev->size, &ev->stream };
+	uint64_t *fields[3] = {&ev->addr, &ev->size, &ev->stream};
 	int i, ret;
 
 	if (!why)
@@ -203,12 +203,12 @@ static int header_word(struct gml_trace_header *hdr, const char *w,
 		unsigned bit;
 		size_t off;
 	} nums[] = {
-		{ "steps", GML_TRACE_HAVE_STEPS,
-		  offsetof(struct gml_trace_header, steps) },
-		{ "peak_alloc", GML_TRACE_HAVE_PEAK_ALLOC,
-		  offsetof(struct gml_trace_header, peak_alloc) },
-		{ "peak_reserved", GML_TRACE_HAVE_PEAK_RESERVED,
-		  offsetof(struct gml_trace_header, peak_reserved) },
+		{"steps", GML_TRACE_HAVE_STEPS,
+		 offsetof(struct gml_trace_header, steps)},
+		{"peak_alloc", GML_TRACE_HAVE_PEAK_ALLOC,
+		 offsetof(struct gml_trace_header, peak_alloc)},
+		{"peak_reserved", GML_TRACE_HAVE_PEAK_RESERVED,
+		 offsetof(struct gml_trace_header, peak_reserved)},
 	};
 	size_t klen = (size_t)(eq - w), vlen = (size_t)(e - eq - 1);
 	const char *v = eq + 1;
@@ -444,8 +444,7 @@ static int read_line(struct gml_trace *t, const char **line, size_t *len)
 	}
 
 out_truncated:
-	snprintf(t->err, sizeof(t->err), "%s: unexpected end of file",
-		 t->path);
+	snprintf(t->err, sizeof(t->err), "%s: unexpected end of file", t->path);
 	t->io_err = -EIO;
 	return -EIO;
 }
@@ -537,8 +536,8 @@ int gml_trace_next(struct gml_trace *t, struct gml_trace_event *ev)
 	return ret;
 }
 
-int gml_trace_sidecar_path(const char *trace, const char *suffix,
-			   char *buf, size_t len)
+int gml_trace_sidecar_path(const char *trace, const char *suffix, char *buf,
+			   size_t len)
 {
 	size_t n = strlen(trace), slen = strlen(suffix);
 
@@ -561,8 +560,8 @@ struct json {
 
 static void json_ws(struct json *j)
 {
-	while (j->p < j->e && (*j->p == ' ' || *j->p == '\t' ||
-			       *j->p == '\n' || *j->p == '\r'))
+	while (j->p < j->e && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' ||
+			       *j->p == '\r'))
 		j->p++;
 }
 
@@ -624,7 +623,7 @@ static int json_number(struct json *j, double *val)
  */
 static int json_value(struct json *j, double *num, bool *is_num)
 {
-	static const char *const lits[] = { "true", "false", "null" };
+	static const char *const lits[] = {"true", "false", "null"};
 	unsigned depth = 0;
 	size_t i, n;
 
@@ -675,16 +674,16 @@ static void sidecar_set(struct gml_trace_sidecar *sc, const char *key,
 		unsigned bit;
 		size_t off;
 	} keys[] = {
-		{ "steps", GML_SIDECAR_HAVE_STEPS,
-		  offsetof(struct gml_trace_sidecar, steps) },
-		{ "step_ms", GML_SIDECAR_HAVE_STEP_MS,
-		  offsetof(struct gml_trace_sidecar, step_ms) },
-		{ "peak_alloc", GML_SIDECAR_HAVE_PEAK_ALLOC,
-		  offsetof(struct gml_trace_sidecar, peak_alloc) },
-		{ "peak_reserved", GML_SIDECAR_HAVE_PEAK_RESERVED,
-		  offsetof(struct gml_trace_sidecar, peak_reserved) },
-		{ "frag_pct", GML_SIDECAR_HAVE_FRAG_PCT,
-		  offsetof(struct gml_trace_sidecar, frag_pct) },
+		{"steps", GML_SIDECAR_HAVE_STEPS,
+		 offsetof(struct gml_trace_sidecar, steps)},
+		{"step_ms", GML_SIDECAR_HAVE_STEP_MS,
+		 offsetof(struct gml_trace_sidecar, step_ms)},
+		{"peak_alloc", GML_SIDECAR_HAVE_PEAK_ALLOC,
+		 offsetof(struct gml_trace_sidecar, peak_alloc)},
+		{"peak_reserved", GML_SIDECAR_HAVE_PEAK_RESERVED,
+		 offsetof(struct gml_trace_sidecar, peak_reserved)},
+		{"frag_pct", GML_SIDECAR_HAVE_FRAG_PCT,
+		 offsetof(struct gml_trace_sidecar, frag_pct)},
 	};
 	size_t i;
 
@@ -699,7 +698,7 @@ static void sidecar_set(struct gml_trace_sidecar *sc, const char *key,
 int gml_trace_sidecar_parse(const char *text, size_t len,
 			    struct gml_trace_sidecar *sc, const char **why)
 {
-	struct json j = { text, text + len, "" };
+	struct json j = {text, text + len, ""};
 	const char *dummy;
 	char key[32];
 	double val;

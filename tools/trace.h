@@ -38,7 +38,7 @@ enum gml_trace_kind {
 	GML_TRACE_SEGMENT_FREE,
 	GML_TRACE_SEGMENT_MAP,
 	GML_TRACE_SEGMENT_UNMAP,
-	GML_TRACE_OTHER,		/* well-formed, action unknown */
+	GML_TRACE_OTHER, /* well-formed, action unknown */
 	GML_TRACE_KIND_COUNT
 };
 
@@ -50,30 +50,30 @@ struct gml_trace_event {
 };
 
 /* Bits of gml_trace_header.have. */
-#define GML_TRACE_HAVE_STEPS		(1u << 0)
-#define GML_TRACE_HAVE_PEAK_ALLOC	(1u << 1)
-#define GML_TRACE_HAVE_PEAK_RESERVED	(1u << 2)
-#define GML_TRACE_HAVE_WORKLOAD		(1u << 3)
-#define GML_TRACE_HAVE_PRODUCER		(1u << 4)
+#define GML_TRACE_HAVE_STEPS	     (1u << 0)
+#define GML_TRACE_HAVE_PEAK_ALLOC    (1u << 1)
+#define GML_TRACE_HAVE_PEAK_RESERVED (1u << 2)
+#define GML_TRACE_HAVE_WORKLOAD	     (1u << 3)
+#define GML_TRACE_HAVE_PRODUCER	     (1u << 4)
 
 /* What the leading comments say; a field is valid when its bit is set. */
 struct gml_trace_header {
 	unsigned have;
-	char producer[64];	/* "pytorch 2.11.0+cu130" */
+	char producer[64]; /* "pytorch 2.11.0+cu130" */
 	char workload[64];
 	uint64_t steps;
 	uint64_t peak_alloc;	/* PyTorch's peak allocated bytes */
-	uint64_t peak_reserved;	/* PyTorch's peak reserved bytes */
+	uint64_t peak_reserved; /* PyTorch's peak reserved bytes */
 };
 
 /* Counts of what the reader has returned so far. */
 struct gml_trace_info {
 	struct gml_trace_header header;
-	uint64_t lines;			/* lines read, the current one included */
+	uint64_t lines; /* lines read, the current one included */
 	uint64_t comments;
-	uint64_t events;		/* event lines, GML_TRACE_OTHER included */
+	uint64_t events; /* event lines, GML_TRACE_OTHER included */
 	uint64_t kinds[GML_TRACE_KIND_COUNT];
-	uint64_t errors;		/* malformed lines reported */
+	uint64_t errors; /* malformed lines reported */
 };
 
 struct gml_trace;
@@ -132,15 +132,15 @@ const char *gml_trace_error(const struct gml_trace *t);
  * NAME) gives NAME<suffix>, e.g. suffix ".trace.json" or
  * ".expandable.json". 0, or -ENAMETOOLONG when buf is too small.
  */
-int gml_trace_sidecar_path(const char *trace, const char *suffix,
-			   char *buf, size_t len);
+int gml_trace_sidecar_path(const char *trace, const char *suffix, char *buf,
+			   size_t len);
 
 /* Bits of gml_trace_sidecar.have. */
-#define GML_SIDECAR_HAVE_STEPS		(1u << 0)
-#define GML_SIDECAR_HAVE_STEP_MS	(1u << 1)
-#define GML_SIDECAR_HAVE_PEAK_ALLOC	(1u << 2)
-#define GML_SIDECAR_HAVE_PEAK_RESERVED	(1u << 3)
-#define GML_SIDECAR_HAVE_FRAG_PCT	(1u << 4)
+#define GML_SIDECAR_HAVE_STEPS	       (1u << 0)
+#define GML_SIDECAR_HAVE_STEP_MS       (1u << 1)
+#define GML_SIDECAR_HAVE_PEAK_ALLOC    (1u << 2)
+#define GML_SIDECAR_HAVE_PEAK_RESERVED (1u << 3)
+#define GML_SIDECAR_HAVE_FRAG_PCT      (1u << 4)
 
 /* The numbers of a sidecar ({"steps": 12, "step_ms": 233.3, ...}). */
 struct gml_trace_sidecar {

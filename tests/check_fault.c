@@ -1,0 +1,473 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * check_fault: every error path of the allocator, reached by failing the
+ * Nth driver call of one kind (gml_dev_fail_nth) on the emulated device.
+ *
+ * For each call kind the allocation paths use, and for nth = 1, 2, ... until
+ * the scenario runs through without the fault firing, a fixed scenario runs
+ * with the fault armed: grow, stitch, stitched reuse, cross-stream reuse,
+ * free, trim, grow again, out of memory. Every public call must succeed or
+ * return a negative errno; afterwards the invariants hold, live blocks keep
+ * their bytes, the next allocation works, and freeing everything plus a
+ * trim leaves no chunk, mapping or reservation on the device.
+ *
+ * A second case fails calls inside gmlake_ctx_destroy and checks that the
+ * process is left with no descriptor and no mapping of the device.
+ */
+#include "helpers.h"
+
+#define CAP_CHUNKS(n) ((size_t)(n) * TH_CHUNK)
+#define F_BLOCKS 32
+#define F_MAX_NTH 400
+
+/* The call kinds the allocation paths use. */
+static const int fault_kinds[] = {
+	GMLAKE_CALL_mem_create,	  GMLAKE_CALL_va_reserve,
+	GMLAKE_CALL_mem_map,	  GMLAKE_CALL_set_access,
+	GMLAKE_CALL_mem_unmap,	  GMLAKE_CALL_mem_release,
+	GMLAKE_CALL_va_free,	  GMLAKE_CALL_event_create,
+	GMLAKE_CALL_event_record, GMLAKE_CALL_event_query,
+};
+#define N_KINDS ((int)(sizeof(fault_kinds) / sizeof(fault_kinds[0])))
+
+static const int fault_errs[] = { ENOMEM, EIO };
+
+/* The fault of the run in progress, for messages: "mem_map nth 3 EIO". */
+static char site[64];
+
+/* The invariants, with the fault site and step in the message. */
+static void f_check(gmlake_ctx *ctx, const char *step)
+{
+	int ret = gml_ctx_check(ctx);
+
+	ck_assert_msg(ret == 0, "%s, after %s: gml_ctx_check: %d (%s)", site,
+		      step, ret, gmlake_last_error());
+}
+
+struct fblk {
+	void *p;
+	size_t size;
+	uint64_t seed;
+	gmlake_stream_t s;
+	bool live;
+};
+
+struct fs {
+	gmlake_ctx *ctx;
+	gmlake_stream_t a, b;
+	struct fblk blk[F_BLOCKS];
+	int n;
+	int failed;		/* public calls that returned an error */
+	int lost;		/* frees that failed yet ended the block */
+	char trace[64];		/* the step that runs, for messages */
+};
+
+/* A public call's result: 0, or a negative errno. Never anything else. */
+static bool f_ok(struct fs *f, int ret, const char *what)
+{
+	ck_assert_msg(ret <= 0 && ret > -4096, "%s: %s: %s returned %d",
+		      site, f->trace, what, ret);
+	f_check(f->ctx, f->trace);
+	if (ret)
+		f->failed++;
+	return ret == 0;
+}
+
+/* Allocate and fill; the slot, or -1 when the allocation failed. */
+static int f_alloc(struct fs *f, size_t size, gmlake_stream_t s)
+{
+	struct fblk *b;
+	void *p = NULL;
+	int ret;
+
+	snprintf(f->trace, sizeof(f->trace), "alloc %zu", size);
+	ret = gmlake_alloc(f->ctx, &p, size, s);
+	if (!f_ok(f, ret, "gmlake_alloc"))
+		return -1;
+	ck_assert_int_lt(f->n, F_BLOCKS);
+	b = &f->blk[f->n];
+	b->p = p;
+	b->size = size;
+	b->seed = 0xf000 + (uint64_t)f->n;
+	b->s = s;
+	b->live = true;
+	th_fill_ok(f->ctx, p, size, b->seed, s);
+	return f->n++;
+}
+
+/* Verify and free; a failed free must leave the block whole or gone. */
+static void f_free(struct fs *f, int i)
+{
+	struct fblk *b;
+	size_t sz;
+	int ret;
+
+	if (i < 0 || !f->blk[i].live)
+		return;
+	b = &f->blk[i];
+	th_verify_ok(f->ctx, b->p, b->size, b->seed, b->s);
+	snprintf(f->trace, sizeof(f->trace), "free %zu", b->size);
+	ret = gmlake_free(f->ctx, b->p);
+	if (f_ok(f, ret, "gmlake_free")) {
+		b->live = false;
+		return;
+	}
+	ret = gmlake_block_size(f->ctx, b->p, &sz);
+	if (ret == 0) {
+		ck_assert_uint_eq(sz, b->size);
+		return;		/* still live: checked and freed later */
+	}
+	ck_assert_int_eq(ret, -EINVAL);
+	b->live = false;
+	f->lost++;
+}
+
+static void f_trim(struct fs *f)
+{
+	snprintf(f->trace, sizeof(f->trace), "trim");
+	f_ok(f, gmlake_trim(f->ctx), "gmlake_trim");
+}
+
+static void f_sync(struct fs *f, gmlake_stream_t s)
+{
+	snprintf(f->trace, sizeof(f->trace), "sync");
+	f_ok(f, gmlake_stream_synchronize(f->ctx, s),
+	     "gmlake_stream_synchronize");
+}
+
+/* The fixed scenario; runs with a fault armed. */
+static void scenario(struct fs *f)
+{
+	int i0, i1, i3, i6, i7, i9, s0, s1;
+	void *p = NULL;
+
+	/* Grow: large blocks and small ones, on two streams. */
+	i0 = f_alloc(f, 4 * TH_MiB, f->a);
+	i1 = f_alloc(f, 2 * TH_MiB, f->a);
+	f_alloc(f, 2 * TH_MiB, f->a);
+	i3 = f_alloc(f, 2 * TH_MiB, f->a);
+	f_alloc(f, 2 * TH_MiB, f->a);
+	f_alloc(f, 6 * TH_MiB, f->a);
+	s0 = f_alloc(f, 3000, f->a);
+	s1 = f_alloc(f, 70000, f->a);
+	f_alloc(f, 100, f->b);
+
+	/* Stitch two non-adjacent free chunks, then reuse the range. */
+	f_free(f, i1);
+	f_free(f, i3);
+	i6 = f_alloc(f, 4 * TH_MiB, f->a);
+	f_free(f, i6);
+	i7 = f_alloc(f, 4 * TH_MiB, f->a);
+
+	/* Cross-stream reuse: freed on a, synchronized, taken on b. */
+	f_free(f, i0);
+	f_sync(f, f->a);
+	f_alloc(f, 4 * TH_MiB, f->b);
+
+	/* Free and trim; grow again; out of memory; free and trim. */
+	f_free(f, s0);
+	f_free(f, i7);
+	f_trim(f);
+	i9 = f_alloc(f, 8 * TH_MiB, f->b);
+	f_alloc(f, 1000, f->b);
+	snprintf(f->trace, sizeof(f->trace), "alloc 64 MiB");
+	ck_assert_int_lt(gmlake_alloc(f->ctx, &p, 64 * TH_MiB, f->a), 0);
+	f_check(f->ctx, f->trace);
+	f_free(f, i9);
+	f_free(f, s1);
+	f_trim(f);
+}
+
+/* After the scenario, with the fault disarmed: all must be well. */
+static void aftermath(struct fs *f, const struct gml_emu_info *base)
+{
+	struct gml_emu_info info;
+	struct gmlake_stats st;
+	void *p = NULL;
+	int i, ret;
+
+	f_check(f->ctx, "the scenario");
+	for (i = 0; i < f->n; i++)
+		if (f->blk[i].live)
+			th_verify_ok(f->ctx, f->blk[i].p, f->blk[i].size,
+				     f->blk[i].seed, f->blk[i].s);
+
+	/* The next allocations work. */
+	ret = gmlake_alloc(f->ctx, &p, 4 * TH_MiB, f->a);
+	ck_assert_msg(ret == 0, "%s: alloc after the fault: %d (%s)", site,
+		      ret, gmlake_last_error());
+	th_fill_ok(f->ctx, p, 4 * TH_MiB, 1, f->a);
+	th_verify_ok(f->ctx, p, 4 * TH_MiB, 1, f->a);
+	th_free(f->ctx, p);
+	p = th_alloc(f->ctx, 512, f->b);
+	th_free(f->ctx, p);
+
+	/* Everything freed and trimmed: nothing left on the device. */
+	for (i = 0; i < f->n; i++) {
+		if (!f->blk[i].live)
+			continue;
+		th_verify_ok(f->ctx, f->blk[i].p, f->blk[i].size,
+			     f->blk[i].seed, f->blk[i].s);
+		th_free(f->ctx, f->blk[i].p);
+		f->blk[i].live = false;
+	}
+	th_sync(f->ctx, f->a);
+	th_sync(f->ctx, f->b);
+	ret = gmlake_trim(f->ctx);
+	ck_assert_msg(ret == 0, "%s: trim after the fault: %d (%s)", site,
+		      ret, gmlake_last_error());
+	f_check(f->ctx, "the last trim");
+	th_stats(f->ctx, &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	ck_assert_int_eq(st.requested_bytes.current, 0);
+	ck_assert_msg(st.reserved_bytes.current == 0 && st.chunks.current == 0,
+		      "%s: all freed and trimmed, %" PRId64 " chunks, %" PRId64
+		      " bytes reserved", site, st.chunks.current,
+		      st.reserved_bytes.current);
+	th_emu_info(f->ctx, &info);
+	ck_assert_msg(info.live_handles == 0, "%s: %" PRIu64 " chunks leaked",
+		      site, info.live_handles);
+	ck_assert_msg(info.live_mappings == 0, "%s: %" PRIu64
+		      " mappings leaked", site, info.live_mappings);
+	ck_assert_msg(info.live_reservations <= base->live_reservations,
+		      "%s: %" PRIu64 " reservations, %" PRIu64 " at the start",
+		      site, info.live_reservations, base->live_reservations);
+	ck_assert_msg(info.used == 0, "%s: %zu device bytes held", site,
+		      info.used);
+}
+
+/*
+ * One run: a fresh context, the fault (kind, nth, err) armed, the scenario,
+ * the checks. Whether the fault fired.
+ */
+static bool run_one(int kind, uint64_t nth, int err, int *failed, int *lost)
+{
+	struct fs f;
+	struct gml_emu_info base;
+	struct gml_dev *dev;
+	uint64_t before;
+	bool fired;
+
+	memset(&f, 0, sizeof(f));
+	f.ctx = th_ctx(CAP_CHUNKS(16));
+	ck_assert(th_is_emu(f.ctx));
+	f.a = th_stream(f.ctx);
+	f.b = th_stream(f.ctx);
+	th_emu_info(f.ctx, &base);
+	dev = th_dev(f.ctx);
+	before = dev->call_failures[kind];
+	snprintf(site, sizeof(site), "%s nth %" PRIu64 " %s",
+		 gmlake_call_name(kind), nth, err == EIO ? "EIO" : "ENOMEM");
+	gml_dev_fail_nth(dev, kind, nth, err);
+
+	scenario(&f);
+
+	fired = dev->call_failures[kind] > before;
+	gml_dev_fail_nth(dev, -1, 0, 0);
+	ck_assert_msg(fired || f.failed == 0,
+		      "%s nth %" PRIu64 ": %d calls failed, no fault fired",
+		      gmlake_call_name(kind), nth, f.failed);
+	aftermath(&f, &base);
+	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.a));
+	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.b));
+	th_destroy(f.ctx);
+	*failed += f.failed;
+	*lost += f.lost;
+	return fired;
+}
+
+START_TEST(test_fault_walk)
+{
+	int kind = fault_kinds[_i];
+	int e, sites = 0, failed = 0, lost = 0;
+	int fds = th_count_fds(), maps = th_count_memfd_maps();
+	uint64_t nth;
+
+	for (e = 0; e < 2; e++) {
+		for (nth = 1; nth <= F_MAX_NTH; nth++) {
+			if (!run_one(kind, nth, fault_errs[e], &failed, &lost))
+				break;
+			sites++;
+		}
+		ck_assert_msg(nth <= F_MAX_NTH, "%s: still firing at nth %d",
+			      gmlake_call_name(kind), F_MAX_NTH);
+	}
+	printf("fault sites exercised: %s: %d (kind, nth, errno) runs, %d "
+	       "public calls failed, %d failed frees ended their block\n",
+	       gmlake_call_name(kind), sites, failed, lost);
+	/* The scenario maps, unmaps and releases memory: those must fire. */
+	switch (kind) {
+	case GMLAKE_CALL_mem_create:
+	case GMLAKE_CALL_va_reserve:
+	case GMLAKE_CALL_mem_map:
+	case GMLAKE_CALL_set_access:
+	case GMLAKE_CALL_mem_unmap:
+	case GMLAKE_CALL_mem_release:
+	case GMLAKE_CALL_va_free:
+		ck_assert_msg(sites > 0, "%s never called by the scenario",
+			      gmlake_call_name(kind));
+		break;
+	default:
+		break;
+	}
+	ck_assert_int_eq(th_count_fds(), fds);
+	ck_assert_int_eq(th_count_memfd_maps(), maps);
+}
+END_TEST
+
+/* Frees must be stream-ordered: some event call must be in the scenario. */
+START_TEST(test_fault_events_used)
+{
+	struct fs f;
+	struct gmlake_stats st;
+
+	memset(&f, 0, sizeof(f));
+	snprintf(site, sizeof(site), "no fault");
+	f.ctx = th_ctx(CAP_CHUNKS(16));
+	f.a = th_stream(f.ctx);
+	f.b = th_stream(f.ctx);
+	scenario(&f);
+	ck_assert_int_eq(f.failed, 0);
+	th_stats(f.ctx, &st);
+	printf("scenario calls:");
+	{
+		int k;
+
+		for (k = 0; k < GMLAKE_CALL_COUNT; k++)
+			printf(" %s=%" PRIu64, gmlake_call_name(k),
+			       st.calls[k]);
+	}
+	printf("\n");
+	ck_assert_uint_gt(st.calls[GMLAKE_CALL_event_record] +
+				  st.calls[GMLAKE_CALL_event_query],
+			  0);
+	ck_assert_uint_eq(st.call_failures[GMLAKE_CALL_mem_map], 0);
+	aftermath(&f, &(struct gml_emu_info){ .live_reservations = ~0ull });
+	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.a));
+	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.b));
+	th_destroy(f.ctx);
+}
+END_TEST
+
+/* The call counters follow injected failures. */
+START_TEST(test_fault_counted)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	struct gmlake_stats s0, s1;
+	void *p = NULL;
+	int ret;
+
+	th_stats(ctx, &s0);
+	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_mem_create, 1, EIO);
+	ret = gmlake_alloc(ctx, &p, 4 * TH_MiB, NULL);
+	th_check(ctx);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.call_failures[GMLAKE_CALL_mem_create],
+			  s0.call_failures[GMLAKE_CALL_mem_create] + 1);
+	if (ret == 0) {
+		/* Retried: fine, the block must be whole. */
+		th_fill_ok(ctx, p, 4 * TH_MiB, 1, NULL);
+		th_free(ctx, p);
+	} else {
+		ck_assert_int_lt(ret, 0);
+		ck_assert_str_ne(gmlake_last_error(), "");
+		th_stats(ctx, &s1);
+		ck_assert_int_eq(s1.active_blocks.current, 0);
+	}
+	p = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Faults inside gmlake_ctx_destroy.                                      */
+
+#define D_MAX_NTH 12
+
+static gmlake_ctx *destroy_state(bool leave_live)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	gmlake_stream_t a = th_stream(ctx);
+	void *p[8], *big, *sm;
+	int i;
+
+	for (i = 0; i < 8; i++)
+		p[i] = th_alloc(ctx, 2 * TH_MiB, a);
+	sm = th_alloc(ctx, 5000, a);
+	for (i = 0; i < 8; i += 2)
+		th_free(ctx, p[i]);
+	big = th_alloc(ctx, 8 * TH_MiB, a);	/* stitched */
+	th_free(ctx, big);			/* cached */
+	if (!leave_live) {
+		for (i = 1; i < 8; i += 2)
+			th_free(ctx, p[i]);
+		th_free(ctx, sm);
+		th_sync(ctx, a);
+		TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	}
+	return ctx;
+}
+
+START_TEST(test_fault_destroy)
+{
+	int kind = fault_kinds[_i];
+	int fds = th_count_fds(), maps = th_count_memfd_maps();
+	int force, nth, errors = 0;
+
+	for (force = 0; force < 2; force++) {
+		for (nth = 1; nth <= D_MAX_NTH; nth++) {
+			gmlake_ctx *ctx = destroy_state(force);
+			int ret;
+
+			gml_dev_fail_nth(th_dev(ctx), kind, (uint64_t)nth,
+					 EIO);
+			ret = gmlake_ctx_destroy(ctx, force);
+			ck_assert_msg(ret == 0 || ret == -EIO,
+				      "destroy (%s nth %d): %d",
+				      gmlake_call_name(kind), nth, ret);
+			ck_assert_msg(ret != -EBUSY, "destroy refused");
+			errors += ret != 0;
+			ck_assert_msg(th_count_fds() == fds &&
+					      th_count_memfd_maps() == maps,
+				      "destroy with %s nth %d failing (force "
+				      "%d) left %d descriptors, %d device "
+				      "mappings (before: %d, %d)",
+				      gmlake_call_name(kind), nth, force,
+				      th_count_fds(), th_count_memfd_maps(),
+				      fds, maps);
+		}
+	}
+	printf("destroy with %s failing: %d of %d destroys reported it\n",
+	       gmlake_call_name(kind), errors, 2 * D_MAX_NTH);
+}
+END_TEST
+
+static Suite *fault_suite(void)
+{
+	Suite *s = suite_create("fault");
+	TCase *tc;
+
+	tc = th_tcase(s, "Walk");
+	tcase_add_loop_test(tc, test_fault_walk, 0, N_KINDS);
+	tc = th_tcase(s, "Basics");
+	tcase_add_test(tc, test_fault_events_used);
+	tcase_add_test(tc, test_fault_counted);
+	tc = th_tcase(s, "Destroy");
+	tcase_add_loop_test(tc, test_fault_destroy, 0, N_KINDS);
+	return s;
+}
+
+int main(void)
+{
+	int probe = th_probe();
+
+	if (probe)
+		return probe;
+	/* Fault injection needs sizes the emulated device can promise. */
+	if (!th_env_is_emu()) {
+		fprintf(stderr, "check_fault runs on the emulated device\n");
+		return 77;
+	}
+	return th_run_suite(fault_suite());
+}

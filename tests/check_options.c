@@ -1,0 +1,791 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * check_options: the GMLAKE_* environment options (lib/options.c) and the
+ * validation of a configuration in gmlake_ctx_init().
+ *
+ * Runs on the emulated device whatever GMLAKE_BACKEND says: each case
+ * starts from an environment without GMLAKE_* variables (checked fixture)
+ * and sets what it tests.
+ */
+#include "helpers.h"
+
+#include <stddef.h>
+
+extern char **environ;
+
+/* Drop every GMLAKE_* variable. */
+static void clear_env(void)
+{
+	char name[128];
+	bool again = true;
+
+	while (again) {
+		char **e;
+
+		again = false;
+		for (e = environ; *e; e++) {
+			const char *eq = strchr(*e, '=');
+			size_t len = eq ? (size_t)(eq - *e) : strlen(*e);
+
+			if (strncmp(*e, "GMLAKE_", 7) || len >= sizeof(name))
+				continue;
+			memcpy(name, *e, len);
+			name[len] = 0;
+			unsetenv(name);
+			again = true;
+			break;
+		}
+	}
+}
+
+static void setup(void)
+{
+	clear_env();
+}
+
+/* gmlake_config_init() with var=val; what it wrote to stderr. */
+static char *init_with(const char *var, const char *val,
+		       struct gmlake_config *cfg)
+{
+	struct th_capture c;
+	char *err;
+	int ret;
+
+	if (var)
+		ck_assert_int_eq(setenv(var, val, 1), 0);
+	memset(cfg, 0xee, sizeof(*cfg));
+	th_capture_begin(&c, STDERR_FILENO);
+	ret = gmlake_config_init(cfg);
+	err = th_capture_end(&c);
+	if (var)
+		unsetenv(var);
+	ck_assert_msg(ret == 0, "gmlake_config_init with %s=%s: %d", var, val,
+		      ret);
+	return err;
+}
+
+static void expect_quiet(char *err, const char *var, const char *val)
+{
+	ck_assert_msg(!strstr(err, var), "%s=%s is valid, yet: %s", var, val,
+		      err);
+	free(err);
+}
+
+static void expect_warning(char *err, const char *var, const char *val)
+{
+	ck_assert_msg(strstr(err, var), "%s='%s' is invalid; stderr does not "
+		      "name the variable: '%s'", var, val, err);
+	free(err);
+}
+
+static void defaults(struct gmlake_config *d)
+{
+	free(init_with(NULL, NULL, d));
+}
+
+/* ---------------------------------------------------------------------- */
+
+START_TEST(test_defaults)
+{
+	struct gmlake_config cfg;
+	char *err = init_with(NULL, NULL, &cfg);
+	int i;
+
+	ck_assert_str_eq(err, "");
+	free(err);
+	ck_assert_uint_eq(cfg.version, GMLAKE_CONFIG_VERSION);
+	ck_assert_uint_eq(cfg.size, sizeof(cfg));
+	ck_assert(cfg.backend == GMLAKE_BACKEND_DEFAULT ||
+		  cfg.backend == GMLAKE_BACKEND_CUDA);
+	ck_assert_int_eq(cfg.device, 0);
+	ck_assert_uint_eq(cfg.chunk_size, 0);
+	ck_assert_uint_eq(cfg.small_size, TH_MiB);
+	ck_assert_uint_eq(cfg.stitch_cache_max, 256);
+	ck_assert_uint_eq(cfg.emu_capacity, 64 * TH_GiB);
+	ck_assert_uint_eq(cfg.emu_granularity, 2 * TH_MiB);
+	ck_assert_uint_eq(cfg.stitch_min, 2 * TH_MiB);
+	ck_assert_int_eq(cfg.log_level, GMLAKE_LOG_WARN);
+	ck_assert(!cfg.show_stats);
+	for (i = 0; i < 8; i++)
+		ck_assert_uint_eq(cfg.reserved[i], 0);
+	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Sizes.                                                                 */
+
+static const struct size_opt {
+	const char *var;
+	size_t off;
+} size_opts[] = {
+	{ "GMLAKE_CHUNK_SIZE", offsetof(struct gmlake_config, chunk_size) },
+	{ "GMLAKE_SMALL_SIZE", offsetof(struct gmlake_config, small_size) },
+	{ "GMLAKE_STITCH_MIN", offsetof(struct gmlake_config, stitch_min) },
+	{ "GMLAKE_EMU_CAPACITY",
+	  offsetof(struct gmlake_config, emu_capacity) },
+	{ "GMLAKE_EMU_GRANULARITY",
+	  offsetof(struct gmlake_config, emu_granularity) },
+};
+#define N_SIZE_OPTS ((int)(sizeof(size_opts) / sizeof(size_opts[0])))
+
+static size_t size_field(const struct gmlake_config *cfg, size_t off)
+{
+	size_t v;
+
+	memcpy(&v, (const char *)cfg + off, sizeof(v));
+	return v;
+}
+
+START_TEST(test_size_values)
+{
+	static const struct {
+		const char *s;
+		size_t v;
+	} good[] = {
+		{ "4194304", 4 * TH_MiB },
+		{ "4M", 4 * TH_MiB },
+		{ "64K", 64 * TH_KiB },
+		{ "2048K", 2 * TH_MiB },
+		{ "1G", TH_GiB },
+		{ "3G", 3 * TH_GiB },
+		{ "1M", TH_MiB },
+		{ "512", 512 },
+	};
+	const struct size_opt *o = &size_opts[_i];
+	struct gmlake_config cfg;
+	unsigned j;
+
+	for (j = 0; j < sizeof(good) / sizeof(good[0]); j++) {
+		char *err = init_with(o->var, good[j].s, &cfg);
+
+		ck_assert_msg(size_field(&cfg, o->off) == good[j].v,
+			      "%s=%s gives %zu, not %zu", o->var, good[j].s,
+			      size_field(&cfg, o->off), good[j].v);
+		expect_quiet(err, o->var, good[j].s);
+	}
+}
+END_TEST
+
+START_TEST(test_size_invalid)
+{
+	static const char *const bad[] = {
+		"abc", "12X", "-1", "-4M", "4MM", "M", "4.5M", "0x",
+		"99999999999999999999", "20000000000G", "18446744073709551616",
+	};
+	const struct size_opt *o = &size_opts[_i];
+	struct gmlake_config cfg, d;
+	unsigned j;
+
+	defaults(&d);
+	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
+		char *err = init_with(o->var, bad[j], &cfg);
+
+		ck_assert_msg(size_field(&cfg, o->off) ==
+				      size_field(&d, o->off),
+			      "%s='%s' gives %zu, not the default %zu",
+			      o->var, bad[j], size_field(&cfg, o->off),
+			      size_field(&d, o->off));
+		expect_warning(err, o->var, bad[j]);
+	}
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Counts, names, booleans.                                               */
+
+START_TEST(test_stitch_cache)
+{
+	static const char *const bad[] = {
+		"x", "-3", "4294967296", "99999999999999999999", "1.5", "7z",
+	};
+	struct gmlake_config cfg;
+	unsigned j;
+
+	expect_quiet(init_with("GMLAKE_STITCH_CACHE", "17", &cfg),
+		     "GMLAKE_STITCH_CACHE", "17");
+	ck_assert_uint_eq(cfg.stitch_cache_max, 17);
+	expect_quiet(init_with("GMLAKE_STITCH_CACHE", "0", &cfg),
+		     "GMLAKE_STITCH_CACHE", "0");
+	ck_assert_uint_eq(cfg.stitch_cache_max, 0);
+	expect_quiet(init_with("GMLAKE_STITCH_CACHE", "100000", &cfg),
+		     "GMLAKE_STITCH_CACHE", "100000");
+	ck_assert_uint_eq(cfg.stitch_cache_max, 100000);
+	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
+		char *err = init_with("GMLAKE_STITCH_CACHE", bad[j], &cfg);
+
+		ck_assert_msg(cfg.stitch_cache_max == 256,
+			      "GMLAKE_STITCH_CACHE='%s' gives %u", bad[j],
+			      cfg.stitch_cache_max);
+		expect_warning(err, "GMLAKE_STITCH_CACHE", bad[j]);
+	}
+}
+END_TEST
+
+START_TEST(test_device)
+{
+	static const char *const bad[] = { "x", "-1", "1x", "99999999999" };
+	struct gmlake_config cfg;
+	unsigned j;
+
+	expect_quiet(init_with("GMLAKE_DEVICE", "3", &cfg), "GMLAKE_DEVICE",
+		     "3");
+	ck_assert_int_eq(cfg.device, 3);
+	expect_quiet(init_with("GMLAKE_DEVICE", "0", &cfg), "GMLAKE_DEVICE",
+		     "0");
+	ck_assert_int_eq(cfg.device, 0);
+	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
+		char *err = init_with("GMLAKE_DEVICE", bad[j], &cfg);
+
+		ck_assert_msg(cfg.device == 0, "GMLAKE_DEVICE='%s' gives %d",
+			      bad[j], cfg.device);
+		expect_warning(err, "GMLAKE_DEVICE", bad[j]);
+	}
+}
+END_TEST
+
+START_TEST(test_backend)
+{
+	static const char *const bad[] = { "opencl", "emulated", "2", "cud" };
+	struct gmlake_config cfg, d;
+	unsigned j;
+
+	defaults(&d);
+	expect_quiet(init_with("GMLAKE_BACKEND", "cuda", &cfg),
+		     "GMLAKE_BACKEND", "cuda");
+	ck_assert_int_eq(cfg.backend, GMLAKE_BACKEND_CUDA);
+	expect_quiet(init_with("GMLAKE_BACKEND", "emu", &cfg),
+		     "GMLAKE_BACKEND", "emu");
+	ck_assert_int_eq(cfg.backend, GMLAKE_BACKEND_EMU);
+	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
+		char *err = init_with("GMLAKE_BACKEND", bad[j], &cfg);
+
+		ck_assert_msg(cfg.backend == d.backend,
+			      "GMLAKE_BACKEND='%s' gives %d", bad[j],
+			      cfg.backend);
+		expect_warning(err, "GMLAKE_BACKEND", bad[j]);
+	}
+}
+END_TEST
+
+START_TEST(test_log_level)
+{
+	static const struct {
+		const char *s;
+		int v;
+	} good[] = {
+		{ "error", GMLAKE_LOG_ERROR }, { "warn", GMLAKE_LOG_WARN },
+		{ "info", GMLAKE_LOG_INFO },   { "debug", GMLAKE_LOG_DEBUG },
+		{ "0", 0 }, { "1", 1 }, { "2", 2 }, { "3", 3 },
+	};
+	static const char *const bad[] = { "loud", "4", "-1", "9", "warnx" };
+	struct gmlake_config cfg, d;
+	unsigned j;
+
+	defaults(&d);
+	for (j = 0; j < sizeof(good) / sizeof(good[0]); j++) {
+		char *err = init_with("GMLAKE_LOG_LEVEL", good[j].s, &cfg);
+
+		ck_assert_msg(cfg.log_level == good[j].v,
+			      "GMLAKE_LOG_LEVEL=%s gives %d", good[j].s,
+			      cfg.log_level);
+		expect_quiet(err, "GMLAKE_LOG_LEVEL", good[j].s);
+	}
+	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
+		char *err = init_with("GMLAKE_LOG_LEVEL", bad[j], &cfg);
+
+		ck_assert_msg(cfg.log_level == d.log_level,
+			      "GMLAKE_LOG_LEVEL='%s' gives %d", bad[j],
+			      cfg.log_level);
+		expect_warning(err, "GMLAKE_LOG_LEVEL", bad[j]);
+	}
+}
+END_TEST
+
+START_TEST(test_show_stats)
+{
+	static const char *const yes[] = { "1", "true", "yes", "on" };
+	static const char *const no[] = { "0", "false", "no", "off" };
+	static const char *const bad[] = { "maybe", "2", "onn", "-1" };
+	struct gmlake_config cfg;
+	unsigned j;
+
+	for (j = 0; j < 4; j++) {
+		expect_quiet(init_with("GMLAKE_SHOW_STATS", yes[j], &cfg),
+			     "GMLAKE_SHOW_STATS", yes[j]);
+		ck_assert_msg(cfg.show_stats, "GMLAKE_SHOW_STATS=%s", yes[j]);
+		expect_quiet(init_with("GMLAKE_SHOW_STATS", no[j], &cfg),
+			     "GMLAKE_SHOW_STATS", no[j]);
+		ck_assert_msg(!cfg.show_stats, "GMLAKE_SHOW_STATS=%s", no[j]);
+	}
+	for (j = 0; j < 4; j++) {
+		char *err = init_with("GMLAKE_SHOW_STATS", bad[j], &cfg);
+
+		ck_assert_msg(!cfg.show_stats, "GMLAKE_SHOW_STATS='%s'",
+			      bad[j]);
+		expect_warning(err, "GMLAKE_SHOW_STATS", bad[j]);
+	}
+}
+END_TEST
+
+/* Several at once: the good ones apply, only the bad one is named. */
+START_TEST(test_several)
+{
+	struct gmlake_config cfg;
+	struct th_capture c;
+	char *err;
+
+	setenv("GMLAKE_BACKEND", "emu", 1);
+	setenv("GMLAKE_CHUNK_SIZE", "4M", 1);
+	setenv("GMLAKE_SMALL_SIZE", "oops", 1);
+	setenv("GMLAKE_EMU_CAPACITY", "1G", 1);
+	setenv("GMLAKE_SHOW_STATS", "yes", 1);
+	setenv("GMLAKE_STITCH_CACHE", "5", 1);
+	th_capture_begin(&c, STDERR_FILENO);
+	ck_assert_int_eq(gmlake_config_init(&cfg), 0);
+	err = th_capture_end(&c);
+	ck_assert_int_eq(cfg.backend, GMLAKE_BACKEND_EMU);
+	ck_assert_uint_eq(cfg.chunk_size, 4 * TH_MiB);
+	ck_assert_uint_eq(cfg.small_size, TH_MiB);
+	ck_assert_uint_eq(cfg.emu_capacity, TH_GiB);
+	ck_assert(cfg.show_stats);
+	ck_assert_uint_eq(cfg.stitch_cache_max, 5);
+	ck_assert_msg(strstr(err, "GMLAKE_SMALL_SIZE"), "stderr: %s", err);
+	ck_assert_msg(!strstr(err, "GMLAKE_CHUNK_SIZE"), "stderr: %s", err);
+	ck_assert_msg(!strstr(err, "GMLAKE_EMU_CAPACITY"), "stderr: %s", err);
+	free(err);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Validation in gmlake_ctx_init().                                       */
+
+static void emu_config(struct gmlake_config *cfg)
+{
+	ck_assert_int_eq(gmlake_config_init(cfg), 0);
+	cfg->backend = GMLAKE_BACKEND_EMU;
+	cfg->emu_capacity = 64 * TH_MiB;
+}
+
+static void expect_init_fails(const struct gmlake_config *cfg, int err,
+			      const char *what)
+{
+	gmlake_ctx *ctx = NULL;
+	int ret = gmlake_ctx_init(&ctx, cfg);
+
+	if (ret == 0)
+		gmlake_ctx_destroy(ctx, true);
+	ck_assert_msg(ret == err, "%s: gmlake_ctx_init = %d, expected %d",
+		      what, ret, err);
+	ck_assert_msg(gmlake_last_error()[0], "%s: no message", what);
+}
+
+START_TEST(test_init_validation)
+{
+	struct gmlake_config cfg;
+
+	emu_config(&cfg);
+	cfg.version = 0;
+	expect_init_fails(&cfg, -EINVAL, "version 0");
+	emu_config(&cfg);
+	cfg.version = GMLAKE_CONFIG_VERSION + 1;
+	expect_init_fails(&cfg, -EINVAL, "version + 1");
+	emu_config(&cfg);
+	cfg.size = sizeof(cfg) - 8;
+	expect_init_fails(&cfg, -EINVAL, "size - 8");
+	emu_config(&cfg);
+	cfg.size = sizeof(cfg) + 8;
+	expect_init_fails(&cfg, -EINVAL, "size + 8");
+	emu_config(&cfg);
+	cfg.size = 0;
+	expect_init_fails(&cfg, -EINVAL, "size 0");
+	emu_config(&cfg);
+	cfg.chunk_size = 3 * TH_MiB;
+	expect_init_fails(&cfg, -EINVAL, "chunk 3 MiB, granularity 2 MiB");
+	emu_config(&cfg);
+	cfg.chunk_size = TH_MiB;
+	expect_init_fails(&cfg, -EINVAL, "chunk 1 MiB, granularity 2 MiB");
+	emu_config(&cfg);
+	cfg.chunk_size = 2 * TH_MiB + 4096;
+	expect_init_fails(&cfg, -EINVAL, "chunk 2 MiB + 4 KiB");
+	emu_config(&cfg);
+	cfg.chunk_size = 6 * TH_MiB;
+	expect_init_fails(&cfg, -EINVAL, "chunk 6 MiB: not a power of two");
+	emu_config(&cfg);
+	cfg.emu_granularity = 4 * TH_MiB;
+	cfg.chunk_size = 2 * TH_MiB;
+	expect_init_fails(&cfg, -EINVAL, "chunk 2 MiB, granularity 4 MiB");
+	emu_config(&cfg);
+	cfg.small_size = 4 * TH_MiB;
+	expect_init_fails(&cfg, -EINVAL, "small size above the chunk size");
+	emu_config(&cfg);
+	cfg.chunk_size = 4 * TH_MiB;
+	cfg.small_size = 8 * TH_MiB;
+	expect_init_fails(&cfg, -EINVAL, "small 8 MiB, chunk 4 MiB");
+	emu_config(&cfg);
+	cfg.device = -1;
+	expect_init_fails(&cfg, -EINVAL, "device -1");
+	emu_config(&cfg);
+	cfg.backend = 3;
+	expect_init_fails(&cfg, -EINVAL, "backend 3");
+	emu_config(&cfg);
+	cfg.backend = -1;
+	expect_init_fails(&cfg, -EINVAL, "backend -1");
+	emu_config(&cfg);
+	cfg.backend = 1000;
+	expect_init_fails(&cfg, -EINVAL, "backend 1000");
+}
+END_TEST
+
+START_TEST(test_chunk_size_used)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx;
+	struct gmlake_stats st;
+	void *p, *q;
+
+	emu_config(&cfg);
+	cfg.chunk_size = 4 * TH_MiB;
+	ctx = th_ctx_cfg(&cfg);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.chunk_size, 4 * TH_MiB);
+	p = th_alloc(ctx, 2 * TH_MiB, NULL);
+	q = th_alloc(ctx, 6 * TH_MiB, NULL);
+	ck_assert_uint_eq((uintptr_t)p % (4 * TH_MiB), 0);
+	ck_assert_uint_eq((uintptr_t)q % (4 * TH_MiB), 0);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.reserved_bytes.current, (int64_t)(12 * TH_MiB));
+	ck_assert_int_eq(st.chunks.current, 3);
+	th_fill_ok(ctx, p, 2 * TH_MiB, 1, NULL);
+	th_fill_ok(ctx, q, 6 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, p, 2 * TH_MiB, 1, NULL);
+	th_free(ctx, p);
+	th_free(ctx, q);
+	th_destroy(ctx);
+
+	/* chunk_size 0: the granularity. */
+	emu_config(&cfg);
+	cfg.emu_granularity = 64 * TH_KiB;
+	cfg.chunk_size = 0;
+	cfg.small_size = 32 * TH_KiB;
+	ctx = th_ctx_cfg(&cfg);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.chunk_size, 64 * TH_KiB);
+	p = th_alloc_small(ctx, 200 * TH_KiB, NULL, 32 * TH_KiB);
+	q = th_alloc_small(ctx, 1000, NULL, 32 * TH_KiB);
+	th_fill_ok(ctx, p, 200 * TH_KiB, 3, NULL);
+	th_fill_ok(ctx, q, 1000, 4, NULL);
+	th_verify_ok(ctx, p, 200 * TH_KiB, 3, NULL);
+	th_free(ctx, p);
+	th_free(ctx, q);
+	th_destroy(ctx);
+
+	/* A larger small size with larger chunks is fine. */
+	emu_config(&cfg);
+	cfg.chunk_size = 8 * TH_MiB;
+	cfg.small_size = 4 * TH_MiB;
+	ctx = th_ctx_cfg(&cfg);
+	p = th_alloc_small(ctx, 3 * TH_MiB, NULL, 4 * TH_MiB);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 1);
+	th_free(ctx, p);
+	th_destroy(ctx);
+
+	/* From the environment. */
+	setenv("GMLAKE_BACKEND", "emu", 1);
+	setenv("GMLAKE_CHUNK_SIZE", "8M", 1);
+	setenv("GMLAKE_EMU_CAPACITY", "64M", 1);
+	ctx = NULL;
+	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.chunk_size, 8 * TH_MiB);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_env_capacity)
+{
+	gmlake_ctx *ctx = NULL;
+	struct gml_emu_info info;
+	void *p = NULL;
+
+	setenv("GMLAKE_BACKEND", "emu", 1);
+	setenv("GMLAKE_EMU_CAPACITY", "8M", 1);
+	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
+	ck_assert(th_is_emu(ctx));
+	th_emu_info(ctx, &info);
+	ck_assert_uint_eq(info.capacity, 8 * TH_MiB);
+	TH_ERR(ctx, gmlake_alloc(ctx, &p, 10 * TH_MiB, NULL), -ENOMEM);
+	p = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* The cuda backend is the cuda backend: a device, or -ENODEV; never emu. */
+START_TEST(test_cuda_no_fallback)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx = NULL;
+	int ret;
+
+	emu_config(&cfg);
+	cfg.backend = GMLAKE_BACKEND_CUDA;
+	ret = gmlake_ctx_init(&ctx, &cfg);
+	if (ret == 0) {
+		ck_assert(!th_is_emu(ctx));
+		th_destroy(ctx);
+	} else {
+		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
+			      "cuda backend: %d (%s)", ret,
+			      gmlake_last_error());
+		ck_assert_str_ne(gmlake_last_error(), "");
+	}
+
+	/* Named by the environment, with the default in the config. */
+	setenv("GMLAKE_BACKEND", "cuda", 1);
+	ctx = NULL;
+	ret = gmlake_ctx_init(&ctx, NULL);
+	if (ret == 0) {
+		ck_assert(!th_is_emu(ctx));
+		th_destroy(ctx);
+	} else {
+		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
+			      "GMLAKE_BACKEND=cuda: %d", ret);
+	}
+
+	/* No GMLAKE_BACKEND at all: the default is cuda, not emu. */
+	unsetenv("GMLAKE_BACKEND");
+	ctx = NULL;
+	ret = gmlake_ctx_init(&ctx, NULL);
+	if (ret == 0) {
+		ck_assert(!th_is_emu(ctx));
+		th_destroy(ctx);
+	} else {
+		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
+			      "default backend: %d", ret);
+	}
+}
+END_TEST
+
+START_TEST(test_small_size_used)
+{
+	struct gmlake_config cfg;
+	struct gmlake_stats st;
+	gmlake_ctx *ctx;
+	void *p;
+
+	/* Default: 128 KiB is small, packed. */
+	emu_config(&cfg);
+	ctx = th_ctx_cfg(&cfg);
+	p = th_alloc(ctx, 128 * TH_KiB, NULL);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 1);
+	th_free(ctx, p);
+	th_destroy(ctx);
+
+	/* GMLAKE_SMALL_SIZE=64K: 128 KiB is large, chunk aligned. */
+	setenv("GMLAKE_SMALL_SIZE", "64K", 1);
+	emu_config(&cfg);
+	ck_assert_uint_eq(cfg.small_size, 64 * TH_KiB);
+	ctx = th_ctx_cfg(&cfg);
+	p = th_alloc_small(ctx, 128 * TH_KiB, NULL, 64 * TH_KiB);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 0);
+	ck_assert_uint_eq((uintptr_t)p % (2 * TH_MiB), 0);
+	th_free(ctx, p);
+	p = th_alloc_small(ctx, 32 * TH_KiB, NULL, 64 * TH_KiB);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 1);
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* 16 chunks, the odd ones freed: 8 free chunks, none adjacent. */
+static gmlake_ctx *fragmented(struct gmlake_config *cfg, void *p[16])
+{
+	gmlake_ctx *ctx;
+	int i;
+
+	cfg->emu_capacity = 32 * 2 * TH_MiB;
+	ctx = th_ctx_cfg(cfg);
+	for (i = 0; i < 16; i++)
+		p[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+	for (i = 1; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	return ctx;
+}
+
+static void free_even(gmlake_ctx *ctx, void *p[16])
+{
+	int i;
+
+	for (i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+}
+
+START_TEST(test_stitch_min_used)
+{
+	struct gmlake_config cfg;
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *ctx;
+	void *p[16], *q;
+
+	/* Below stitch_min: grow instead of stitching. */
+	emu_config(&cfg);
+	cfg.stitch_min = 32 * TH_MiB;
+	ctx = fragmented(&cfg, p);
+	th_stats(ctx, &s0);
+	q = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(s1.grows, s0.grows + 1);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current + 2);
+	th_free(ctx, q);
+	free_even(ctx, p);
+	th_destroy(ctx);
+
+	/* At or above it: stitch. */
+	emu_config(&cfg);
+	cfg.stitch_min = 4 * TH_MiB;
+	ctx = fragmented(&cfg, p);
+	th_stats(ctx, &s0);
+	q = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
+	th_free(ctx, q);
+	free_even(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_stitch_cache_used)
+{
+	struct gmlake_config cfg;
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *ctx;
+	void *p[16], *a, *b;
+
+	/* Bound 1: two stitched ranges freed, one stays cached. */
+	emu_config(&cfg);
+	cfg.stitch_cache_max = 1;
+	ctx = fragmented(&cfg, p);
+	th_stats(ctx, &s0);
+	a = th_alloc(ctx, 4 * TH_MiB, NULL);
+	b = th_alloc(ctx, 6 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches + 2);
+	th_free(ctx, a);
+	th_free(ctx, b);
+	th_stats(ctx, &s1);
+	ck_assert_int_le(s1.stitched_cached.current, 1);
+	ck_assert_uint_ge(s1.evictions, s0.evictions + 1);
+	a = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_int_le(s1.stitched_cached.current, 1);
+	th_free(ctx, a);
+	th_stats(ctx, &s1);
+	ck_assert_int_le(s1.stitched_cached.current, 1);
+	free_even(ctx, p);
+	th_destroy(ctx);
+
+	/* Bound 0: nothing is kept. */
+	emu_config(&cfg);
+	cfg.stitch_cache_max = 0;
+	ctx = fragmented(&cfg, p);
+	a = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_fill_ok(ctx, a, 8 * TH_MiB, 1, NULL);
+	th_free(ctx, a);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.stitched_cached.current, 0);
+	free_even(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+START_TEST(test_show_stats_used)
+{
+	struct th_capture out, err;
+	gmlake_ctx *ctx = NULL;
+	char *o, *e;
+	void *p;
+
+	/* Off: destroy prints nothing. */
+	setenv("GMLAKE_BACKEND", "emu", 1);
+	setenv("GMLAKE_EMU_CAPACITY", "64M", 1);
+	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
+	p = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_free(ctx, p);
+	th_capture_begin(&out, STDOUT_FILENO);
+	th_capture_begin(&err, STDERR_FILENO);
+	th_destroy(ctx);
+	e = th_capture_end(&err);
+	o = th_capture_end(&out);
+	ck_assert_msg(!o[0] && !e[0], "printed at destroy: '%s' '%s'", o, e);
+	free(o);
+	free(e);
+
+	/* On: a summary. */
+	setenv("GMLAKE_SHOW_STATS", "1", 1);
+	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
+	p = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_free(ctx, p);
+	th_capture_begin(&out, STDOUT_FILENO);
+	th_capture_begin(&err, STDERR_FILENO);
+	th_destroy(ctx);
+	e = th_capture_end(&err);
+	o = th_capture_end(&out);
+	ck_assert_msg(strlen(o) + strlen(e) > 20,
+		      "GMLAKE_SHOW_STATS=1: nothing printed at destroy");
+	free(o);
+	free(e);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+
+static Suite *options_suite(void)
+{
+	Suite *s = suite_create("options");
+	TCase *tc;
+
+	tc = tcase_create("Parse");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, NULL);
+	tcase_add_test(tc, test_defaults);
+	tcase_add_loop_test(tc, test_size_values, 0, N_SIZE_OPTS);
+	tcase_add_loop_test(tc, test_size_invalid, 0, N_SIZE_OPTS);
+	tcase_add_test(tc, test_stitch_cache);
+	tcase_add_test(tc, test_device);
+	tcase_add_test(tc, test_backend);
+	tcase_add_test(tc, test_log_level);
+	tcase_add_test(tc, test_show_stats);
+	tcase_add_test(tc, test_several);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("Validate");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, NULL);
+	tcase_add_test(tc, test_init_validation);
+	tcase_add_test(tc, test_chunk_size_used);
+	tcase_add_test(tc, test_env_capacity);
+	tcase_add_test(tc, test_cuda_no_fallback);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("Effect");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, NULL);
+	tcase_add_test(tc, test_small_size_used);
+	tcase_add_test(tc, test_stitch_min_used);
+	tcase_add_test(tc, test_stitch_cache_used);
+	tcase_add_test(tc, test_show_stats_used);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return th_run_suite(options_suite());
+}
