@@ -24,11 +24,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef GML_NO_CUDA
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#endif
 
 #include "drv.h"
 #include "error.h"
+
+#ifndef GML_NO_CUDA
 
 /* Oldest driver we accept: cuGetProcAddress_v2 (symbolStatus) is 12.0. */
 #define GML_CU_MIN_DRIVER 12000
@@ -659,3 +663,23 @@ const struct gml_drv_ops gml_drv_cuda = {
 	.event_sync = gml_cu_event_sync,
 	.memcpy_async = gml_cu_memcpy_async,
 };
+
+#else /* GML_NO_CUDA */
+
+/*
+ * Built without the CUDA headers: the backend exists, so selecting it gives
+ * a clear error rather than a silent fall back to the emulated device.
+ */
+static int no_cuda_open(const struct gmlake_config *cfg, void **priv)
+{
+	return gml_set_error(-ENODEV, "this libgmlake was built without the "
+			     "CUDA headers: reconfigure with --with-cuda=DIR "
+			     "to use a GPU");
+}
+
+const struct gml_drv_ops gml_drv_cuda = {
+	.name = "cuda",
+	.open = no_cuda_open,
+};
+
+#endif /* GML_NO_CUDA */

@@ -225,15 +225,15 @@ int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx)
 		return gml_set_error(-ENOMEM, "no memory for a stream");
 	ret = record(ctx, i, &seq);
 	if (ret) {
+		free(ctx->streams[i].pending);
 		ctx->nstreams--;
 		return gml_set_error(ret == -ENOMEM ? -ENOMEM : -EINVAL,
 				     "stream %p cannot be used: %s",
 				     (void *)handle, gmlake_last_error());
 	}
-	if (ctx->nstreams == 2 && record(ctx, 0, &seq) == 0)
-		ctx->streams[0].barrier = seq;
-	else if (ctx->nstreams == 2)
-		ctx->streams[0].barrier = SEQ_NEVER;
+	/* A destroyed first stream needs no barrier: its work is done. */
+	if (ctx->nstreams == 2 && !ctx->streams[0].dead)
+		ctx->streams[0].barrier = record(ctx, 0, &seq) ? SEQ_NEVER : seq;
 	*idx = i;
 	return 0;
 }
