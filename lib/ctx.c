@@ -359,6 +359,7 @@ GML_EXPORT int gmlake_block_size(gmlake_ctx *ctx, const void *ptr,
 				 size_t *size)
 {
 	struct gml_block *b;
+	int ret = 0;
 
 	if (!ctx || !size)
 		return gml_set_error(-EINVAL, "gmlake_block_size: %s is NULL",
@@ -367,10 +368,10 @@ GML_EXPORT int gmlake_block_size(gmlake_ctx *ctx, const void *ptr,
 	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
 	if (b)
 		*size = b->size;
+	else
+		ret = unknown_pointer(ctx, "gmlake_block_size", ptr);
 	pthread_mutex_unlock(&ctx->lock);
-	if (!b)
-		return unknown_pointer(ctx, "gmlake_block_size", ptr);
-	return 0;
+	return ret;
 }
 
 GML_EXPORT int gmlake_trim(gmlake_ctx *ctx)
