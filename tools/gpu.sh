@@ -17,13 +17,13 @@
 #	Runs every tests/check_* program and examples/example with
 #	GMLAKE_BACKEND=cuda and then =emu, then replays tests/data/*.trace.gz
 #	with gmlake-replay on both backends, timing each step. Writes four
-#	files to ${OUT:-/tmp}: gpu-summary.log (machine, timings, results;
+#	files to ${GML_GPU_OUT:-/tmp}: gpu-summary.log (machine, timings, results;
 #	its last line is "N passed, M failed, K skipped"), gpu-tests.log (every
 #	step's output, in order) and gpu-replay-{cuda,emu}.json. Exit 1 if any
 #	step failed.
 #
 # Environment for run: CK_DEFAULT_TIMEOUT (default 120 s per test case),
-# GML_STEP_TIMEOUT (default 300 s per program), OUT (log folder).
+# GML_STEP_TIMEOUT (default 300 s per program), GML_GPU_OUT (log folder).
 
 set -euo pipefail
 
@@ -111,7 +111,7 @@ do_build() {
 # run (on the GPU machine)
 # ---------------------------------------------------------------------------
 
-out=${OUT:-/tmp}
+out=${GML_GPU_OUT:-/tmp}
 logdir=""
 steps=()
 summary=()
