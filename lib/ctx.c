@@ -465,15 +465,6 @@ out_leave:
 	return ret;
 }
 
-/* Index of a stream the context knows, or -1. */
-static int known_stream(gmlake_ctx *ctx, gmlake_stream_t stream)
-{
-	for (int i = 0; i < ctx->nstreams; i++)
-		if (ctx->streams[i].handle == stream)
-			return i;
-	return -1;
-}
-
 /*
  * Destroying a stream: wait for its work, so every guard on it is complete,
  * then forget its handle (the driver may hand the same value out again).
@@ -497,7 +488,7 @@ GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 				    (void *)stream);
 		goto out_leave;
 	}
-	idx = known_stream(ctx, stream);
+	idx = gml_stream_find(ctx, stream);
 	if (idx >= 0) {
 		ret = gml_stream_wait(ctx, idx, ctx->streams[idx].next_seq);
 		if (ret)

@@ -204,6 +204,15 @@ static int add_stream(gmlake_ctx *ctx, gmlake_stream_t handle)
 	return ctx->nstreams++;
 }
 
+/* Index of a stream the context has seen, or -1. */
+int gml_stream_find(gmlake_ctx *ctx, gmlake_stream_t handle)
+{
+	for (int i = 0; i < ctx->nstreams; i++)
+		if (ctx->streams[i].handle == handle)
+			return i;
+	return -1;
+}
+
 /*
  * The index of a stream, registering it on first sight. Registration
  * records an event on it, which also proves the handle valid. The second
@@ -214,11 +223,10 @@ int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx)
 	uint64_t seq;
 	int i, ret;
 
-	for (i = 0; i < ctx->nstreams; i++) {
-		if (ctx->streams[i].handle == handle) {
-			*idx = i;
-			return 0;
-		}
+	i = gml_stream_find(ctx, handle);
+	if (i >= 0) {
+		*idx = i;
+		return 0;
 	}
 	i = add_stream(ctx, handle);
 	if (i < 0)

@@ -139,6 +139,7 @@ struct gmlake_ctx {
 };
 
 /* stream.c */
+int gml_stream_find(gmlake_ctx *ctx, gmlake_stream_t handle);
 int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx);
 int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq);
 bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq);
