@@ -55,7 +55,11 @@ struct gmlake_stat {
 	X(stitched_live)	/* live blocks on stitched ranges */	\
 	X(stitched_cached)	/* stitched ranges kept mapped */	\
 	X(chunks)		/* physical chunks held */		\
-	X(small_chunks)		/* chunks packing small blocks */
+	X(small_chunks)		/* chunks packing small blocks */	\
+	X(spilled_bytes)	/* block bytes held on the host */	\
+	X(spilled_blocks)	/* blocks held on the host */		\
+	X(host_bytes)		/* host arena bytes in use */		\
+	X(host_pinned)		/* host arena bytes pinned */
 
 /* Event counters. */
 #define GMLAKE_FOREACH_COUNTER(X)					\
@@ -69,7 +73,22 @@ struct gmlake_stat {
 	X(evictions)		/* stitched ranges unmapped */		\
 	X(releases)		/* chunks given back to the driver */	\
 	X(ooms)			/* allocations that failed -ENOMEM */	\
-	X(cross_stream_waits)	/* blocks skipped: other stream busy */
+	X(cross_stream_waits)	/* blocks skipped: other stream busy */	\
+	X(spills)		/* blocks copied out to the host */	\
+	X(fetches)		/* blocks brought back */		\
+	X(auto_spills)		/* spills made by memory pressure */	\
+	X(offload_failures)	/* spills or fetches that failed */	\
+	X(d2h_bytes)		/* bytes copied device to host */	\
+	X(d2h_ns)		/* time those copies took */		\
+	X(h2d_bytes)		/* bytes copied host to device */	\
+	X(h2d_ns)		/* time those copies took */
+
+/* How the offload manager waits for copies (0 until it is set up). */
+enum gmlake_offload_engine {
+	GMLAKE_OFFLOAD_ENGINE_NONE = 0,
+	GMLAKE_OFFLOAD_ENGINE_URING = 1,	/* io_uring (liburing) */
+	GMLAKE_OFFLOAD_ENGINE_THREAD = 2,	/* plain threads */
+};
 
 struct gmlake_stats {
 	uint32_t version;	/* GMLAKE_STATS_VERSION, set by the caller */
@@ -85,6 +104,8 @@ struct gmlake_stats {
 	uint64_t call_ns[GMLAKE_CALL_COUNT];	/* time spent in them */
 	uint64_t call_failures[GMLAKE_CALL_COUNT];
 	uint64_t access_bytes;			/* bytes covered by set_access */
+	int32_t offload_engine;			/* enum gmlake_offload_engine */
+	int32_t pad0;
 	uint64_t reserved[32];
 };
 
