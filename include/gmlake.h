@@ -61,6 +61,10 @@ struct gmlake_config {
 	size_t emu_granularity;		/* emulated allocation granularity */
 	int log_level;			/* enum gmlake_log_level */
 	bool show_stats;		/* print a summary at destroy/exit */
+	bool publish;			/* stats in /dev/shm for gmlake-top */
+	size_t device_limit;		/* device bytes to stay under; 0: none */
+	size_t host_limit;		/* pinned host bytes for offload */
+	int offload_engine;		/* enum gmlake_offload_engine; 0: probe */
 	uint64_t reserved[8];
 };
 

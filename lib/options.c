@@ -18,7 +18,9 @@
 #include "error.h"
 #include "options.h"
 
-enum opt_type { OPT_SIZE, OPT_UINT, OPT_BOOL, OPT_BACKEND, OPT_LOG };
+enum opt_type {
+	OPT_SIZE, OPT_UINT, OPT_BOOL, OPT_BACKEND, OPT_LOG, OPT_ENGINE
+};
 
 struct option_def {
 	const char *name;
@@ -39,6 +41,10 @@ static const struct option_def options[] = {
 	{ "GMLAKE_EMU_GRANULARITY", OPT_SIZE, FIELD(emu_granularity) },
 	{ "GMLAKE_LOG_LEVEL", OPT_LOG, FIELD(log_level) },
 	{ "GMLAKE_SHOW_STATS", OPT_BOOL, FIELD(show_stats) },
+	{ "GMLAKE_PUBLISH", OPT_BOOL, FIELD(publish) },
+	{ "GMLAKE_DEVICE_LIMIT", OPT_SIZE, FIELD(device_limit) },
+	{ "GMLAKE_HOST_LIMIT", OPT_SIZE, FIELD(host_limit) },
+	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
 };
 
 /* "64", "2M", "1GiB", "512k": bytes with an optional binary suffix. */
@@ -109,6 +115,19 @@ static int parse_log(const char *s, int *out)
 	return -EINVAL;
 }
 
+static int parse_engine(const char *s, int *out)
+{
+	if (!strcasecmp(s, "auto"))
+		*out = GMLAKE_OFFLOAD_ENGINE_NONE;
+	else if (!strcasecmp(s, "uring") || !strcasecmp(s, "io_uring"))
+		*out = GMLAKE_OFFLOAD_ENGINE_URING;
+	else if (!strcasecmp(s, "thread"))
+		*out = GMLAKE_OFFLOAD_ENGINE_THREAD;
+	else
+		return -EINVAL;
+	return 0;
+}
+
 static int parse_uint(const char *s, unsigned *out)
 {
 	unsigned long v;
@@ -147,6 +166,8 @@ static int apply(const struct option_def *o, const char *val,
 		return parse_backend(val, (int *)field);
 	case OPT_LOG:
 		return parse_log(val, (int *)field);
+	case OPT_ENGINE:
+		return parse_engine(val, (int *)field);
 	}
 	return -EINVAL;
 }
@@ -163,6 +184,8 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->emu_capacity = (size_t)64 << 30;
 	cfg->emu_granularity = 2 << 20;
 	cfg->log_level = GMLAKE_LOG_WARN;
+	cfg->publish = true;
+	cfg->host_limit = (size_t)16 << 30;
 }
 
 GML_EXPORT int gmlake_config_init(struct gmlake_config *cfg)
