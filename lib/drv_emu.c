@@ -18,7 +18,8 @@
  *    The worker starts with the first item queued. The default stream (NULL)
  *    is built in.
  *  - An event counts records (rec_gen) and completions (done_gen); it is
- *    complete when every record has been reached by its stream's worker.
+ *    complete when every record has been reached by its stream's worker; a
+ *    record on an idle stream completes at once.
  *
  * Handles of chunks, streams and events are slot ids with a generation
  * (gen << 32 | index + 1), so a stale or made-up handle is found out and
@@ -1014,6 +1015,23 @@ static int emu_event_record(void *priv, gml_event h, gmlake_stream_t sh)
 	s = emu_stream_get(dev, sh, "event_record");
 	if (!it->ev || !s)
 		goto out_unlock;
+	/*
+	 * An idle stream reaches the marker at once, as an idle GPU does:
+	 * completing it here keeps runs without device work deterministic.
+	 * Records happen under dev->lock, so nothing is queued meanwhile.
+	 */
+	pthread_mutex_lock(&s->lock);
+	if (!s->head && !s->busy && !s->hold) {
+		pthread_mutex_lock(&dev->ev_lock);
+		it->ev->done_gen = ++it->ev->rec_gen;
+		pthread_cond_broadcast(&dev->ev_cond);
+		pthread_mutex_unlock(&dev->ev_lock);
+		pthread_mutex_unlock(&s->lock);
+		pthread_mutex_unlock(&dev->lock);
+		free(it);
+		return 0;
+	}
+	pthread_mutex_unlock(&s->lock);
 	/* Hold a marker's reference before the worker can drop it. */
 	pthread_mutex_lock(&dev->ev_lock);
 	it->gen = ++it->ev->rec_gen;
