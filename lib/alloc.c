@@ -338,11 +338,11 @@ static void cache_trim(gmlake_ctx *ctx, uint32_t limit)
 	}
 }
 
-static int run_cmp_len_desc(const void *a, const void *b)
+static int run_cmp_len(const void *a, const void *b)
 {
 	const struct run *x = a, *y = b;
 
-	return x->len < y->len ? 1 : x->len > y->len ? -1 : 0;
+	return x->len < y->len ? -1 : x->len > y->len ? 1 : 0;
 }
 
 /* Every free run of the segments usable on stream; returns the chunks. */
@@ -380,15 +380,18 @@ static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
 		}
 	}
 	if (count)
-		qsort(runs, count, sizeof(*runs), run_cmp_len_desc);
+		qsort(runs, count, sizeof(*runs), run_cmp_len);
 	*out = runs;
 	*nruns = count;
 	return 0;
 }
 
 /*
- * A new stitched view of n chunks: the free runs, largest first, and a new
- * segment for the shortfall. Stitching maps no new physical memory.
+ * A new stitched view of n chunks: the free runs, smallest first, and a new
+ * segment for the shortfall. Stitching maps no new physical memory. Small
+ * runs go first so that large free runs stay whole for best fit: taking
+ * the largest first made big views overlap the segments that hold other
+ * big blocks, and each step repaired them.
  */
 static int stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 {
