@@ -54,6 +54,19 @@ static void list_del(struct gml_view **head, struct gml_view *v)
 	v->prev = v->next = NULL;
 }
 
+/*
+ * A chunk changed owner or mapping: the longest free run of every view
+ * that maps it must be found again. Best fit skips views whose known
+ * longest run is too short, which keeps allocation from scanning every
+ * chunk of every segment.
+ */
+static void chunk_touch(struct gml_chunk *c)
+{
+	c->seg->maxfree = GML_RUN_UNKNOWN;
+	for (uint32_t i = 0; i < c->nviews; i++)
+		c->views[i]->maxfree = GML_RUN_UNKNOWN;
+}
+
 static bool usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream)
 {
 	if (!c || c->owner)
@@ -64,25 +77,114 @@ static bool usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream)
 	return false;
 }
 
-/* Smallest free run of at least n positions in v, into *best. */
-static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
-			  int stream, struct run *best)
+static int free_run_cmp(const void *a, const void *b)
 {
-	uint32_t start = 0, len = 0;
+	const struct gml_free_run *x = a, *y = b;
 
+	if (x->len != y->len)
+		return x->len < y->len ? -1 : 1;
+	return x->pos < y->pos ? -1 : x->pos > y->pos;
+}
+
+/* Find v's free runs again after a change; false without host memory. */
+static bool view_runs(struct gml_view *v)
+{
+	uint32_t len = 0;
+
+	v->nruns = 0;
 	for (uint32_t i = 0; i <= v->n; i++) {
-		if (i < v->n && usable(ctx, v->chunks[i], stream)) {
+		const struct gml_chunk *c = i < v->n ? v->chunks[i] : NULL;
+
+		if (c && !c->owner && v->mapped[i]) {
+			len++;
+			continue;
+		}
+		if (!len)
+			continue;
+		if (v->nruns == v->cap_runs) {
+			uint32_t cap = v->cap_runs ? v->cap_runs * 2 : 4;
+			struct gml_free_run *runs;
+
+			runs = realloc(v->runs, cap * sizeof(*runs));
+			if (!runs)
+				return false;
+			v->runs = runs;
+			v->cap_runs = cap;
+		}
+		v->runs[v->nruns++] = (struct gml_free_run){ i - len, len };
+		len = 0;
+	}
+	qsort(v->runs, v->nruns, sizeof(*v->runs), free_run_cmp);
+	v->maxfree = v->nruns ? v->runs[v->nruns - 1].len : 0;
+	return true;
+}
+
+/*
+ * Smallest usable run of at least n positions inside the free run r of v,
+ * lowest position first, into *found.
+ */
+static void run_best_fit(gmlake_ctx *ctx, struct gml_view *v,
+			 const struct gml_free_run *r, uint32_t n, int stream,
+			 struct run *found)
+{
+	uint32_t start = r->pos, len = 0;
+
+	for (uint32_t i = r->pos; i <= r->pos + r->len; i++) {
+		if (i < r->pos + r->len && usable(ctx, v->chunks[i], stream)) {
 			if (!len++)
 				start = i;
 			continue;
 		}
-		if (len >= n && (!best->view || len < best->len)) {
-			best->view = v;
-			best->pos = start;
-			best->len = len;
+		if (len >= n && (!found->view || len < found->len ||
+				 (len == found->len && start < found->pos))) {
+			found->view = v;
+			found->pos = start;
+			found->len = len;
 		}
 		len = 0;
 	}
+}
+
+/*
+ * Smallest usable run of at least n positions in v, into *best (which a
+ * run of another view keeps on a tie). Every usable run lies inside one
+ * free run; with one stream every free chunk is usable, so the first
+ * sorted free run long enough is the answer. With several streams a free
+ * chunk may still wait for another stream's work: each long enough free
+ * run is searched.
+ */
+static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+			  int stream, struct run *best)
+{
+	struct run found = { 0 };
+	uint32_t lo = 0, hi;
+
+	if (v->maxfree == GML_RUN_UNKNOWN && !view_runs(v)) {
+		v->maxfree = GML_RUN_UNKNOWN;
+		return;		/* no host memory: skip v this time */
+	}
+	if (v->maxfree < n)
+		return;
+	hi = v->nruns;
+	while (lo < hi) {
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (v->runs[mid].len < n)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	for (uint32_t k = lo; k < v->nruns; k++) {
+		if (ctx->nstreams == 1) {
+			found = (struct run){ v, v->runs[k].pos, v->runs[k].len };
+			break;
+		}
+		run_best_fit(ctx, v, &v->runs[k], n, stream, &found);
+		if (found.view && found.len == n)
+			break;
+	}
+	if (found.view && (!best->view || found.len < best->len))
+		*best = found;
 }
 
 static bool best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
@@ -140,6 +242,7 @@ static struct gml_view *view_new(uint32_t n, bool stitched)
 	}
 	v->n = n;
 	v->stitched = stitched;
+	v->maxfree = GML_RUN_UNKNOWN;
 	return v;
 }
 
@@ -157,6 +260,7 @@ static int view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 {
 	bool done = true;
 
+	v->maxfree = GML_RUN_UNKNOWN;
 	for (uint32_t i = 0; i < v->n; i++) {
 		struct gml_chunk *c = v->chunks[i];
 
@@ -191,6 +295,7 @@ static int view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 					   (size_t)v->n * ctx->chunk)))
 		return -EAGAIN;
 	free(v->guards);
+	free(v->runs);
 	free(v->chunks);
 	free(v->mapped);
 	free(v);
@@ -513,6 +618,7 @@ static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
 	gml_va va = v->va + (gml_va)i * ctx->chunk;
 	int ret;
 
+	v->maxfree = GML_RUN_UNKNOWN;
 	ret = gml_mem_unmap(&ctx->dev, va, ctx->chunk);
 	if (ret)
 		return ret;
@@ -626,8 +732,10 @@ out_free_mask:
 static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 		 uint32_t n)
 {
-	for (uint32_t i = 0; i < n; i++)
+	for (uint32_t i = 0; i < n; i++) {
 		r->view->chunks[r->pos + i]->owner = b;
+		chunk_touch(r->view->chunks[r->pos + i]);
+	}
 	r->view->live++;
 	if (r->view->stitched) {
 		r->view->last_use = ++ctx->clock;
@@ -724,6 +832,7 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 	for (uint32_t i = 0; i < b->n; i++) {
 		v->chunks[b->pos + i]->owner = NULL;
 		v->chunks[b->pos + i]->guard = *g;
+		chunk_touch(v->chunks[b->pos + i]);
 	}
 	view_guard(v, g);
 	v->live--;
@@ -769,6 +878,7 @@ static int chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 	free(c->views);
 	free(c);
 	seg->chunks[i] = NULL;
+	seg->maxfree = GML_RUN_UNKNOWN;
 	gml_gauge_add(&ctx->st.chunks, -1);
 	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
 	ctx->st.releases++;
@@ -820,6 +930,7 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 			    !gml_mem_unmap(&ctx->dev, v->va + (gml_va)i *
 					   ctx->chunk, ctx->chunk)) {
 				v->mapped[i] = 0;
+				v->maxfree = GML_RUN_UNKNOWN;
 				count_mapping(ctx, -1);
 			}
 			if (!chunk_releasable(v->chunks[i]))

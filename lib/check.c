@@ -22,12 +22,34 @@ struct tally {
 	struct gml_ptrmap view_live;	/* view -> blocks counted on it */
 };
 
+/* The longest free run best fit believes in is at least the real one. */
+static int check_maxfree(const struct gml_view *v)
+{
+	uint32_t len = 0, longest = 0;
+
+	for (uint32_t i = 0; i < v->n; i++) {
+		const struct gml_chunk *c = v->chunks[i];
+
+		len = c && !c->owner && v->mapped[i] ? len + 1 : 0;
+		if (len > longest)
+			longest = len;
+	}
+	if (v->maxfree != GML_RUN_UNKNOWN && longest > v->maxfree)
+		return gml_set_error(-EFAULT, "view %#llx has a free run of "
+				     "%u chunks, best fit counts %u",
+				     (unsigned long long)v->va, longest,
+				     v->maxfree);
+	return 0;
+}
+
 static int check_segments(gmlake_ctx *ctx, struct tally *t)
 {
 	for (struct gml_view *v = ctx->segs; v; v = v->next) {
 		if (v->stitched)
 			return gml_set_error(-EFAULT, "stitched view on the "
 					     "segment list");
+		if (check_maxfree(v))
+			return -EFAULT;
 		for (uint32_t i = 0; i < v->n; i++) {
 			struct gml_chunk *c = v->chunks[i];
 
@@ -67,6 +89,8 @@ static int check_views(gmlake_ctx *ctx, struct gml_view *list, bool cached,
 		if ((cached && !v->stitched) || v->dying == cached)
 			return gml_set_error(-EFAULT, "view %#llx on the wrong "
 					     "list", (unsigned long long)v->va);
+		if (cached && check_maxfree(v))
+			return -EFAULT;
 		for (uint32_t i = 0; i < v->n; i++) {
 			struct gml_chunk *c = v->chunks[i];
 

@@ -34,6 +34,13 @@
 struct gml_block;
 struct gml_view;
 
+#define GML_RUN_UNKNOWN UINT32_MAX
+
+/* A run of free chunks in a view, for best fit. */
+struct gml_free_run {
+	uint32_t pos, len;
+};
+
 /*
  * A moment in a stream's work: seq 0 means "before the stream barrier";
  * stream -1 means no work at all (a new chunk).
@@ -61,6 +68,11 @@ struct gml_view {
 	bool stitched;
 	bool dying;			/* evicted, on ctx->dying */
 	uint32_t live;			/* live blocks on this view */
+	uint32_t maxfree;		/* longest run of free chunks, or
+					   GML_RUN_UNKNOWN after a change */
+	struct gml_free_run *runs;	/* free runs by (len, pos), valid
+					   while maxfree is known */
+	uint32_t nruns, cap_runs;
 	uint64_t last_use;		/* LRU clock of stitched views */
 	struct gml_guard *guards;	/* last free per stream, for unmap */
 	uint32_t nguards;
