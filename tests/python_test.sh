@@ -30,6 +30,14 @@ PYTHONDONTWRITEBYTECODE=1
 export GMLAKE_STATS_LAYOUT GMLAKE_EMU_CAPACITY PYTHONDONTWRITEBYTECODE
 
 status=0
+# Syntax of every Python file (without writing bytecode into srcdir).
+python3 - "$srcdir"/python/gmlake/*.py "$srcdir"/bench/*.py <<'PY' || status=1
+import ast, sys
+for path in sys.argv[1:]:
+    with open(path) as f:
+        ast.parse(f.read(), path)
+print("syntax ok: %d files" % (len(sys.argv) - 1))
+PY
 for dir in "$srcdir/python/tests" "$srcdir/bench/tests"; do
 	[ -d "$dir" ] || continue
 	python3 -m unittest discover -v -s "$dir" -p 'test_*.py' || status=1
