@@ -470,14 +470,24 @@ static void gml_cu_prop(const struct gml_cu_dev *d, CUmemAllocationProp *prop)
 	prop->location.id = d->dev;
 }
 
+/*
+ * Called by gml_dev_open() before any enter(): enter here, so that the
+ * query runs with the primary context current even in a thread that has
+ * none (an autograd thread, say).
+ */
 static int gml_cu_granularity(void *priv, size_t *gran)
 {
 	CUmemAllocationProp prop;
 	CUresult r;
+	int err;
 
+	err = gml_cu_enter(priv);
+	if (err)
+		return err;
 	gml_cu_prop(priv, &prop);
 	r = gml_cu.p_cuMemGetAllocationGranularity(gran, &prop,
 						   CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+	gml_cu_leave(priv);
 	return gml_cu_err(r, "cuMemGetAllocationGranularity");
 }
 

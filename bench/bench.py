@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
+"""Train and run real models on the GPU with each allocator in turn:
+PyTorch's default, PyTorch's expandable segments, and libgmlake.
+
+An allocator cannot be changed once CUDA is initialized, so every
+allocator runs in its own child process (this script with --child), with
+the same seeds, shapes and steps. The parent collects what the children
+print and writes, under --out (default bench/results):
+  results.md    the table, the exact command, GPU and versions;
+  results.json  the raw numbers;
+  chart.png     peak reserved and fragmentation (needs matplotlib).
+
+  python3 bench/bench.py --lib BUILD/lib/.libs/libgmlake.so            # full
+  python3 bench/bench.py --lib BUILD/lib/.libs/libgmlake.so --quick    # smoke
+  python3 bench/bench.py --lib ... --sweep      # also the capacity sweep
+
+The definitions of every figure are in benchlib.py.
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+import benchlib  # noqa: E402
+
+MARK = "BENCH-RESULT "
+STEPS = {"full": {"gpt_ckpt": 10, "gpt_plain": 10, "lora": 10,
+                  "gpt_save_on_cpu": 6, "generate": 6},
+         "quick": {"gpt_ckpt": 3, "gpt_plain": 3, "lora": 3,
+                   "gpt_save_on_cpu": 2, "generate": 2}}
+SWEEP = {"full": dict(cap_gib=40.0, limit=256, steps=2),
+         "quick": dict(cap_gib=0.5, limit=256, steps=1)}
+TIMEOUT = {"full": 480, "quick": 100}
+
+
+# ---------------------------------------------------------------------------
+# Child: one allocator, several workloads (or the sweep), results on stdout.
+
+def emit(kind, data):
+    data = dict(data, kind=kind)
+    sys.stdout.write(MARK + json.dumps(data) + "\n")
+    sys.stdout.flush()
+
+
+class Memory:
+    """Peaks of the allocator in use, and the driver's view."""
+
+    def __init__(self, allocator):
+        import torch
+        self.torch = torch
+        self.allocator = allocator
+        self.device = torch.cuda.current_device()
+        if allocator == "gmlake":
+            import gmlake
+            self.gmlake = gmlake
+
+    def driver_used(self):
+        free, total = self.torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def reset(self):
+        gc.collect()
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()
+        if self.allocator != "gmlake":
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            self.gmlake.reset_peak_stats(self.device)
+        except RuntimeError:
+            pass    # nothing allocated through libgmlake yet
+
+    def peaks(self):
+        """(peak allocated, peak reserved, extra figures) since reset()."""
+        if self.allocator == "gmlake":
+            st = self.gmlake.stats(self.device)
+            return (st["requested_bytes.peak"], st["reserved_bytes.peak"],
+                    {"gmlake_allocated_peak": st["allocated_bytes.peak"],
+                     "stitches": st["stitches"],
+                     "stitch_reuses": st["stitch_reuses"],
+                     "map_calls": st["calls.mem_map"],
+                     "driver_ms": sum(v for k, v in st.items()
+                                      if k.startswith("call_ns.")) / 1e6})
+        st = self.torch.cuda.memory_stats(self.device)
+        alloc = st.get("requested_bytes.all.peak",
+                       st.get("allocated_bytes.all.peak"))
+        return (alloc, st.get("reserved_bytes.all.peak"),
+                {"torch_allocated_peak": st.get("allocated_bytes.all.peak"),
+                 "num_alloc_retries": st.get("num_alloc_retries"),
+                 "num_device_alloc": st.get("num_device_alloc")})
+
+
+def is_oom(torch, exc):
+    if isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())):
+        return True
+    return "out of memory" in str(exc).lower()
+
+
+def guard(allocator):
+    """A context manager turning libgmlake failures into clear errors."""
+    if allocator == "gmlake":
+        import gmlake.torch
+        return gmlake.torch.translate_errors()
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def cuda_ok(torch):
+    try:
+        torch.cuda.synchronize()
+        return True
+    except RuntimeError:
+        return False
+
+
+def run_workload(name, index, args, mem):
+    import torch
+    import workloads
+    steps = STEPS[args.size][name]
+    r = dict(workload=name, index=index, allocator=args.allocator,
+             steps=steps, ok=False, oom=False)
+    mem.reset()
+    base = mem.driver_used()
+    used = base
+    times = []
+    state = None
+    try:
+        with guard(args.allocator):
+            state = workloads.build(name, args.size, args.seed)
+            r["note"] = state["note"]
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                state["step"]()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                used = max(used, mem.driver_used())
+        r["ok"] = True
+    except Exception as e:  # report, go on with the next workload
+        r["oom"] = is_oom(torch, e)
+        r["error"] = "%s: %s" % (type(e).__name__, str(e)[:2000])
+    r["steps_done"] = len(times)
+    r["step_times"] = times
+    r["step_ms"] = benchlib.median_ms(times)
+    del state
+    if not cuda_ok(torch):
+        r["cuda_broken"] = True
+        return r
+    alloc, reserved, extra = mem.peaks()
+    r.update(peak_allocated=alloc, peak_reserved=reserved,
+             driver_used=used - base, **extra)
+    r["fragmentation"] = benchlib.fragmentation(alloc, reserved)
+    return r
+
+
+def run_sweep(args, mem):
+    import torch
+    import workloads
+    cfg = SWEEP[args.size]
+    total = torch.cuda.get_device_properties(mem.device).total_memory
+    cap = min(int(cfg["cap_gib"] * benchlib.GiB), total)
+    # The same call for every allocator; libgmlake gets it through its
+    # memory-fraction hook.
+    torch.cuda.set_per_process_memory_fraction(cap / total, mem.device)
+    s = dict(allocator=args.allocator, cap_bytes=cap, trials=[],
+             limit=cfg["limit"], steps=cfg["steps"])
+    state = workloads.build_sweep(args.size, args.seed)
+    s["seq"] = state["seq"]
+    while True:
+        b = benchlib.next_batch(s["trials"], cfg["limit"])
+        if b is None:
+            break
+        fits = True
+        try:
+            with guard(args.allocator):
+                for _ in range(cfg["steps"]):
+                    state["step"](b)
+                torch.cuda.synchronize()
+        except Exception as e:
+            if not is_oom(torch, e):
+                s["error"] = "batch %d: %s: %s" % (b, type(e).__name__,
+                                                    str(e)[:1000])
+                break
+            fits = False
+        state["reset"]()
+        gc.collect()
+        s["trials"].append((b, fits))
+        if not cuda_ok(torch):
+            s["cuda_broken"] = True
+            break
+    s["best"], s["failed"] = benchlib.sweep_summary(s["trials"])
+    alloc, reserved, _ = mem.peaks()
+    s.update(peak_allocated=alloc, peak_reserved=reserved)
+    return s
+
+
+def child(args):
+    if args.allocator == "gmlake":
+        import gmlake.torch
+        gmlake.torch.enable(args.lib)
+    import torch
+    if not torch.cuda.is_available():
+        emit("fatal", dict(error="no CUDA device visible to PyTorch"))
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = True
+    mem = Memory(args.allocator)
+    props = torch.cuda.get_device_properties(mem.device)
+    emit("meta", dict(allocator=args.allocator, torch=torch.__version__,
+                      cuda=torch.version.cuda, gpu=props.name,
+                      gpu_bytes=props.total_memory,
+                      alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
+                                                "")))
+    if args.child == "sweep":
+        emit("sweep", run_sweep(args, mem))
+        return 0
+    for item in args.workloads.split(","):
+        index, name = item.split(":")
+        r = run_workload(name, int(index), args, mem)
+        emit("result", r)
+        if r.get("cuda_broken"):
+            return 3    # the parent restarts a child for the rest
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Parent: a child per allocator, restarts, the report.
+
+def child_env(allocator, lib):
+    env = dict(os.environ)
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env.pop(k, None)
+    if allocator == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if allocator == "gmlake":
+        env["GMLAKE_LIBRARY"] = lib
+        env["GMLAKE_BACKEND"] = "cuda"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [HERE, os.path.join(REPO, "python")] +
+        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def run_child(args, allocator, what, extra):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", what,
+           "--allocator", allocator, "--size", args.size,
+           "--seed", str(args.seed), "--lib", args.lib] + extra
+    out = []
+    print("== %s: %s" % (benchlib.ALLOCATOR_NAMES[allocator], what),
+          flush=True)
+    try:
+        proc = subprocess.run(cmd, env=child_env(allocator, args.lib),
+                              stdout=subprocess.PIPE, text=True,
+                              timeout=TIMEOUT[args.size])
+        rc, text = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        rc = "timeout"
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else \
+            (e.stdout or "")
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            out.append(json.loads(line[len(MARK):]))
+        else:
+            print("   " + line)
+    for r in out:
+        if r["kind"] == "result":
+            print("   %-16s ok=%s oom=%s reserved=%s frag=%s step=%s ms" % (
+                r["workload"], r["ok"], r["oom"],
+                benchlib._cell(benchlib.gib(r.get("peak_reserved"))),
+                benchlib._cell(r.get("fragmentation"), "%.1f"),
+                benchlib._cell(r.get("step_ms"), "%.1f")), flush=True)
+    return rc, out
+
+
+def run_allocator(args, allocator, names, meta, notes):
+    todo = list(enumerate(names))
+    results = []
+    for _attempt in range(len(todo) + 1):
+        if not todo:
+            break
+        spec = ",".join("%d:%s" % (i, n) for i, n in todo)
+        rc, out = run_child(args, allocator, "workloads",
+                            ["--workloads", spec])
+        done, fatal = set(), False
+        for r in out:
+            if r["kind"] == "meta":
+                meta.setdefault("gpu", r["gpu"])
+                meta.setdefault("gpu_bytes", r["gpu_bytes"])
+                meta.setdefault("torch", r["torch"])
+                meta.setdefault("cuda", r["cuda"])
+            elif r["kind"] == "result":
+                results.append(r)
+                done.add(r["index"])
+            elif r["kind"] == "fatal":
+                notes.append("%s: %s" % (allocator, r["error"]))
+                fatal = True
+        if rc == 0 and len(done) == len(todo):
+            break
+        if fatal:
+            results += [dict(workload=n, index=i, allocator=allocator,
+                             ok=False, oom=False, error="not run")
+                        for i, n in todo if i not in done]
+            break
+        # The child died or broke CUDA: note it, skip the culprit.
+        left = [(i, n) for i, n in todo if i not in done]
+        if left and rc != 3:
+            i, n = left[0]
+            results.append(dict(workload=n, index=i, allocator=allocator,
+                                ok=False, oom=False,
+                                error="child exited with %s" % rc))
+            notes.append("%s, %s: the child process exited with %s" %
+                         (benchlib.ALLOCATOR_NAMES[allocator], n, rc))
+            left = left[1:]
+        todo = left
+    return results
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lib", help="libgmlake.so (default: GMLAKE_LIBRARY, "
+                   "then the usual places)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny models and few steps: a smoke test")
+    p.add_argument("--sweep", action="store_true",
+                   help="also the capacity sweep under a memory cap")
+    p.add_argument("--only-sweep", action="store_true",
+                   help="the capacity sweep only")
+    p.add_argument("--workloads", help="comma-separated subset of: %s" %
+                   "gpt_ckpt,gpt_plain,lora,gpt_save_on_cpu,generate")
+    p.add_argument("--allocators", default=",".join(benchlib.ALLOCATORS),
+                   help="comma-separated subset of: %s" %
+                   ",".join(benchlib.ALLOCATORS))
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--child", choices=("workloads", "sweep"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--allocator", help=argparse.SUPPRESS)
+    p.add_argument("--size", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.child:
+        args.size = "quick" if args.quick else "full"
+    return args
+
+
+def main(argv=None):
+    args = parse(argv if argv is not None else sys.argv[1:])
+    if args.child:
+        return child(args)
+    import gmlake
+    try:
+        args.lib = gmlake.find_library(args.lib)
+    except gmlake.LibraryNotFoundError as e:
+        sys.stderr.write("bench.py: %s\n" % e)
+        return 2
+    allocators = args.allocators.split(",")
+    for a in allocators:
+        if a not in benchlib.ALLOCATORS:
+            sys.stderr.write("bench.py: unknown allocator %r\n" % a)
+            return 2
+    names = args.workloads.split(",") if args.workloads else \
+        ["gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu", "generate"]
+    start = time.time()
+    meta = dict(command=" ".join(shlex.quote(a) for a in
+                                 [os.path.relpath(sys.argv[0])] +
+                                 sys.argv[1:]),
+                mode=args.size, library=args.lib,
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                sweep_workload="gpt_plain (batch varies, sequence %s)" %
+                ("1024" if args.size == "full" else "512"),
+                sweep_steps=SWEEP[args.size]["steps"])
+    notes, results, sweeps = [], [], []
+    if not args.only_sweep:
+        for a in allocators:
+            results += run_allocator(args, a, names, meta, notes)
+    if args.sweep or args.only_sweep:
+        for a in allocators:
+            rc, out = run_child(args, a, "sweep", [])
+            got = [r for r in out if r["kind"] == "sweep"]
+            if got:
+                sweeps.append(got[0])
+            else:
+                notes.append("%s sweep: the child exited with %s" % (a, rc))
+    for r in results:
+        if r.get("error"):
+            notes.append("%s, %s: %s" % (benchlib.ALLOCATOR_NAMES.get(
+                r["allocator"]), r["workload"], r["error"][:300]))
+        if r.get("note") and r["allocator"] == allocators[0]:
+            notes.append("%s: %s" % (r["workload"], r["note"]))
+    meta["notes"] = notes
+    meta["wall_s"] = round(time.time() - start, 1)
+    os.makedirs(args.out, exist_ok=True)
+    benchlib.write_json(os.path.join(args.out, "results.json"),
+                        dict(meta=meta, results=results, sweeps=sweeps))
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(benchlib.results_markdown(meta, results, sweeps))
+    print(benchlib.chart(results, os.path.join(args.out, "chart.png")))
+    print(benchlib.results_table(results))
+    if sweeps:
+        print(benchlib.sweep_table(sweeps))
+    print("wall time %.0f s; results in %s" % (meta["wall_s"], args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+# SPDX-License-Identifier: MIT
+"""The benchmark's pure parts: no torch, tested in make check
+(bench/tests/test_benchlib.py).
+
+Definitions used in every table:
+  peak allocated  the largest sum of bytes the tensors asked for at one
+                  moment (PyTorch: requested_bytes.all.peak; libgmlake:
+                  requested_bytes.peak): the same quantity for every
+                  allocator, before any rounding;
+  peak reserved   the largest device memory the allocator held at one
+                  moment (PyTorch: max_memory_reserved(); libgmlake:
+                  reserved_bytes.peak, its physical chunks);
+  fragmentation   1 - peak allocated / peak reserved, in percent: the
+                  share of the reserved peak that no tensor used at the
+                  allocated peak. (The two peaks may fall at different
+                  moments; both are highs of the same run.)
+  driver used     the highest device memory in use seen by the driver
+                  (total - free from cudaMemGetInfo, sampled after every
+                  step) minus what was in use before the workload began:
+                  a cross-check of peak reserved from outside the
+                  allocator (it also counts cuBLAS workspaces and other
+                  memory the allocator does not serve).
+"""
+
+import json
+import math
+import os
+import statistics
+
+ALLOCATORS = ("default", "expandable", "gmlake")
+ALLOCATOR_NAMES = {
+    "default": "PyTorch default",
+    "expandable": "PyTorch expandable segments",
+    "gmlake": "libgmlake",
+}
+GiB = float(1 << 30)
+
+
+def fragmentation(peak_allocated, peak_reserved):
+    """Percent of the reserved peak not allocated at the allocated peak;
+    None when either figure is missing or reserved is 0."""
+    if peak_allocated is None or not peak_reserved:
+        return None
+    if peak_allocated < 0 or peak_reserved < 0:
+        raise ValueError("negative memory figures")
+    return (1.0 - float(peak_allocated) / float(peak_reserved)) * 100.0
+
+
+def median_ms(step_seconds, skip=1):
+    """Median step time in ms, leaving out the first `skip` steps (warm-up)
+    when enough steps remain; None without steps."""
+    times = list(step_seconds)
+    if len(times) > skip + 1:
+        times = times[skip:]
+    if not times:
+        return None
+    return statistics.median(times) * 1000.0
+
+
+def gib(n):
+    return None if n is None else n / GiB
+
+
+def _cell(v, fmt="%.2f"):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return fmt % v
+
+
+def row_values(r):
+    """The table cells of one result dict (see bench.py's child)."""
+    frag = fragmentation(r.get("peak_allocated"), r.get("peak_reserved"))
+    oom = r.get("oom")
+    status = "yes" if oom else ("no" if r.get("ok") else "error")
+    return [r["workload"], ALLOCATOR_NAMES.get(r["allocator"], r["allocator"]),
+            _cell(gib(r.get("peak_allocated"))),
+            _cell(gib(r.get("peak_reserved"))),
+            _cell(gib(r.get("driver_used"))),
+            _cell(frag, "%.1f"),
+            _cell(r.get("step_ms"), "%.1f"),
+            status]
+
+
+HEADER = ["workload", "allocator", "peak allocated GiB", "peak reserved GiB",
+          "driver used GiB", "fragmentation %", "median step ms",
+          "out of memory"]
+
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def results_table(results):
+    """Markdown table of workload results, in workload then allocator
+    order."""
+    order = {a: i for i, a in enumerate(ALLOCATORS)}
+    rows = sorted(results, key=lambda r: (r.get("index", 0),
+                                          order.get(r["allocator"], 99)))
+    return markdown_table(HEADER, [row_values(r) for r in rows])
+
+
+SWEEP_HEADER = ["allocator", "memory cap GiB", "largest batch that fits",
+                "first batch that failed", "trials"]
+
+
+def sweep_table(sweeps):
+    rows = []
+    for s in sweeps:
+        rows.append([ALLOCATOR_NAMES.get(s["allocator"], s["allocator"]),
+                     _cell(gib(s.get("cap_bytes"))),
+                     s.get("best") if s.get("best") is not None else "none",
+                     s.get("failed") if s.get("failed") is not None else
+                     "none up to the limit",
+                     len(s.get("trials", []))])
+    return markdown_table(SWEEP_HEADER, rows)
+
+
+def next_batch(trials, limit):
+    """Capacity search: the next batch to try, or None when done.
+
+    trials: [(batch, fits)] so far. Doubles from 1 until a batch fails
+    (or limit is reached), then bisects between the largest fit and the
+    smallest failure."""
+    fits = [b for b, ok in trials if ok]
+    fails = [b for b, ok in trials if not ok]
+    best = max(fits) if fits else 0
+    worst = min(fails) if fails else None
+    if worst is None:
+        if best >= limit:
+            return None
+        return min(limit, best * 2 if best else 1)
+    if worst - best <= 1:
+        return None
+    return (best + worst) // 2
+
+
+def sweep_summary(trials):
+    fits = [b for b, ok in trials if ok]
+    fails = [b for b, ok in trials if not ok]
+    return (max(fits) if fits else None, min(fails) if fails else None)
+
+
+def write_json(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def results_markdown(meta, results, sweeps):
+    parts = ["# libgmlake benchmark results\n",
+             "Command: `%s`\n" % meta.get("command", "?"),
+             "GPU: %s (%s GiB); PyTorch %s; CUDA %s; libgmlake %s; %s.\n" % (
+                 meta.get("gpu", "?"), _cell(gib(meta.get("gpu_bytes"))),
+                 meta.get("torch", "?"), meta.get("cuda", "?"),
+                 meta.get("library", "?"), meta.get("date", "?")),
+             "Mode: %s. Each allocator ran in its own process, with the same "
+             "seeds, shapes and steps.\n" % meta.get("mode", "?"),
+             "## Workloads\n",
+             results_table(results),
+             "\n" + DEFINITIONS]
+    if sweeps:
+        parts += ["\n## Capacity sweep\n",
+                  "Workload %s: the largest batch that runs %d training "
+                  "steps under a fixed memory cap (PyTorch: "
+                  "torch.cuda.set_per_process_memory_fraction; libgmlake: "
+                  "the same call, through its memory-fraction hook).\n" % (
+                      meta.get("sweep_workload", "?"),
+                      meta.get("sweep_steps", 0)),
+                  sweep_table(sweeps)]
+    notes = meta.get("notes") or []
+    if notes:
+        parts += ["\n## Notes\n"] + ["- %s\n" % n for n in notes]
+    return "\n".join(parts)
+
+
+DEFINITIONS = """Definitions: *peak allocated* is the largest sum of bytes \
+the tensors asked for at one moment (PyTorch's requested_bytes.all.peak, \
+libgmlake's requested_bytes.peak); *peak reserved* is the largest device \
+memory the allocator held (PyTorch's max_memory_reserved(), libgmlake's \
+reserved_bytes.peak); *fragmentation* = 1 - peak allocated / peak \
+reserved; *driver used* is the highest total - free of cudaMemGetInfo \
+sampled after each step, minus the use before the workload (a cross-check \
+from outside the allocator that also counts cuBLAS workspaces); *median \
+step ms* leaves out the first step.
+"""
+
+
+def chart(results, path):
+    """Bar chart of peak reserved and fragmentation; returns a message."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not available: no chart written"
+    workloads = []
+    for r in sorted(results, key=lambda r: r.get("index", 0)):
+        if r["workload"] not in workloads:
+            workloads.append(r["workload"])
+    by = {(r["workload"], r["allocator"]): r for r in results}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(ALLOCATORS)
+    for i, a in enumerate(ALLOCATORS):
+        xs = [j + i * width for j in range(len(workloads))]
+        res = [gib(by.get((w, a), {}).get("peak_reserved")) or 0
+               for w in workloads]
+        frag = [fragmentation(by.get((w, a), {}).get("peak_allocated"),
+                              by.get((w, a), {}).get("peak_reserved")) or 0
+                for w in workloads]
+        axes[0].bar(xs, res, width, label=ALLOCATOR_NAMES[a])
+        axes[1].bar(xs, frag, width, label=ALLOCATOR_NAMES[a])
+    for ax, title in ((axes[0], "peak reserved (GiB)"),
+                      (axes[1], "fragmentation (%)")):
+        ax.set_title(title)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
+        ax.set_xticklabels(workloads, rotation=20)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "chart written to %s" % path

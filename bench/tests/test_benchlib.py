@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: MIT
+"""The benchmark's pure parts: fragmentation, tables, capacity search."""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))))
+
+import benchlib  # noqa: E402
+
+G = 1 << 30
+
+
+class TestMath(unittest.TestCase):
+
+    def test_fragmentation(self):
+        self.assertAlmostEqual(benchlib.fragmentation(3 * G, 4 * G), 25.0)
+        self.assertAlmostEqual(benchlib.fragmentation(4 * G, 4 * G), 0.0)
+        self.assertIsNone(benchlib.fragmentation(None, 4 * G))
+        self.assertIsNone(benchlib.fragmentation(1, 0))
+        with self.assertRaises(ValueError):
+            benchlib.fragmentation(-1, 4)
+
+    def test_median(self):
+        self.assertAlmostEqual(benchlib.median_ms([9.0, 0.1, 0.3, 0.2]),
+                               200.0)
+        self.assertAlmostEqual(benchlib.median_ms([0.5]), 500.0)
+        self.assertIsNone(benchlib.median_ms([]))
+
+    def test_search_doubles_then_bisects(self):
+        fits = lambda b: b <= 11  # noqa: E731
+        trials = []
+        while True:
+            b = benchlib.next_batch(trials, 64)
+            if b is None:
+                break
+            self.assertNotIn(b, [t[0] for t in trials])
+            trials.append((b, fits(b)))
+        self.assertEqual([t[0] for t in trials][:5], [1, 2, 4, 8, 16])
+        self.assertEqual(benchlib.sweep_summary(trials), (11, 12))
+
+    def test_search_limit_and_nothing_fits(self):
+        trials = []
+        while benchlib.next_batch(trials, 8) is not None:
+            trials.append((benchlib.next_batch(trials, 8), True))
+        self.assertEqual(benchlib.sweep_summary(trials), (8, None))
+        self.assertEqual(benchlib.next_batch([(1, False)], 8), None)
+        self.assertEqual(benchlib.sweep_summary([(1, False)]), (None, 1))
+
+
+class TestTables(unittest.TestCase):
+
+    RESULTS = [
+        dict(index=0, workload="gpt", allocator="gmlake", ok=True, oom=False,
+             peak_allocated=3 * G, peak_reserved=4 * G, driver_used=5 * G,
+             step_ms=12.34),
+        dict(index=0, workload="gpt", allocator="default", ok=True,
+             oom=True, peak_allocated=3 * G, peak_reserved=6 * G,
+             driver_used=None, step_ms=None),
+        dict(index=1, workload="gen", allocator="expandable", ok=False,
+             oom=False),
+    ]
+
+    def test_results_table(self):
+        text = benchlib.results_table(self.RESULTS)
+        lines = text.strip().split("\n")
+        self.assertEqual(lines[0], "| " + " | ".join(benchlib.HEADER) +
+                         " |")
+        self.assertEqual(lines[1].count("---"), len(benchlib.HEADER))
+        # Workload order first, then PyTorch default before libgmlake.
+        self.assertEqual(lines[2], "| gpt | PyTorch default | 3.00 | 6.00 | "
+                         "n/a | 50.0 | n/a | yes |")
+        self.assertEqual(lines[3], "| gpt | libgmlake | 3.00 | 4.00 | 5.00 "
+                         "| 25.0 | 12.3 | no |")
+        self.assertEqual(lines[4], "| gen | PyTorch expandable segments | "
+                         "n/a | n/a | n/a | n/a | n/a | error |")
+
+    def test_markdown(self):
+        meta = dict(command="python3 bench/bench.py --quick", gpu="GPU X",
+                    gpu_bytes=80 * G, torch="2.11", cuda="13.0",
+                    library="/x/libgmlake.so", date="today", mode="quick",
+                    sweep_workload="gpt_plain", sweep_steps=2,
+                    notes=["a note"])
+        sweeps = [dict(allocator="gmlake", cap_bytes=8 * G, best=12,
+                       failed=13, trials=[(1, True)] * 7)]
+        text = benchlib.results_markdown(meta, self.RESULTS, sweeps)
+        self.assertIn("Command: `python3 bench/bench.py --quick`", text)
+        self.assertIn("GPU: GPU X (80.00 GiB); PyTorch 2.11", text)
+        self.assertIn("| libgmlake | 8.00 | 12 | 13 | 7 |", text)
+        self.assertIn("- a note", text)
+        self.assertIn("fragmentation* = 1 - peak allocated / peak reserved",
+                      text)
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
+class TestBenchCli(unittest.TestCase):
+    """bench.py's argument handling and child environments (no torch)."""
+
+    def setUp(self):
+        import bench
+        self.bench = bench
+
+    def test_parse(self):
+        a = self.bench.parse(["--quick", "--sweep", "--lib", "/x.so"])
+        self.assertEqual((a.size, a.sweep, a.lib), ("quick", True, "/x.so"))
+        self.assertEqual(self.bench.parse([]).size, "full")
+
+    def test_child_env(self):
+        env = self.bench.child_env("expandable", "/x.so")
+        self.assertEqual(env["PYTORCH_CUDA_ALLOC_CONF"],
+                         "expandable_segments:True")
+        env = self.bench.child_env("gmlake", "/x.so")
+        self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", env)
+        self.assertEqual((env["GMLAKE_LIBRARY"], env["GMLAKE_BACKEND"]),
+                         ("/x.so", "cuda"))
+        self.assertIn(os.path.join(self.bench.REPO, "python"),
+                      env["PYTHONPATH"].split(os.pathsep))
+
+    def test_same_steps_for_all(self):
+        for size in ("full", "quick"):
+            self.assertEqual(sorted(self.bench.STEPS[size]),
+                             sorted(["gpt_ckpt", "gpt_plain", "lora",
+                                     "gpt_save_on_cpu", "generate"]))

@@ -1,0 +1,344 @@
+# SPDX-License-Identifier: MIT
+"""The benchmark's models and training/inference steps (needs torch).
+
+Every workload is built by build(name, size, seed) and returns a dict with
+"step" (one training or generation step; shapes drawn from a seeded
+random.Random, so every allocator sees the same sequence) and "note".
+Sizes: "full" fits an H200 with room to spare; "quick" is tiny, for smoke
+tests.
+"""
+
+import math
+import random
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+MODEL = {
+    "full": dict(d=2048, layers=16, heads=16, vocab=32000, ffn=5504),
+    "quick": dict(d=256, layers=2, heads=4, vocab=1000, ffn=688),
+}
+SHAPES = {
+    "full": dict(ckpt_b=(4, 16), ckpt_t=(256, 2048), plain_b=8,
+                 plain_t=1024, offload_b=(4, 8), offload_t=(256, 1024),
+                 lora_b=(2, 8), lora_t=(256, 2048), gen_b=(1, 16),
+                 gen_t=(64, 1024), gen_new=(16, 64), sweep_t=1024),
+    "quick": dict(ckpt_b=(2, 4), ckpt_t=(32, 128), plain_b=4, plain_t=64,
+                  offload_b=(2, 4), offload_t=(32, 128), lora_b=(1, 4),
+                  lora_t=(32, 128), gen_b=(1, 4), gen_t=(16, 64),
+                  gen_new=(4, 8), sweep_t=512),
+}
+WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu", "generate")
+DTYPE = torch.bfloat16
+
+
+class Attention(nn.Module):
+    """Causal self-attention with Llama's projection names, optional
+    KV cache for generation."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cache=None):
+        b, t, d = x.shape
+        h = self.heads
+
+        def split(y):
+            return y.view(b, t, h, d // h).transpose(1, 2)
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), \
+            split(self.v_proj(x))
+        if cache is not None:
+            if "k" in cache:    # a growing cache: a new tensor every token
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        causal = cache is None or t > 1
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(),
+                                 nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, d, layers, heads, vocab, **_):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, how="plain"):
+        x = self.emb(idx)
+        for blk in self.blocks:
+            if how == "ckpt":
+                x = checkpoint(blk, x, use_reentrant=False)
+            elif how == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    x = blk(x)
+            else:
+                x = blk(x)
+        return self.head(self.ln(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        n = x.float().pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
+        return (x.float() * n).to(x.dtype) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d, heads, ffn):
+        super().__init__()
+        self.input_layernorm = RMSNorm(d)
+        self.self_attn = Attention(d, heads)
+        self.post_attention_layernorm = RMSNorm(d)
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cache)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    """A Llama-style decoder (RMSNorm, SwiGLU, no rotary embedding: the
+    memory behaviour is what matters here)."""
+
+    def __init__(self, d, layers, heads, vocab, ffn):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(LlamaBlock(d, heads, ffn)
+                                    for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.ckpt = False
+
+    def forward(self, idx, caches=None):
+        x = self.embed_tokens(idx)
+        for i, layer in enumerate(self.layers):
+            if caches is not None:
+                x = layer(x, caches[i])
+            elif self.ckpt and self.training:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+class LoRALinear(nn.Module):
+    """Minimal LoRA: frozen base plus B @ A, B starting at zero."""
+
+    def __init__(self, base, r=16, alpha=32, dropout=0.05):
+        super().__init__()
+        self.base = base
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features,
+                                               device=base.weight.device,
+                                               dtype=base.weight.dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r,
+                                               device=base.weight.device,
+                                               dtype=base.weight.dtype))
+        self.scale = alpha / r
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.base(x) + (self.drop(x) @ self.lora_A.t() @
+                               self.lora_B.t()) * self.scale
+
+
+def _rng_int(rng, lo_hi):
+    return rng.randint(lo_hi[0], lo_hi[1])
+
+
+def _train_step(model, opt, vocab, b, t, how=None):
+    idx = torch.randint(0, vocab, (b, t), device="cuda")
+    logits = model(idx, how) if how else model(idx)
+    loss = F.cross_entropy(logits.float().view(-1, vocab), idx.view(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _gpt(size):
+    m = MODEL[size]
+    return GPT(**m).cuda().to(DTYPE), m["vocab"]
+
+
+def gpt_workload(size, how, rng):
+    model, vocab = _gpt(size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    s = SHAPES[size]
+
+    def step():
+        if how == "ckpt":
+            b, t = _rng_int(rng, s["ckpt_b"]), _rng_int(rng, s["ckpt_t"])
+        elif how == "save_on_cpu":
+            b, t = _rng_int(rng, s["offload_b"]), \
+                _rng_int(rng, s["offload_t"])
+        else:
+            b, t = s["plain_b"], s["plain_t"]
+        _train_step(model, opt, vocab, b, t, how)
+    notes = {"ckpt": "GPT, activation checkpointing, variable batch and "
+                     "sequence length",
+             "plain": "GPT, no checkpointing, fixed shapes",
+             "save_on_cpu": "GPT, activations saved on the host "
+                            "(torch.autograd.graph.save_on_cpu)"}
+    return dict(step=step, note=notes[how], keep=(model, opt))
+
+
+def _hf_lora(m):
+    """LoRA on transformers' Llama with peft; raises ImportError when
+    either is missing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from peft import LoraConfig, get_peft_model
+    cfg = LlamaConfig(hidden_size=m["d"], intermediate_size=m["ffn"],
+                      num_hidden_layers=m["layers"],
+                      num_attention_heads=m["heads"],
+                      num_key_value_heads=m["heads"],
+                      vocab_size=m["vocab"], max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg).cuda().to(DTYPE)
+    try:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    except TypeError:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+    model = get_peft_model(model, LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.05,
+        target_modules=["q_proj", "v_proj"]))
+
+    def loss_of(idx):
+        return model(input_ids=idx, labels=idx).loss
+    return model, loss_of, "transformers Llama + peft LoRA"
+
+
+def _own_lora(m):
+    model = Llama(**m).cuda().to(DTYPE)
+    model.ckpt = True
+    for p in model.parameters():
+        p.requires_grad_(False)
+    how = "own Llama-style model + "
+    try:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.05,
+            target_modules=["q_proj", "v_proj"]))
+        how += "peft LoRA"
+    except Exception:  # peft missing, or refusing a model of ours
+        for layer in model.layers:
+            a = layer.self_attn
+            a.q_proj = LoRALinear(a.q_proj)
+            a.v_proj = LoRALinear(a.v_proj)
+        how += "minimal LoRA (peft not importable)"
+    vocab = m["vocab"]
+
+    def loss_of(idx):
+        logits = model(idx)
+        return F.cross_entropy(logits[:, :-1].float().reshape(-1, vocab),
+                               idx[:, 1:].reshape(-1))
+    return model, loss_of, how
+
+
+def lora_workload(size, rng):
+    m = MODEL[size]
+    try:
+        model, loss_of, how = _hf_lora(m)
+    except ImportError:
+        model, loss_of, how = _own_lora(m)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters()
+                             if p.requires_grad], lr=1e-4)
+    s = SHAPES[size]
+
+    def step():
+        b, t = _rng_int(rng, s["lora_b"]), _rng_int(rng, s["lora_t"])
+        idx = torch.randint(0, m["vocab"], (b, t), device="cuda")
+        loss_of(idx).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return dict(step=step, note="LoRA fine-tuning, gradient checkpointing, "
+                "variable shapes: " + how, keep=(model, opt))
+
+
+def generate_workload(size, rng):
+    m = MODEL[size]
+    model = Llama(**m).cuda().to(DTYPE).eval()
+    s = SHAPES[size]
+
+    @torch.no_grad()
+    def step():
+        b, t = _rng_int(rng, s["gen_b"]), _rng_int(rng, s["gen_t"])
+        new = _rng_int(rng, s["gen_new"])
+        idx = torch.randint(0, m["vocab"], (b, t), device="cuda")
+        caches = [dict() for _ in model.layers]
+        logits = model(idx, caches)
+        for _ in range(new):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            logits = model(nxt, caches)
+        del caches, logits
+    return dict(step=step, note="greedy generation, KV cache grown by "
+                "concatenation every token, variable batch and prompt",
+                keep=(model,))
+
+
+def build(name, size, seed):
+    """The workload `name` at `size`, seeded."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    if name == "gpt_ckpt":
+        return gpt_workload(size, "ckpt", rng)
+    if name == "gpt_plain":
+        return gpt_workload(size, "plain", rng)
+    if name == "gpt_save_on_cpu":
+        return gpt_workload(size, "save_on_cpu", rng)
+    if name == "lora":
+        return lora_workload(size, rng)
+    if name == "generate":
+        return generate_workload(size, rng)
+    raise ValueError("unknown workload %r (known: %s)" %
+                     (name, ", ".join(WORKLOADS)))
+
+
+def build_sweep(size, seed):
+    """GPT without checkpointing at a fixed sequence length; the step takes
+    the batch size."""
+    torch.manual_seed(seed)
+    model, vocab = _gpt(size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t = SHAPES[size]["sweep_t"]
+
+    def step(b):
+        _train_step(model, opt, vocab, b, t, "plain")
+
+    def reset():
+        opt.zero_grad(set_to_none=True)
+    return dict(step=step, reset=reset, seq=t, keep=(model, opt))

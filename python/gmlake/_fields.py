@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: MIT
+"""The fields of struct gmlake_stats (include/gmlake-stats.h), by hand.
+
+The header's X-macro lists and this file must agree; python/tests parses
+the header and compares, and checks the ctypes layout against the C
+compiler's, so a change on one side only fails the tests.
+"""
+
+STATS_VERSION = 1
+
+# GMLAKE_FOREACH_GAUGE: struct gmlake_stat {current, peak, total} each.
+GAUGES = (
+    "requested_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "mapped_bytes",
+    "active_blocks",
+    "stitched_live",
+    "stitched_cached",
+    "chunks",
+    "small_chunks",
+    "spilled_bytes",
+    "spilled_blocks",
+    "host_bytes",
+    "host_pinned",
+)
+
+# GMLAKE_FOREACH_COUNTER: uint64_t each.
+COUNTERS = (
+    "allocs",
+    "frees",
+    "fits",
+    "stitch_reuses",
+    "stitches",
+    "stitch_repairs",
+    "grows",
+    "evictions",
+    "releases",
+    "ooms",
+    "cross_stream_waits",
+    "spills",
+    "fetches",
+    "auto_spills",
+    "offload_failures",
+    "d2h_bytes",
+    "d2h_ns",
+    "h2d_bytes",
+    "h2d_ns",
+)
+
+# GMLAKE_FOREACH_CALL: the driver call kinds, indexes of calls[] etc.
+CALLS = (
+    "mem_create",
+    "mem_release",
+    "va_reserve",
+    "va_free",
+    "mem_map",
+    "mem_unmap",
+    "set_access",
+    "event_create",
+    "event_record",
+    "event_query",
+    "event_sync",
+    "stream_sync",
+    "memcpy",
+)
+
+RESERVED_WORDS = 32
