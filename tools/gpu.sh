@@ -11,6 +11,15 @@
 #	shared libraries they need that a bare GPU machine lacks (Check's
 #	libsubunit, ...) into build-gpu/runtime-libs/.
 #
+#	It also links build-gpu/libgmlake.so from the same (position-
+#	independent) objects, for Python and the benchmarks.
+#
+#   tools/gpu.sh bench [BENCH-ARGS...]
+#	On the GPU machine: python3 bench/bench.py with build-gpu/libgmlake.so
+#	(PyTorch's allocators against libgmlake on real models), writing to
+#	${GML_GPU_OUT:-/tmp}/bench; BENCH-ARGS go to bench.py (--quick,
+#	--sweep, --workloads ...).
+#
 #   tools/gpu.sh run
 #	On the GPU machine, in the repository root, with build-gpu/ copied
 #	beside the sources (no compiler, libtool or Check needed there).
@@ -32,7 +41,7 @@ cd "$root"
 build=build-gpu
 
 usage() {
-	sed -n '4,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+	sed -n '4,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 	exit 2
 }
 
@@ -85,16 +94,23 @@ do_build() {
 	fi
 
 	mkdir -p "$build"
-	(cd "$build" && "$src/configure" --disable-shared --enable-static "$@")
+	(cd "$build" && "$src/configure" --disable-shared --enable-static \
+		CFLAGS="${CFLAGS:--O2 -g} -fPIC" "$@")
 	make -C "$build" -j"$(nproc)"
 	# TESTS= builds check_PROGRAMS without running anything.
 	make -C "$build" -j"$(nproc)" check TESTS=
+	# The shared library from the static objects: what libtool would
+	# link, without its wrapper scripts.
+	${CC:-gcc} -shared -o "$build/libgmlake.so" -Wl,-soname,libgmlake.so \
+		-Wl,--whole-archive "$build/lib/.libs/libgmlake-internal.a" \
+		-Wl,--no-whole-archive -Wl,--version-script="$src/lib/libgmlake.map" \
+		-Wl,-z,defs $(sed -n 's/^LIBS = //p' "$build/Makefile") -ldl -lpthread
 
 	rm -rf "$build/runtime-libs"
 	mkdir -p "$build/runtime-libs"
 	progs=$(find "$build/tests" "$build/examples" "$build/tools" \
 		-maxdepth 1 -type f -perm -u+x ! -name '*.*' 2>/dev/null)
-	for p in $progs; do
+	for p in $progs "$build/libgmlake.so"; do
 		[ "$(head -c 4 "$p" | tail -c 3)" = ELF ] || continue
 		ldd "$p" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }'
 	done | sort -u | while read -r lib; do
@@ -217,10 +233,22 @@ do_run() {
 	[ "$n_fail" -eq 0 ]
 }
 
+do_bench() {
+	if [ ! -f "$build/libgmlake.so" ]; then
+		echo "gpu.sh: $build/libgmlake.so missing; run 'tools/gpu.sh build' first" >&2
+		exit 1
+	fi
+	export LD_LIBRARY_PATH="$root/$build/runtime-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+	mkdir -p "$out/bench"
+	python3 bench/bench.py --lib "$root/$build/libgmlake.so" \
+		--out "$out/bench" "$@"
+}
+
 mode=${1:-}
 [ $# -gt 0 ] && shift
 case $mode in
 build) do_build "$@" ;;
 run) do_run ;;
+bench) do_bench "$@" ;;
 *) usage ;;
 esac
