@@ -236,7 +236,7 @@ GML_EXPORT int gmlake_shm_parse(const void *buf, size_t len,
 	return ret;
 }
 
-/* "gmlake.PID" names the pid it must hold; other names are not checked. */
+/* "gmlake.DIGITS" names the pid it must hold; other names are not checked. */
 static int check_name(const char *path, int32_t pid)
 {
 	const char *base = strrchr(path, '/');
@@ -245,6 +245,8 @@ static int check_name(const char *path, int32_t pid)
 
 	base = base ? base + 1 : path;
 	if (strncmp(base, "gmlake.", 7) || !base[7])
+		return 0;
+	if (strspn(base + 7, "0123456789") != strlen(base + 7))
 		return 0;
 	errno = 0;
 	v = strtol(base + 7, &end, 10);
