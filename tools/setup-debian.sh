@@ -23,6 +23,7 @@ PACKAGES="
 	liburing-dev
 	libnuma-dev
 	libncurses-dev
+	tmux
 "
 
 missing=""
