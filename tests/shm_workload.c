@@ -5,11 +5,14 @@
  * gmlake_stats_get(). With a number of seconds it then stays alive that
  * long (printing "ready PID" on stdout first), for the tests that watch a
  * live process with gmlake-top; with none it exits (a test of its own).
+ * "shm_workload SECONDS wave" also grows and shrinks a block of 0 to 60
+ * MiB while it waits, so gmlake-top's history chart has a shape.
  *
  * Pattern: 8 blocks of 3, 5, 7, ... MiB, then every other one freed.
  * Exit: 0 pass, 77 no device, 1 failure.
  */
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,9 +104,20 @@ int main(int argc, char **argv)
 	if (hold > 0) {
 		printf("ready %d\n", (int)getpid());
 		fflush(stdout);
+		bool wave = argc > 2 && !strcmp(argv[2], "wave");
+		void *w = NULL;
+
 		for (int i = 0; i < hold * 10; i++) {
 			struct timespec ts = { 0, 100000000 };
+			size_t mib = (size_t)(i % 20 < 10 ? i % 20 : 20 - i % 20);
 
+			if (wave && (ret = gmlake_free(ctx, w)))
+				return fail("gmlake_free", ret);
+			w = NULL;
+			if (wave && mib && (ret = gmlake_alloc(ctx, &w,
+							       6 * mib * MiB,
+							       NULL)))
+				return fail("gmlake_alloc", ret);
 			nanosleep(&ts, NULL);
 		}
 	}

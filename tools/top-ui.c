@@ -114,7 +114,7 @@ static void draw_main(struct ui *ui)
 	char when[16];
 
 	strftime(when, sizeof(when), "%H:%M:%S", localtime(&t));
-	mvprintw(y++, 0, "gmlake-top %s - %s  %zu rows  every %.1fs  sort: "
+	mvprintw(y++, 0, "gmlake-top %s - %s  %zu rows  every %gs  sort: "
 		 "%s %s  (h: help, q: quit)", PACKAGE_VERSION, when, st->nrows,
 		 ui->delay, top_col_name(st->sort_col),
 		 st->sort_reverse ? "asc" : "desc");
