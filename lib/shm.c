@@ -24,6 +24,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -347,6 +348,7 @@ static void seg_remove(void)
 /* The segment and its thread, when the first context comes; life held. */
 static int seg_start(void)
 {
+	sigset_t all, old;
 	int ret;
 
 	if (shm.seg)
@@ -355,7 +357,12 @@ static int seg_start(void)
 	if (ret)
 		return ret;
 	shm.stop = false;
+	/* The thread takes no signals: the application's handlers run in
+	   its own threads. */
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
 	ret = pthread_create(&shm.thread, NULL, publisher, NULL);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (ret) {
 		seg_remove();
 		return gml_set_error(-ret, "shm: publisher thread: %s",
