@@ -14,6 +14,7 @@
 #include "ctx.h"
 #include "error.h"
 #include "options.h"
+#include "shm.h"
 #include "types.h"
 
 static int ctx_enter(gmlake_ctx *ctx)
@@ -117,6 +118,7 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 	if (ret)
 		goto out_close;
 	pthread_mutex_init(&ctx->lock, NULL);
+	gml_shm_register(ctx);	/* a failure only warns */
 	*out = ctx;
 	return 0;
 out_close:
@@ -540,6 +542,7 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		ctx_leave(ctx);
 		return ret;
 	}
+	gml_shm_unregister(ctx);
 	if (ctx->cfg.show_stats)
 		gml_stats_at_destroy(ctx);
 	for (int i = 0; i < ctx->nstreams; i++)

@@ -47,6 +47,11 @@ static void snapshot(gmlake_ctx *ctx, struct gmlake_stats *st)
 	       sizeof(st->call_failures));
 }
 
+void gml_stats_snapshot_locked(gmlake_ctx *ctx, struct gmlake_stats *st)
+{
+	snapshot(ctx, st);
+}
+
 GML_EXPORT int gmlake_stats_get(gmlake_ctx *ctx, struct gmlake_stats *stats)
 {
 	if (!ctx || !stats)

@@ -187,5 +187,7 @@ int gml_ctx_check_locked(gmlake_ctx *ctx);
 /* stats.c */
 void gml_gauge_add(struct gmlake_stat *g, int64_t delta);
 void gml_stats_at_destroy(gmlake_ctx *ctx);
+/* The figures gmlake_stats_get() returns; ctx->lock held (lib/shm.c). */
+void gml_stats_snapshot_locked(gmlake_ctx *ctx, struct gmlake_stats *st);
 
 #endif

@@ -24,6 +24,7 @@ PACKAGES="
 	libnuma-dev
 	libncurses-dev
 	python3
+	tmux
 "
 
 missing=""

@@ -1,0 +1,32 @@
+/* SPDX-License-Identifier: MIT */
+/* Publication of a context's statistics in the shared-memory segment. */
+#ifndef GML_SHM_H
+#define GML_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "gmlake.h"
+#include "gmlake-shm.h"
+
+/* Layout 1 sizes; a reader accepts parts at least this large. */
+#define GML_SHM_HEADER_V1 256u
+#define GML_SHM_SLOT_V1 512u
+
+/*
+ * Start publishing ctx (a slot in this process's segment, created with the
+ * first context). Failure is not fatal to the caller: a warning is logged
+ * and the context runs unpublished. Call without ctx->lock held.
+ */
+int gml_shm_register(gmlake_ctx *ctx);
+/*
+ * Publish ctx's final figures and free its slot; the last context removes
+ * the segment. Call with ctx->lock held (the final snapshot needs it).
+ */
+void gml_shm_unregister(gmlake_ctx *ctx);
+
+/* shm_read.c: /proc/PID/stat's start time (field 22) and command name. */
+int gml_proc_stat(pid_t pid, uint64_t *start_time, char *comm, size_t len);
+
+#endif

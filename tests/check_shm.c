@@ -1,0 +1,770 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * check_shm: publication of the statistics in GMLAKE_SHM_DIR/gmlake.PID
+ * (lib/shm.c), the checking reader (lib/shm_read.c), and gmlake-top's JSON
+ * snapshots against a live and a killed process.
+ *
+ * Runs on the emulated device whatever GMLAKE_BACKEND says; each case
+ * works in a directory of its own (checked fixture), never in /dev/shm.
+ *
+ * With GML_SHM_WRITE_CORPUS=DIR the "corpus" case writes the seed inputs
+ * of tests/fuzz/corpus/shm/ there (how they were made).
+ */
+#include "helpers.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "gmlake-shm.h"
+#include "shm.h"
+
+static char dir[256];
+
+static void setup(void)
+{
+	const char *tmp = getenv("TMPDIR");
+
+	snprintf(dir, sizeof(dir), "%s/check_shm.XXXXXX", tmp ? tmp : "/tmp");
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	ck_assert_int_eq(setenv("GMLAKE_SHM_DIR", dir, 1), 0);
+	ck_assert_int_eq(setenv("GMLAKE_BACKEND", "emu", 1), 0);
+	unsetenv("GMLAKE_PUBLISH");
+}
+
+static void teardown(void)
+{
+	char cmd[300];
+
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+	if (system(cmd))
+		fprintf(stderr, "check_shm: could not remove %s\n", dir);
+}
+
+static void path_of(char *buf, size_t len, const char *name)
+{
+	snprintf(buf, len, "%s/%s", dir, name);
+}
+
+static void own_path(char *buf, size_t len)
+{
+	snprintf(buf, len, "%s/gmlake.%d", dir, (int)getpid());
+}
+
+static void snap_init(struct gmlake_shm_snapshot *snap)
+{
+	memset(snap, 0x5a, sizeof(*snap));
+	snap->version = GMLAKE_SHM_SNAPSHOT_VERSION;
+	snap->size = sizeof(*snap);
+}
+
+static int read_seg(const char *path, uint32_t uid,
+		    struct gmlake_shm_snapshot *snap)
+{
+	snap_init(snap);
+	return gmlake_shm_read(path, uid, snap);
+}
+
+static void sleep_ms(long ms)
+{
+	struct timespec ts = { ms / 1000, (ms % 1000) * 1000000 };
+
+	nanosleep(&ts, NULL);
+}
+
+/* Wait (2 s at most) until the segment shows the context's allocs/frees. */
+static void wait_published(gmlake_ctx *ctx, struct gmlake_shm_snapshot *snap)
+{
+	struct gmlake_stats st;
+	char path[512];
+	int ret = 0;
+
+	own_path(path, sizeof(path));
+	th_stats(ctx, &st);
+	for (int i = 0; i < 200; i++) {
+		ret = read_seg(path, (uint32_t)geteuid(), snap);
+		for (uint32_t s = 0; !ret && s < snap->nslots; s++)
+			if (snap->slots[s].allocs == st.allocs &&
+			    snap->slots[s].frees == st.frees)
+				return;
+		sleep_ms(10);
+	}
+	ck_abort_msg("segment never caught up: %d (%s)", ret,
+		     gmlake_last_error());
+}
+
+/* A fixed pattern: 6 blocks of 1, 3, 5, ... MiB, the odd ones freed. */
+static void pattern(gmlake_ctx *ctx, void **p)
+{
+	for (int i = 0; i < 6; i++)
+		ck_assert_int_eq(gmlake_alloc(ctx, &p[i],
+					      (size_t)(1 + 2 * i) * TH_MiB,
+					      NULL), 0);
+	for (int i = 1; i < 6; i += 2)
+		ck_assert_int_eq(gmlake_free(ctx, p[i]), 0);
+}
+
+static void assert_slot_matches(const struct gmlake_shm_slot *s,
+				const struct gmlake_stats *st)
+{
+	ck_assert_int_eq(s->state, GMLAKE_SHM_SLOT_LIVE);
+	ck_assert_int_eq(s->backend, GMLAKE_BACKEND_EMU);
+	ck_assert_int_eq(s->allocated_bytes, st->allocated_bytes.current);
+	ck_assert_int_eq(s->allocated_peak, st->allocated_bytes.peak);
+	ck_assert_int_eq(s->reserved_bytes, st->reserved_bytes.current);
+	ck_assert_int_eq(s->reserved_peak, st->reserved_bytes.peak);
+	ck_assert_int_eq(s->requested_bytes, st->requested_bytes.current);
+	ck_assert_int_eq(s->active_blocks, st->active_blocks.current);
+	ck_assert_int_eq(s->stitched_live, st->stitched_live.current);
+	ck_assert_int_eq(s->chunks, st->chunks.current);
+	ck_assert_int_eq(s->spilled_bytes, st->spilled_bytes.current);
+	ck_assert_uint_eq(s->allocs, st->allocs);
+	ck_assert_uint_eq(s->frees, st->frees);
+	ck_assert_uint_eq(s->stitches, st->stitches);
+	ck_assert_uint_eq(s->d2h_bytes, st->d2h_bytes);
+	ck_assert_uint_eq(s->h2d_bytes, st->h2d_bytes);
+	ck_assert_uint_eq(s->map_calls, st->calls[GMLAKE_CALL_mem_map]);
+	ck_assert_uint_eq(s->unmap_calls, st->calls[GMLAKE_CALL_mem_unmap]);
+	ck_assert_uint_eq(s->chunk_size, st->chunk_size);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Publication                                                            */
+
+START_TEST(publish_matches_stats)
+{
+	struct gmlake_shm_snapshot snap;
+	struct gmlake_stats st;
+	gmlake_ctx *ctx = th_ctx(256 * TH_MiB);
+	char path[512];
+	struct stat sb;
+	void *p[6];
+
+	own_path(path, sizeof(path));
+	ck_assert_int_eq(lstat(path, &sb), 0);
+	ck_assert_int_eq(sb.st_mode & 0777, 0600);
+	ck_assert(S_ISREG(sb.st_mode));
+	pattern(ctx, p);
+	wait_published(ctx, &snap);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(snap.pid, getpid());
+	ck_assert_uint_eq(snap.uid, geteuid());
+	ck_assert_uint_eq(snap.layout_version, GMLAKE_SHM_VERSION);
+	ck_assert_uint_eq(snap.nslots, 1);
+	ck_assert_str_eq(snap.comm, "check_shm");
+	ck_assert(!gmlake_shm_stale(&snap));
+	assert_slot_matches(&snap.slots[0], &st);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+	ck_assert_int_eq(lstat(path, &sb), -1);
+	ck_assert_int_eq(errno, ENOENT);
+}
+END_TEST
+
+START_TEST(contexts_share_one_segment)
+{
+	struct gmlake_shm_snapshot snap;
+	gmlake_ctx *a = th_ctx(64 * TH_MiB), *b = th_ctx(64 * TH_MiB);
+	char path[512];
+	void *pa, *pb;
+	int ret;
+
+	own_path(path, sizeof(path));
+	ck_assert_int_eq(gmlake_alloc(a, &pa, 4 * TH_MiB, NULL), 0);
+	ck_assert_int_eq(gmlake_alloc(b, &pb, 6 * TH_MiB, NULL), 0);
+	wait_published(b, &snap);
+	wait_published(a, &snap);
+	ck_assert_uint_eq(snap.nslots, 2);
+	ck_assert_uint_ne(snap.slots[0].ctx_id, snap.slots[1].ctx_id);
+	ck_assert_int_eq(gmlake_ctx_destroy(a, true), 0);
+	ret = read_seg(path, (uint32_t)geteuid(), &snap);
+	ck_assert_msg(ret == 0, "%d %s", ret, gmlake_last_error());
+	ck_assert_uint_eq(snap.nslots, 1);
+	ck_assert_int_eq(snap.slots[0].allocated_bytes, 6 * TH_MiB);
+	ck_assert_int_eq(gmlake_ctx_destroy(b, true), 0);
+	ck_assert_int_eq(access(path, F_OK), -1);
+}
+END_TEST
+
+START_TEST(publish_off)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx;
+	char path[512];
+
+	ck_assert_int_eq(setenv("GMLAKE_PUBLISH", "0", 1), 0);
+	th_config(&cfg, 64 * TH_MiB);
+	ck_assert(!cfg.publish);
+	ctx = th_ctx_cfg(&cfg);
+	own_path(path, sizeof(path));
+	ck_assert_int_eq(access(path, F_OK), -1);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
+}
+END_TEST
+
+/* A leftover gmlake.PID of ours (pid reuse) is replaced, not fatal. */
+START_TEST(leftover_replaced)
+{
+	struct gmlake_shm_snapshot snap;
+	gmlake_ctx *ctx;
+	char path[512];
+	int fd;
+
+	own_path(path, sizeof(path));
+	fd = open(path, O_CREAT | O_WRONLY, 0600);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, "junk", 4), 4);
+	close(fd);
+	ctx = th_ctx(64 * TH_MiB);
+	wait_published(ctx, &snap);
+	ck_assert_int_eq(snap.pid, getpid());
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
+}
+END_TEST
+
+/* A child of fork() must not remove its parent's segment at exit. */
+START_TEST(fork_child_leaves_segment)
+{
+	gmlake_ctx *ctx = th_ctx(64 * TH_MiB);
+	char path[512];
+	int status;
+	pid_t pid;
+
+	own_path(path, sizeof(path));
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0)
+		exit(0);	/* atexit handlers run */
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert_int_eq(access(path, F_OK), 0);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
+	ck_assert_int_eq(access(path, F_OK), -1);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* gmlake-top against a live and a killed process                         */
+
+static bool top_path(char *buf, size_t len)
+{
+	const char *b = getenv("top_builddir");
+
+	snprintf(buf, len, "%s/tools/gmlake-top", b ? b : ".");
+	if (access(buf, X_OK) == 0)
+		return true;
+	fprintf(stderr, "check_shm: %s not built (no ncursesw); case "
+		"passes without it\n", buf);
+	return false;
+}
+
+/* gmlake-top -b --json -n 1 --dir DIR; its output (malloc'd). */
+static char *run_top(const char *top)
+{
+	char cmd[1024], *out = calloc(1, 1 << 16);
+	size_t n = 0, got;
+	FILE *f;
+
+	ck_assert_ptr_nonnull(out);
+	snprintf(cmd, sizeof(cmd), "'%s' --json -n 1 -d 0.1 --dir '%s'", top,
+		 dir);
+	f = popen(cmd, "r");
+	ck_assert_ptr_nonnull(f);
+	while ((got = fread(out + n, 1, (1 << 16) - 1 - n, f)) > 0)
+		n += got;
+	ck_assert_int_eq(pclose(f), 0);
+	ck_assert_msg(n > 0 && out[n - 1] == '\n', "no JSON line: %s", out);
+	return out;
+}
+
+/* The process object of pid in gmlake-top's JSON, cut at its end. */
+static char *json_proc(char *out, int pid)
+{
+	char key[32], *p, *end;
+
+	snprintf(key, sizeof(key), "{\"pid\":%d,", pid);
+	p = strstr(out, key);
+	ck_assert_msg(p != NULL, "pid %d not in %s", pid, out);
+	end = strstr(p + 1, "{\"pid\":");
+	if (!end)
+		end = strstr(p, "]}");
+	ck_assert_ptr_nonnull(end);
+	*end = '\0';
+	return p;
+}
+
+static long long json_int(const char *obj, const char *name)
+{
+	char key[64];
+	const char *p;
+
+	snprintf(key, sizeof(key), "\"%s\":", name);
+	p = strstr(obj, key);
+	ck_assert_msg(p != NULL, "%s not in %s", name, obj);
+	return strtoll(p + strlen(key), NULL, 10);
+}
+
+START_TEST(top_json_matches_stats)
+{
+	struct gmlake_shm_snapshot snap;
+	struct gmlake_stats st;
+	gmlake_ctx *ctx;
+	char top[512], *out, *obj;
+	void *p[6];
+
+	if (!top_path(top, sizeof(top)))
+		return;
+	ctx = th_ctx(256 * TH_MiB);
+	for (int round = 0; round < 2; round++) {
+		if (round == 0)
+			pattern(ctx, p);
+		else
+			for (int i = 0; i < 6; i += 2)
+				ck_assert_int_eq(gmlake_free(ctx, p[i]), 0);
+		wait_published(ctx, &snap);
+		th_stats(ctx, &st);
+		out = run_top(top);
+		obj = json_proc(out, getpid());
+		ck_assert_ptr_nonnull(strstr(obj, "\"state\":\"live\""));
+		ck_assert_ptr_nonnull(strstr(obj, "\"command\":\"check_shm\""));
+		ck_assert_ptr_nonnull(strstr(obj, "\"backend\":\"emu\""));
+		ck_assert_int_eq(json_int(obj, "allocated_bytes"),
+				 st.allocated_bytes.current);
+		ck_assert_int_eq(json_int(obj, "reserved_bytes"),
+				 st.reserved_bytes.current);
+		ck_assert_int_eq(json_int(obj, "reserved_peak"),
+				 st.reserved_bytes.peak);
+		ck_assert_int_eq(json_int(obj, "active_blocks"),
+				 st.active_blocks.current);
+		ck_assert_int_eq(json_int(obj, "allocs"), (long long)st.allocs);
+		ck_assert_int_eq(json_int(obj, "frees"), (long long)st.frees);
+		ck_assert_int_eq(json_int(obj, "map_calls"),
+				 (long long)st.calls[GMLAKE_CALL_mem_map]);
+		ck_assert_int_eq(json_int(obj, "spilled_bytes"),
+				 st.spilled_bytes.current);
+		free(out);
+	}
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+}
+END_TEST
+
+/* A child with a context, killed with SIGKILL: its segment stays. */
+static pid_t killed_child(char *path, size_t len)
+{
+	int fds[2], status;
+	char c;
+	pid_t pid;
+
+	ck_assert_int_eq(pipe(fds), 0);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		gmlake_ctx *ctx = NULL;
+		void *ptr;
+
+		close(fds[0]);
+		if (gmlake_ctx_init(&ctx, NULL) ||
+		    gmlake_alloc(ctx, &ptr, 8 * TH_MiB, NULL))
+			_exit(1);
+		sleep_ms(50);	/* one publish round */
+		if (write(fds[1], "r", 1) != 1)
+			_exit(1);
+		for (;;)
+			pause();
+	}
+	close(fds[1]);
+	ck_assert_int_eq(read(fds[0], &c, 1), 1);
+	close(fds[0]);
+	ck_assert_int_eq(kill(pid, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert(WIFSIGNALED(status));
+	snprintf(path, len, "%s/gmlake.%d", dir, (int)pid);
+	ck_assert_int_eq(access(path, F_OK), 0);
+	return pid;
+}
+
+START_TEST(killed_is_stale)
+{
+	struct gmlake_shm_snapshot snap;
+	char path[512];
+	int ret;
+
+	killed_child(path, sizeof(path));
+	ret = read_seg(path, (uint32_t)geteuid(), &snap);
+	ck_assert_msg(ret == 0, "%d %s", ret, gmlake_last_error());
+	ck_assert_uint_eq(snap.nslots, 1);
+	ck_assert_int_eq(snap.slots[0].allocated_bytes, 8 * TH_MiB);
+	ck_assert(gmlake_shm_stale(&snap));
+}
+END_TEST
+
+START_TEST(top_cleans_killed)
+{
+	char top[512], path[512], *out, *obj;
+	pid_t pid;
+
+	if (!top_path(top, sizeof(top)))
+		return;
+	pid = killed_child(path, sizeof(path));
+	out = run_top(top);
+	obj = json_proc(out, pid);
+	ck_assert_msg(strstr(obj, "\"state\":\"gone\"") != NULL, "%s", obj);
+	ck_assert_msg(strstr(obj, "\"removed\":true") != NULL, "%s", obj);
+	ck_assert_int_eq(access(path, F_OK), -1);
+	free(out);
+	/* The next snapshot does not list it any more. */
+	out = run_top(top);
+	ck_assert_ptr_nonnull(strstr(out, "\"processes\":[]"));
+	free(out);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Rejection of bad segments                                              */
+
+#define IMG_MAX 65536
+
+/* A real segment image, from this process's own publication. */
+static size_t valid_image(unsigned char *img)
+{
+	struct gmlake_shm_snapshot snap;
+	gmlake_ctx *ctx = th_ctx(64 * TH_MiB);
+	char path[512];
+	ssize_t n = 0;
+	void *p;
+	int fd;
+
+	ck_assert_int_eq(gmlake_alloc(ctx, &p, 5 * TH_MiB, NULL), 0);
+	wait_published(ctx, &snap);
+	own_path(path, sizeof(path));
+	for (int i = 0; i < 100; i++) {
+		fd = open(path, O_RDONLY);
+		ck_assert_int_ge(fd, 0);
+		n = read(fd, img, IMG_MAX);
+		close(fd);
+		snap_init(&snap);
+		if (n > 0 && gmlake_shm_parse(img, (size_t)n, &snap) == 0)
+			break;
+		n = 0;
+	}
+	ck_assert_int_gt(n, 0);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+	return (size_t)n;
+}
+
+static void write_file(const char *path, const void *buf, size_t len,
+		       mode_t mode)
+{
+	int fd;
+
+	unlink(path);
+	fd = open(path, O_CREAT | O_EXCL | O_WRONLY, mode);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(fchmod(fd, mode), 0);
+	ck_assert_int_eq(write(fd, buf, len), (ssize_t)len);
+	close(fd);
+}
+
+/* Write img as gmlake.PID (the pid in it) and read it back. */
+static int try_image(const void *img, size_t len, mode_t mode)
+{
+	struct gmlake_shm_snapshot snap;
+	char path[512];
+	int ret;
+
+	path_of(path, sizeof(path), "gmlake.seg");
+	write_file(path, img, len, mode);
+	ret = read_seg(path, (uint32_t)geteuid(), &snap);
+	ck_assert_int_le(ret, 0);
+	if (ret)
+		ck_assert_msg(gmlake_last_error()[0], "no message for %d", ret);
+	return ret;
+}
+
+static struct gmlake_shm_header *hdr(unsigned char *img)
+{
+	return (struct gmlake_shm_header *)img;
+}
+
+static struct gmlake_shm_slot *slot0(unsigned char *img)
+{
+	return (struct gmlake_shm_slot *)(img + hdr(img)->header_size);
+}
+
+START_TEST(reject_bad_images)
+{
+	static unsigned char img[IMG_MAX], bad[IMG_MAX];
+	size_t len = valid_image(img);
+
+	ck_assert_int_eq(try_image(img, len, 0600), 0);
+	/* truncated: no header, half a slot, one byte short */
+	ck_assert_int_eq(try_image(img, 100, 0600), -EBADMSG);
+	ck_assert_int_eq(try_image(img, len - 256, 0600), -EBADMSG);
+	ck_assert_int_eq(try_image(img, len - 1, 0600), -EBADMSG);
+	ck_assert_int_eq(try_image(img, 0, 0600), -EAGAIN);
+#define MUTATE(stmt, want)						\
+	do {								\
+		memcpy(bad, img, len);					\
+		stmt;							\
+		ck_assert_int_eq(try_image(bad, len, 0600), want);	\
+	} while (0)
+	MUTATE(hdr(bad)->magic ^= 1, -EBADMSG);
+	MUTATE(hdr(bad)->magic = 0, -EAGAIN);
+	MUTATE(hdr(bad)->compat_version = 2; hdr(bad)->version = 2,
+	       -EPROTONOSUPPORT);
+	MUTATE(hdr(bad)->compat_version = 3, -EBADMSG);
+	MUTATE(hdr(bad)->version = 0, -EBADMSG);
+	MUTATE(hdr(bad)->size += 8, -EBADMSG);
+	MUTATE(hdr(bad)->header_size = 8, -EBADMSG);
+	MUTATE(hdr(bad)->header_size = (uint32_t)len, -EBADMSG);
+	MUTATE(hdr(bad)->slot_size = 4096, -EBADMSG);
+	MUTATE(hdr(bad)->slot_size = 7, -EBADMSG);
+	MUTATE(hdr(bad)->nslots = UINT32_MAX, -EBADMSG);
+	MUTATE(hdr(bad)->nslots = 0, -EBADMSG);
+	MUTATE(hdr(bad)->pid = -1, -EBADMSG);
+	MUTATE(hdr(bad)->flags = 1, -EBADMSG);
+	MUTATE(hdr(bad)->seq |= 1, -EAGAIN);
+	MUTATE(memset(hdr(bad)->comm, 'x', GMLAKE_SHM_COMM_LEN), -EBADMSG);
+	MUTATE(hdr(bad)->uid += 1, -EBADMSG);
+	MUTATE(slot0(bad)->state = 7, -EBADMSG);
+	MUTATE(slot0(bad)->device = -3, -EBADMSG);
+	MUTATE(slot0(bad)->backend = 9, -EBADMSG);
+	MUTATE(slot0(bad)->ctx_id = 0, -EBADMSG);
+	MUTATE(slot0(bad)->chunk_size = 3, -EBADMSG);
+	MUTATE(slot0(bad)->allocated_bytes = -5, -EBADMSG);
+	MUTATE(slot0(bad)->reserved_peak = 0, -EBADMSG);
+	/* A newer layout a layout-1 reader can still read. */
+	MUTATE(hdr(bad)->version = 5, 0);
+	/* Control bytes in the command name are made printable. */
+	MUTATE(hdr(bad)->comm[0] = '\033', 0);
+#undef MUTATE
+}
+END_TEST
+
+/* A newer writer with larger slots: the known prefix is read. */
+START_TEST(newer_layout_read)
+{
+	static unsigned char img[IMG_MAX], big[2 * IMG_MAX];
+	struct gmlake_shm_snapshot snap;
+	size_t len = valid_image(img), hs = hdr(img)->header_size;
+	uint32_t n = hdr(img)->nslots, ss = 2 * GML_SHM_SLOT_V1;
+	size_t blen = hs + (size_t)n * ss;
+
+	memset(big, 0xff, sizeof(big));
+	memcpy(big, img, hs);
+	for (uint32_t i = 0; i < n; i++)
+		memcpy(big + hs + i * ss, img + hs + i * GML_SHM_SLOT_V1,
+		       GML_SHM_SLOT_V1);
+	hdr(big)->version = 2;
+	hdr(big)->slot_size = ss;
+	hdr(big)->size = blen;
+	snap_init(&snap);
+	ck_assert_int_eq(gmlake_shm_parse(big, blen, &snap), 0);
+	ck_assert_uint_eq(snap.layout_version, 2);
+	ck_assert_uint_eq(snap.nslots, 1);
+	ck_assert_int_eq(snap.slots[0].allocated_bytes,
+			 slot0(img)->allocated_bytes);
+	ck_assert(len > 0);
+}
+END_TEST
+
+START_TEST(reject_files)
+{
+	static unsigned char img[IMG_MAX];
+	struct gmlake_shm_snapshot snap;
+	size_t len = valid_image(img);
+	char path[512], link[512], name[64];
+	int ret;
+
+	snprintf(name, sizeof(name), "gmlake.%d", hdr(img)->pid);
+	path_of(path, sizeof(path), name);
+	write_file(path, img, len, 0600);
+	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), 0);
+	ck_assert_int_eq(read_seg(path, GMLAKE_SHM_ANY_UID, &snap), 0);
+	/* another owner expected (the injectable uid) */
+	ret = read_seg(path, (uint32_t)geteuid() + 1, &snap);
+	ck_assert_int_eq(ret, -EPERM);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "owned by uid"));
+	/* open to other users */
+	ck_assert_int_eq(chmod(path, 0644), 0);
+	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), -EPERM);
+	ck_assert_int_eq(chmod(path, 0600), 0);
+	/* a symbolic link to a good segment */
+	path_of(link, sizeof(link), "gmlake.1");
+	ck_assert_int_eq(symlink(path, link), 0);
+	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -ELOOP);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "symbolic link"));
+	/* the name says another pid */
+	path_of(link, sizeof(link), "gmlake.2");
+	write_file(link, img, len, 0600);
+	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EBADMSG);
+	/* a FIFO (must not block) and a directory */
+	path_of(link, sizeof(link), "gmlake.3");
+	ck_assert_int_eq(mkfifo(link, 0600), 0);
+	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EINVAL);
+	path_of(link, sizeof(link), "gmlake.4");
+	ck_assert_int_eq(mkdir(link, 0700), 0);
+	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EINVAL);
+	/* too large */
+	path_of(link, sizeof(link), "gmlake.5");
+	write_file(link, img, len, 0600);
+	ck_assert_int_eq(truncate(link, GMLAKE_SHM_MAX_SIZE + 1), 0);
+	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EFBIG);
+	/* bad arguments */
+	ck_assert_int_eq(gmlake_shm_read(NULL, 0, &snap), -EINVAL);
+	ck_assert_int_eq(gmlake_shm_read(path, 0, NULL), -EINVAL);
+	snap.version = 99;
+	ck_assert_int_eq(gmlake_shm_read(path, GMLAKE_SHM_ANY_UID, &snap),
+			 -EINVAL);
+	ck_assert_int_eq(gmlake_shm_parse(NULL, 10, &snap), -EINVAL);
+}
+END_TEST
+
+/* Really another owner: chown to nobody (only root can). */
+START_TEST(reject_foreign_owner)
+{
+	static unsigned char img[IMG_MAX];
+	struct gmlake_shm_snapshot snap;
+	size_t len = valid_image(img);
+	char path[512], name[64];
+
+	if (geteuid() != 0)
+		return;		/* the injectable uid case covers it */
+	snprintf(name, sizeof(name), "gmlake.%d", hdr(img)->pid);
+	path_of(path, sizeof(path), name);
+	write_file(path, img, len, 0600);
+	ck_assert_int_eq(chown(path, 65534, 65534), 0);
+	ck_assert_int_eq(read_seg(path, 0, &snap), -EPERM);
+	/* as root with any owner: the header's uid disagrees with the file */
+	ck_assert_int_eq(read_seg(path, GMLAKE_SHM_ANY_UID, &snap), -EBADMSG);
+}
+END_TEST
+
+START_TEST(stale_by_start_time)
+{
+	static unsigned char img[IMG_MAX];
+	struct gmlake_shm_snapshot snap;
+	size_t len = valid_image(img);
+
+	snap_init(&snap);
+	ck_assert_int_eq(gmlake_shm_parse(img, len, &snap), 0);
+	ck_assert_int_eq(snap.pid, getpid());
+	ck_assert(!gmlake_shm_stale(&snap));
+	snap.start_time += 1;	/* the pid was reused */
+	ck_assert(gmlake_shm_stale(&snap));
+	snap.pid = 4194304;	/* no such process */
+	ck_assert(gmlake_shm_stale(&snap));
+	ck_assert(!gmlake_shm_stale(NULL));
+}
+END_TEST
+
+/* Random byte flips and truncations of a valid image: never a crash. */
+START_TEST(corruption_flips)
+{
+	static unsigned char img[IMG_MAX], bad[IMG_MAX];
+	struct th_rng rng = { 0x5eed };
+	struct gmlake_shm_snapshot snap;
+	size_t len = valid_image(img);
+	unsigned accepted = 0, rejected = 0;
+
+	for (int it = 0; it < 20000; it++) {
+		size_t blen = len;
+		int ret;
+
+		memcpy(bad, img, len);
+		if (th_range(&rng, 0, 3) == 0)
+			blen = th_range(&rng, 0, len);
+		for (uint64_t k = th_range(&rng, 1, 8); k; k--) {
+			/* header bytes are hit more often */
+			size_t at = th_range(&rng, 0, 1) ?
+				th_range(&rng, 0, GML_SHM_HEADER_V1 - 1) :
+				th_range(&rng, 0, len - 1);
+
+			bad[at] ^= (unsigned char)th_range(&rng, 1, 255);
+		}
+		if (it % 50 == 0) {
+			ret = try_image(bad, blen, 0600);
+		} else {
+			snap_init(&snap);
+			ret = gmlake_shm_parse(bad, blen, &snap);
+		}
+		ck_assert_int_le(ret, 0);
+		if (ret) {
+			rejected++;
+			ck_assert(gmlake_last_error()[0]);
+			continue;
+		}
+		accepted++;
+		if (it % 50)
+			ck_assert_uint_le(snap.nslots, GMLAKE_SHM_SLOTS);
+	}
+	ck_assert_uint_gt(rejected, 1000);
+	ck_assert_uint_gt(accepted, 10);
+}
+END_TEST
+
+/* GML_SHM_WRITE_CORPUS=DIR: the fuzzer's seeds. */
+START_TEST(corpus)
+{
+	static unsigned char img[IMG_MAX], bad[IMG_MAX];
+	const char *out = getenv("GML_SHM_WRITE_CORPUS");
+	char path[512];
+	size_t len;
+
+	if (!out)
+		return;
+	len = valid_image(img);
+	snprintf(path, sizeof(path), "%s/valid", out);
+	write_file(path, img, len, 0644);
+	snprintf(path, sizeof(path), "%s/truncated", out);
+	write_file(path, img, len / 3, 0644);
+	memcpy(bad, img, len);
+	hdr(bad)->version = hdr(bad)->compat_version = 9;
+	snprintf(path, sizeof(path), "%s/bad-version", out);
+	write_file(path, bad, len, 0644);
+	memcpy(bad, img, len);
+	hdr(bad)->seq |= 1;
+	snprintf(path, sizeof(path), "%s/odd-seq", out);
+	write_file(path, bad, len, 0644);
+}
+END_TEST
+
+static Suite *shm_suite(void)
+{
+	Suite *s = suite_create("shm");
+	TCase *tc;
+
+	tc = tcase_create("Publish");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_test(tc, publish_matches_stats);
+	tcase_add_test(tc, contexts_share_one_segment);
+	tcase_add_test(tc, publish_off);
+	tcase_add_test(tc, leftover_replaced);
+	tcase_add_test(tc, fork_child_leaves_segment);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("Top");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_test(tc, top_json_matches_stats);
+	tcase_add_test(tc, killed_is_stale);
+	tcase_add_test(tc, top_cleans_killed);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("Reject");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_test(tc, reject_bad_images);
+	tcase_add_test(tc, newer_layout_read);
+	tcase_add_test(tc, reject_files);
+	tcase_add_test(tc, reject_foreign_owner);
+	tcase_add_test(tc, stale_by_start_time);
+	tcase_add_test(tc, corruption_flips);
+	tcase_add_test(tc, corpus);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int main(void)
+{
+	return th_run_suite(shm_suite());
+}
