@@ -36,10 +36,12 @@ sys.path.insert(0, os.path.join(REPO, "python"))
 import benchlib  # noqa: E402
 
 MARK = "BENCH-RESULT "
-STEPS = {"full": {"gpt_ckpt": 10, "gpt_plain": 10, "lora": 10,
-                  "gpt_save_on_cpu": 6, "generate": 6},
-         "quick": {"gpt_ckpt": 3, "gpt_plain": 3, "lora": 3,
-                   "gpt_save_on_cpu": 2, "generate": 2}}
+# Measured steps of each workload, after its warm-up round (one step per
+# distinct shape, workloads.SHAPE_COUNT, or one step at fixed shapes).
+STEPS = {"full": {"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
+                  "gpt_save_on_cpu": 8, "generate": 8},
+         "quick": {"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4,
+                   "gpt_save_on_cpu": 4, "generate": 4}}
 SWEEP = {"full": dict(cap_gib=40.0, limit=256, steps=2),
          "quick": dict(cap_gib=0.5, limit=256, steps=1)}
 TIMEOUT = {"full": 480, "quick": 100}
@@ -140,7 +142,8 @@ def run_workload(name, index, args, mem):
         with guard(args.allocator):
             state = workloads.build(name, args.size, args.seed)
             r["note"] = state["note"]
-            for _ in range(steps):
+            r["warmup"] = warmup = state["warmup"]
+            for _ in range(warmup + steps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 state["step"]()
@@ -153,7 +156,7 @@ def run_workload(name, index, args, mem):
         r["error"] = "%s: %s" % (type(e).__name__, str(e)[:2000])
     r["steps_done"] = len(times)
     r["step_times"] = times
-    r["step_ms"] = benchlib.median_ms(times)
+    r["step_ms"] = benchlib.median_ms(times, skip=r.get("warmup", 1))
     del state
     if not cuda_ok(torch):
         r["cuda_broken"] = True

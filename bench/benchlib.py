@@ -46,6 +46,32 @@ def fragmentation(peak_allocated, peak_reserved):
     return (1.0 - float(peak_allocated) / float(peak_reserved)) * 100.0
 
 
+class ShapeCycle:
+    """A few shapes drawn once, then visited round after round, each round
+    in a new seeded order. Training with variable shapes sees a bounded set
+    of them (buckets of batch and sequence length) again and again; the
+    first round, where every allocator meets each shape for the first time,
+    is the warm-up, and step times are taken from the later rounds."""
+
+    def __init__(self, rng, draw, count):
+        self.rng = rng
+        self.shapes = []
+        while len(self.shapes) < count:
+            shape = draw()
+            if shape not in self.shapes:
+                self.shapes.append(shape)
+        self.order = []
+
+    def __len__(self):
+        return len(self.shapes)
+
+    def next(self):
+        if not self.order:
+            self.order = list(self.shapes)
+            self.rng.shuffle(self.order)
+        return self.order.pop()
+
+
 def median_ms(step_seconds, skip=1):
     """Median step time in ms, leaving out the first `skip` steps (warm-up)
     when enough steps remain; None without steps."""

@@ -13,6 +13,8 @@ import random
 
 import torch
 import torch.nn as nn
+
+import benchlib
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -30,6 +32,8 @@ SHAPES = {
                   lora_t=(32, 128), gen_b=(1, 4), gen_t=(16, 64),
                   gen_new=(4, 8), sweep_t=512),
 }
+# Distinct shapes of a variable-shape workload (its warm-up round).
+SHAPE_COUNT = 4
 WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu", "generate")
 DTYPE = torch.bfloat16
 
@@ -192,26 +196,33 @@ def _gpt(size):
     return GPT(**m).cuda().to(DTYPE), m["vocab"]
 
 
+def _cycle(rng, *ranges):
+    """SHAPE_COUNT shapes drawn from ranges, visited round after round."""
+    return benchlib.ShapeCycle(
+        rng, lambda: tuple(_rng_int(rng, r) for r in ranges), SHAPE_COUNT)
+
+
 def gpt_workload(size, how, rng):
     model, vocab = _gpt(size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     s = SHAPES[size]
+    if how == "ckpt":
+        shapes = _cycle(rng, s["ckpt_b"], s["ckpt_t"])
+    elif how == "save_on_cpu":
+        shapes = _cycle(rng, s["offload_b"], s["offload_t"])
+    else:
+        shapes = None
 
     def step():
-        if how == "ckpt":
-            b, t = _rng_int(rng, s["ckpt_b"]), _rng_int(rng, s["ckpt_t"])
-        elif how == "save_on_cpu":
-            b, t = _rng_int(rng, s["offload_b"]), \
-                _rng_int(rng, s["offload_t"])
-        else:
-            b, t = s["plain_b"], s["plain_t"]
+        b, t = shapes.next() if shapes else (s["plain_b"], s["plain_t"])
         _train_step(model, opt, vocab, b, t, how)
     notes = {"ckpt": "GPT, activation checkpointing, variable batch and "
                      "sequence length",
              "plain": "GPT, no checkpointing, fixed shapes",
              "save_on_cpu": "GPT, activations saved on the host "
                             "(torch.autograd.graph.save_on_cpu)"}
-    return dict(step=step, note=notes[how], keep=(model, opt))
+    return dict(step=step, note=notes[how], keep=(model, opt),
+                warmup=len(shapes) if shapes else 1)
 
 
 def _hf_lora(m):
@@ -278,26 +289,28 @@ def lora_workload(size, rng):
     opt = torch.optim.AdamW([p for p in model.parameters()
                              if p.requires_grad], lr=1e-4)
     s = SHAPES[size]
+    shapes = _cycle(rng, s["lora_b"], s["lora_t"])
 
     def step():
-        b, t = _rng_int(rng, s["lora_b"]), _rng_int(rng, s["lora_t"])
+        b, t = shapes.next()
         idx = torch.randint(0, m["vocab"], (b, t), device="cuda")
         loss_of(idx).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return dict(step=step, note="LoRA fine-tuning, gradient checkpointing, "
-                "variable shapes: " + how, keep=(model, opt))
+                "variable shapes: " + how, keep=(model, opt),
+                warmup=len(shapes))
 
 
 def generate_workload(size, rng):
     m = MODEL[size]
     model = Llama(**m).cuda().to(DTYPE).eval()
     s = SHAPES[size]
+    shapes = _cycle(rng, s["gen_b"], s["gen_t"], s["gen_new"])
 
     @torch.no_grad()
     def step():
-        b, t = _rng_int(rng, s["gen_b"]), _rng_int(rng, s["gen_t"])
-        new = _rng_int(rng, s["gen_new"])
+        b, t, new = shapes.next()
         idx = torch.randint(0, m["vocab"], (b, t), device="cuda")
         caches = [dict() for _ in model.layers]
         logits = model(idx, caches)
@@ -307,7 +320,7 @@ def generate_workload(size, rng):
         del caches, logits
     return dict(step=step, note="greedy generation, KV cache grown by "
                 "concatenation every token, variable batch and prompt",
-                keep=(model,))
+                keep=(model,), warmup=len(shapes))
 
 
 def build(name, size, seed):

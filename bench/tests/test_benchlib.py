@@ -29,6 +29,20 @@ class TestMath(unittest.TestCase):
         self.assertAlmostEqual(benchlib.median_ms([0.5]), 500.0)
         self.assertIsNone(benchlib.median_ms([]))
 
+    def test_shape_cycle_rounds(self):
+        import random
+        draws = iter([(1, 2), (1, 2), (3, 4), (5, 6), (7, 8), (9, 9)])
+        cycle = benchlib.ShapeCycle(random.Random(7), lambda: next(draws), 4)
+        self.assertEqual(len(cycle), 4)
+        self.assertEqual(cycle.shapes, [(1, 2), (3, 4), (5, 6), (7, 8)])
+        rounds = [[cycle.next() for _ in range(4)] for _ in range(3)]
+        for r in rounds:     # every round visits every shape once
+            self.assertEqual(sorted(r), cycle.shapes)
+        again = benchlib.ShapeCycle(
+            random.Random(7), iter([(1, 2), (3, 4), (5, 6), (7, 8)]).__next__,
+            4)
+        self.assertEqual([again.next() for _ in range(4)], rounds[0])
+
     def test_search_doubles_then_bisects(self):
         fits = lambda b: b <= 11  # noqa: E731
         trials = []
