@@ -123,7 +123,8 @@ struct gml_block {
 	void *host;			/* spilled: the copy in the host arena */
 	size_t host_size;
 	gml_handle host_h;		/* in place: host memory handle, */
-	gml_va host_va;			/* and its second mapping */
+	gml_va host_va;			/* and its second mapping; */
+	bool inplace_mapped;		/* also mapped at ptr */
 	struct gml_block *oprev, *onext; /* ctx->lru, oldest first */
 };
 

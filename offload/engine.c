@@ -228,6 +228,82 @@ static bool copy_done(gmlake_ctx *ctx, struct gml_off_req *req,
 }
 
 /* ---------------------------------------------------------------------- */
+/* In place: host memory mapped at the block's own range while spilled    */
+
+/*
+ * Host memory for b as a driver handle on the device's NUMA node, mapped
+ * at a second range the copies use. ctx lock held.
+ */
+static int inplace_prepare(gmlake_ctx *ctx, struct gml_offload *off,
+			   struct gml_block *b)
+{
+	size_t size = b->alloc_size;
+	int ret;
+
+	ret = gml_host_charge(&off->host, (int64_t)size);
+	if (ret)
+		return ret;
+	ret = gml_mem_create_host(&ctx->dev, size, off->numa, &b->host_h);
+	if (ret)
+		goto out_uncharge;
+	ret = gml_va_reserve(&ctx->dev, size, ctx->chunk, &b->host_va);
+	if (ret)
+		goto out_release;
+	ret = gml_mem_map(&ctx->dev, b->host_va, size, b->host_h);
+	if (ret)
+		goto out_free_va;
+	ret = gml_set_access(&ctx->dev, b->host_va, size);
+	if (ret)
+		goto out_unmap;
+	b->inplace = true;
+	return 0;
+out_unmap:
+	gml_mem_unmap(&ctx->dev, b->host_va, size);
+out_free_va:
+	gml_va_free(&ctx->dev, b->host_va, size);
+out_release:
+	gml_mem_release(&ctx->dev, b->host_h);
+out_uncharge:
+	gml_host_charge(&off->host, -(int64_t)size);
+	b->host_va = 0;
+	return ret;
+}
+
+/* Undo inplace_prepare (and the mapping at the block's range). */
+static void inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
+			 struct gml_block *b)
+{
+	size_t size = b->alloc_size;
+
+	if (b->inplace_mapped && !gml_mem_unmap(&ctx->dev, b->ptr, size))
+		b->inplace_mapped = false;
+	if (b->inplace_mapped ||
+	    gml_mem_unmap(&ctx->dev, b->host_va, size) ||
+	    gml_va_free(&ctx->dev, b->host_va, size) ||
+	    gml_mem_release(&ctx->dev, b->host_h))
+		gml_log(GMLAKE_LOG_WARN, "offload: leaking in-place host "
+			"memory of block %#lx: %s", (unsigned long)b->ptr,
+			gmlake_last_error());
+	gml_host_charge(&off->host, -(int64_t)size);
+	b->inplace = false;
+	b->inplace_mapped = false;
+	b->host_va = 0;
+}
+
+/* After the chunks left: the host memory at the block's own range, so a
+ * stray access reads the right bytes. Best effort. */
+static void inplace_map(gmlake_ctx *ctx, struct gml_block *b)
+{
+	if (gml_mem_map(&ctx->dev, b->ptr, b->alloc_size, b->host_h))
+		return;
+	if (gml_set_access(&ctx->dev, b->ptr, b->alloc_size)) {
+		gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+		return;
+	}
+	b->inplace_mapped = true;
+}
+
+/* ---------------------------------------------------------------------- */
 /* Spill                                                                   */
 
 static void spill_done(gmlake_ctx *ctx, struct gml_block *b, void *host,
@@ -291,16 +367,23 @@ static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 	unlock_ctx(ctx);
 
 	/* Pinning may take long: never with the context lock held. */
-	ret = gml_host_alloc(&off->host, req->size, true, &req->host);
+	if (!req->inplace)
+		ret = gml_host_alloc(&off->host, req->size, true, &req->host);
 
 	if (lock_ctx(ctx)) {
 		/* Cannot happen once the device opened; keep the block. */
 		b->off_state = GML_OFF_RESIDENT;
 		return -EIO;
 	}
+	if (req->inplace)
+		ret = inplace_prepare(ctx, off, b);
 	if (!ret)
 		ret = after_block(ctx, b, off->d2h);
-	if (!ret)
+	if (!ret && req->inplace)
+		ret = queue_copy(ctx, off, req, off->d2h,
+				 (void *)(uintptr_t)b->host_va, (void *)b->ptr,
+				 GML_COPY_DTOD, true);
+	else if (!ret)
 		ret = queue_copy(ctx, off, req, off->d2h, req->host,
 				 (void *)b->ptr, GML_COPY_DTOH, true);
 	if (ret) {
@@ -308,6 +391,8 @@ static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 		if (req->host)
 			gml_host_free(&off->host, req->host, req->size);
 		req->host = NULL;
+		if (b->inplace)
+			inplace_drop(ctx, off, b);
 	}
 	sync_gauges(ctx);
 out_unlock:
@@ -324,15 +409,20 @@ static int spill_finish(struct gml_offload *off, struct gml_off_req *req)
 	struct gml_block *b = req->b;
 	int ret;
 
-	ret = req->host ? gml_large_detach(ctx, b, false) : -EIO;
+	ret = req->host || b->inplace ? gml_large_detach(ctx, b, false) : -EIO;
 	if (ret) {
 		b->off_state = GML_OFF_RESIDENT;
 		if (req->host)
 			gml_host_free(&off->host, req->host, req->size);
+		if (b->inplace)
+			inplace_drop(ctx, off, b);
 		ctx->st.offload_failures++;
 		return ret;
 	}
-	spill_done(ctx, b, req->host, req->size, req->t0);
+	if (b->inplace)
+		inplace_map(ctx, b);
+	spill_done(ctx, b, req->host, req->host ? req->size : 0, req->t0);
+	ctx->st.d2h_bytes += req->host ? 0 : req->size;
 	return 0;
 }
 
@@ -426,15 +516,28 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 				    (unsigned long)b->ptr);
 		goto out_unlock;
 	}
+	if (b->inplace_mapped) {
+		ret = gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+		if (ret)
+			goto out_unlock;
+		b->inplace_mapped = false;
+	}
 	ret = gml_large_attach(ctx, b);
 	while (ret == -ENOMEM && gml_off_reclaim(ctx, b->n, b))
 		ret = gml_large_attach(ctx, b);
-	if (ret)
+	if (ret) {
+		if (b->inplace)
+			inplace_map(ctx, b);
 		goto out_unlock;
+	}
 	b->off_state = GML_OFF_FETCHING;
 	req->size = b->size;
 	ret = after_all(ctx, off->h2d);
-	if (!ret)
+	if (!ret && b->inplace)
+		ret = queue_copy(ctx, off, req, off->h2d, (void *)b->ptr,
+				 (void *)(uintptr_t)b->host_va, GML_COPY_DTOD,
+				 true);
+	else if (!ret)
 		ret = queue_copy(ctx, off, req, off->h2d, (void *)b->ptr,
 				 b->host, GML_COPY_HTOD, true);
 	if (ret && gml_large_detach(ctx, b, false)) {
@@ -442,8 +545,11 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx holds chunks "
 			"it could not fill", (unsigned long)b->ptr);
 	}
-	if (ret)
+	if (ret) {
 		b->off_state = GML_OFF_SPILLED;
+		if (b->inplace)
+			inplace_map(ctx, b);
+	}
 out_unlock:
 	if (ret < 0)
 		ctx->st.offload_failures++;
@@ -457,7 +563,10 @@ static int fetch_finish(struct gml_offload *off, struct gml_off_req *req)
 	gmlake_ctx *ctx = off->ctx;
 	struct gml_block *b = req->b;
 
-	gml_host_free(&off->host, b->host, b->host_size);
+	if (b->inplace)
+		inplace_drop(ctx, off, b);
+	else
+		gml_host_free(&off->host, b->host, b->host_size);
 	b->host = NULL;
 	b->host_size = 0;
 	b->off_state = GML_OFF_RESIDENT;
@@ -592,6 +701,7 @@ static void *engine_main(void *arg)
 	struct gml_offload *off = arg;
 	struct gml_off_req *list, *req;
 	bool stop, poll_needed;
+	int timeout;
 
 	for (;;) {
 		pthread_mutex_lock(&off->lock);
@@ -614,11 +724,17 @@ static void *engine_main(void *arg)
 		poll_needed = false;
 		for (req = off->inflight; req; req = req->next)
 			poll_needed |= !req->notified;
-		/* A long timeout as well: a lost wake-up costs little. */
+		/*
+		 * Woken by submitters and by each copy's host function; while
+		 * copies are in flight a 5 ms timeout as well, as a safety net
+		 * (an in-place round trip on the emulated device was seen to
+		 * miss a wake-up, not understood yet).
+		 */
+		timeout = poll_needed || stop ? 1 : off->inflight ? 5 : 200;
 		if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
-			sleep_uring(off, poll_needed || stop ? 1 : 200);
+			sleep_uring(off, timeout);
 		else
-			sleep_thread(off, poll_needed || stop ? 1 : 200);
+			sleep_thread(off, timeout);
 	}
 	return NULL;
 }
@@ -761,6 +877,8 @@ void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b)
 		return;
 	if (b->host && ctx->off)
 		gml_host_free(&ctx->off->host, b->host, b->host_size);
+	if (b->inplace && ctx->off)
+		inplace_drop(ctx, ctx->off, b);
 	b->host = NULL;
 	gml_gauge_add(&ctx->st.spilled_bytes, -(int64_t)b->size);
 	gml_gauge_add(&ctx->st.spilled_blocks, -1);

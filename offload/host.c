@@ -175,8 +175,8 @@ static int grow(struct gml_host *h, size_t size)
 
 	pthread_mutex_lock(&h->lock);
 	want = size > h->step ? size : h->step;
-	if (want > h->limit - h->pinned)
-		want = h->limit - h->pinned;
+	if (want > h->limit - h->pinned - h->inplace)
+		want = h->limit - h->pinned - h->inplace;
 	pthread_mutex_unlock(&h->lock);
 	if (want < size || !want)
 		return gml_set_error(-ENOMEM, "host arena: %zu bytes would pass "
@@ -186,7 +186,7 @@ static int grow(struct gml_host *h, size_t size)
 	if (ret)
 		return ret;
 	pthread_mutex_lock(&h->lock);
-	if (h->pinned + want > h->limit) {	/* raced with another grow */
+	if (h->pinned + h->inplace + want > h->limit) {	/* raced */
 		pthread_mutex_unlock(&h->lock);
 		region_free(h, r);
 		return 0;
@@ -208,9 +208,12 @@ int gml_host_init(struct gml_host *h, struct gml_dev *dev, int node,
 	h->dev = dev;
 	h->node = node;
 	h->limit = limit & ~(HOST_UNIT - 1);
-	h->step = HOST_STEP;
-	/* One region at set-up, so the first spills never wait for pinning. */
-	if (h->limit && grow(h, h->limit < h->step ? h->limit : h->step))
+	/* Regions of a quarter of the budget at most, leaving room for
+	 * larger ones and for in-place spills; one at set-up, so the first
+	 * spills never wait for pinning. */
+	h->step = h->limit / 4 < HOST_STEP ? (h->limit / 4) & ~(HOST_UNIT - 1) :
+					     HOST_STEP;
+	if (h->step && grow(h, h->step))
 		gml_log(GMLAKE_LOG_WARN, "host arena: cannot pin at set-up: %s",
 			gmlake_last_error());
 	return 0;
@@ -281,6 +284,24 @@ void gml_host_free(struct gml_host *h, void *p, size_t size)
 	pthread_mutex_unlock(&h->lock);
 }
 
+int gml_host_charge(struct gml_host *h, int64_t size)
+{
+	int ret = 0;
+
+	pthread_mutex_lock(&h->lock);
+	if (size > 0 && h->pinned + h->inplace + (size_t)size > h->limit) {
+		ret = gml_set_error(-ENOMEM, "host limit of %zu bytes reached "
+				    "(%zu pinned, %zu in place)", h->limit,
+				    h->pinned, h->inplace);
+	} else {
+		h->inplace += size;
+		h->d_used += size;
+		h->d_pinned += size;
+	}
+	pthread_mutex_unlock(&h->lock);
+	return ret;
+}
+
 bool gml_host_needs_growth(struct gml_host *h, size_t size)
 {
 	bool fits = false;
@@ -299,7 +320,8 @@ void gml_host_grow_ahead(struct gml_host *h)
 	bool want;
 
 	pthread_mutex_lock(&h->lock);
-	want = h->pinned - h->used < h->step / 2 && h->pinned < h->limit;
+	want = h->pinned - h->used < h->step / 2 &&
+	       h->pinned + h->inplace + h->step / 2 <= h->limit;
 	pthread_mutex_unlock(&h->lock);
 	if (want && grow(h, 1))
 		gml_log(GMLAKE_LOG_DEBUG, "host arena: no growth: %s",

@@ -34,6 +34,7 @@ struct gml_host {
 	size_t limit;			/* bytes that may be pinned */
 	size_t step;			/* growth unit */
 	size_t pinned, used;
+	size_t inplace;			/* host handles of in-place spills */
 	int64_t d_pinned, d_used;	/* not yet in the context's gauges */
 	struct gml_host_region *regions;
 };
@@ -45,6 +46,9 @@ void gml_host_fini(struct gml_host *h);
  * new region first when the budget allows). */
 int gml_host_alloc(struct gml_host *h, size_t size, bool grow, void **p);
 void gml_host_free(struct gml_host *h, void *p, size_t size);
+/* Charge (or with a negative size, refund) in-place host memory against
+ * the budget; -ENOMEM when it would pass it. */
+int gml_host_charge(struct gml_host *h, int64_t size);
 /* Whether a request of size bytes would need a new region. */
 bool gml_host_needs_growth(struct gml_host *h, size_t size);
 /* Pin ahead: a region when less than a step is free (engine thread). */

@@ -204,6 +204,9 @@ void gml_ring_complete(struct gml_off_req *req, int res)
 {
 	struct gml_ring *r = req->ring;
 
+	if (res < 0)
+		gml_log(GMLAKE_LOG_DEBUG, "offload: request on %#lx: %d (%s)",
+			(unsigned long)req->ptr, res, gmlake_last_error());
 	pthread_mutex_lock(&r->lock);
 	post(r, req->user_data, res);
 	r->inflight--;

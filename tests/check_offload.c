@@ -66,6 +66,7 @@ static int one(struct gmlake_offload *ring, int op, void *p, uint64_t tag)
 	ck_assert_uint_eq(gmlake_offload_cqe_get_data(cqe), tag);
 	res = cqe->res;
 	gmlake_offload_cqe_seen(ring, cqe);
+	if (getenv("DBG")) fprintf(stderr, "res %d: %s\n", res, gmlake_last_error());
 	return res;
 }
 
@@ -793,6 +794,52 @@ START_TEST(test_threads)
 }
 END_TEST
 
+/*
+ * In place: while spilled, host memory is mapped at the block's own
+ * address, so a stray access (here a CPU read of the emulated device's
+ * mapping) sees the block's bytes instead of faulting.
+ */
+START_TEST(test_inplace)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	size_t size = 6 * TH_MiB - 512;
+	void *p, *q, *hole, *keep;
+
+	hole = th_alloc(ctx, 2 * TH_MiB, NULL);
+	keep = th_alloc(ctx, 2 * TH_MiB, NULL);
+	th_free(ctx, hole);
+	p = th_alloc(ctx, size, NULL);			/* segment */
+	q = th_alloc(ctx, 20 * TH_MiB, NULL);		/* stitched */
+	th_fill_ok(ctx, p, size, 71, NULL);
+	th_fill_ok(ctx, q, 20 * TH_MiB, 72, NULL);
+	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 4,
+					     GMLAKE_OFFLOAD_INPLACE), 0);
+	th_stats(ctx, &st0);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(spill(&ring, q), 0);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_lt(st.reserved_bytes.current, st0.reserved_bytes.current);
+	ck_assert_int_ge(st.host_bytes.current, (int64_t)(26 * TH_MiB));
+	ck_assert_int_eq(st.spilled_blocks.current, 2);
+	ck_assert_uint_eq(th_pattern_diff(p, size, 71), SIZE_MAX);
+	ck_assert_uint_eq(th_pattern_diff(q, 20 * TH_MiB, 72), SIZE_MAX);
+	ck_assert_int_eq(fetch(&ring, q), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, q, 20 * TH_MiB, 72, NULL);
+	th_free(ctx, p);			/* freed while in place */
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.host_bytes.current, 0);
+	ck_assert_int_eq(st.spilled_blocks.current, 0);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, q);
+	th_free(ctx, keep);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* Destroying a context with spilled blocks (force) leaves nothing. */
 START_TEST(test_destroy_spilled)
 {
@@ -821,6 +868,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_many_in_flight);
 	tcase_add_test(tc, test_ring_errors);
 	tcase_add_test(tc, test_destroy_spilled);
+	tcase_add_test(tc, test_inplace);
 
 	tc = th_tcase(s, "Limits");
 	tcase_add_test(tc, test_host_budget);
