@@ -29,7 +29,12 @@ extern "C" {
 	X(event_query)							\
 	X(event_sync)							\
 	X(stream_sync)							\
-	X(memcpy)
+	X(memcpy)							\
+	X(stream_wait)							\
+	X(host_func)							\
+	X(host_register)						\
+	X(host_unregister)						\
+	X(mem_create_host)
 
 enum gmlake_call {
 #define GMLAKE_CALL_ENUM(name) GMLAKE_CALL_##name,

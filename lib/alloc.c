@@ -336,12 +336,17 @@ static void view_discard(gmlake_ctx *ctx, struct gml_view *v)
 	}
 }
 
+static int over_device_limit(gmlake_ctx *ctx, uint32_t n);
+
 /* A new segment of n new chunks. */
 static int seg_create(gmlake_ctx *ctx, uint32_t n, struct gml_view **out)
 {
-	struct gml_view *v = view_new(n, false);
+	struct gml_view *v;
 	int ret;
 
+	if (over_device_limit(ctx, n))
+		return -ENOMEM;
+	v = view_new(n, false);
 	if (!v)
 		return gml_set_error(-ENOMEM, "no host memory for a segment");
 	for (uint32_t i = 0; i < n; i++) {
@@ -792,6 +797,9 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		gml_release_cached(ctx, false);
 		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
 	}
+	/* Offload: spill offloadable blocks, least recently used first. */
+	while (ret == -ENOMEM && gml_off_reclaim(ctx, (uint32_t)chunks, NULL))
+		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
 	if (ret) {
 		free(b);
 		return ret;
@@ -840,6 +848,10 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 	if (!v->stitched)
 		return;
 	gml_gauge_add(&ctx->st.stitched_live, -1);
+	if (v->holes && !v->live && !v->dying) {
+		view_evict(ctx, v, false);	/* offload: holes leave */
+		return;
+	}
 	if (ctx->nstitched > ctx->cfg.stitch_cache_max)
 		cache_trim(ctx, ctx->cfg.stitch_cache_max);
 }
@@ -980,4 +992,402 @@ void gml_views_fini(gmlake_ctx *ctx)
 		gml_log(GMLAKE_LOG_WARN, "leaking a range the driver would "
 			"not unmap at %#llx", (unsigned long long)v->va);
 	}
+}
+
+/* ---------------------------------------------------------------------- */
+/* Offload support: a block's chunks go and come back, its range stays.    */
+
+/* Whether n more chunks would take reserved memory past cfg.device_limit. */
+static int over_device_limit(gmlake_ctx *ctx, uint32_t n)
+{
+	uint64_t want = (uint64_t)ctx->st.reserved_bytes.current +
+			(uint64_t)n * ctx->chunk;
+
+	if (!ctx->cfg.device_limit || want <= ctx->cfg.device_limit)
+		return 0;
+	return gml_set_error(-ENOMEM, "%u more chunks would pass the device "
+			     "limit of %zu bytes", n, ctx->cfg.device_limit);
+}
+
+/* Give a chunk handle back, or keep it for a later try (still counted). */
+static void chunk_handle_release(gmlake_ctx *ctx, gml_handle h)
+{
+	gml_handle *grown;
+
+	if (!gml_mem_release(&ctx->dev, h)) {
+		gml_gauge_add(&ctx->st.chunks, -1);
+		gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
+		ctx->st.releases++;
+		return;
+	}
+	if (ctx->nzombies == ctx->cap_zombies) {
+		uint32_t cap = ctx->cap_zombies ? ctx->cap_zombies * 2 : 8;
+
+		grown = realloc(ctx->zombies, cap * sizeof(*grown));
+		if (!grown) {
+			gml_log(GMLAKE_LOG_WARN, "leaking a chunk the driver "
+				"would not release");
+			return;
+		}
+		ctx->zombies = grown;
+		ctx->cap_zombies = cap;
+	}
+	ctx->zombies[ctx->nzombies++] = h;
+}
+
+/* Retry the release of chunks the driver refused before. */
+void gml_zombies_reap(gmlake_ctx *ctx)
+{
+	uint32_t n = ctx->nzombies;
+
+	ctx->nzombies = 0;
+	for (uint32_t i = 0; i < n; i++)
+		chunk_handle_release(ctx, ctx->zombies[i]);
+	if (!ctx->nzombies) {
+		free(ctx->zombies);
+		ctx->zombies = NULL;
+		ctx->cap_zombies = 0;
+	}
+}
+
+/*
+ * A segment block's chunk leaves its home (the block's range) and is given
+ * back to the driver, so no stitched view may map it: unmap the unused
+ * ones (waiting for their work). -EBUSY when a view in use maps it.
+ */
+static int unshare_chunk(gmlake_ctx *ctx, struct gml_chunk *c)
+{
+	uint32_t k = 0;
+
+	while (k < c->nviews) {
+		struct gml_view *w = c->views[k];
+
+		if (w->live || w->dying || view_evict(ctx, w, true)) {
+			k++;
+			continue;
+		}
+	}
+	if (c->nviews)
+		return gml_set_error(-EBUSY, "a chunk of the block is also "
+				     "mapped by a stitched range in use");
+	return 0;
+}
+
+/* Map [from, to) of b's run back after a failed detach (best effort). */
+static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
+{
+	struct gml_view *v = b->view;
+	bool ok = true;
+
+	for (uint32_t i = 0; i < to; i++) {
+		uint32_t p = b->pos + i;
+
+		if (gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				ctx->chunk, v->chunks[p]->handle)) {
+			ok = false;
+			continue;
+		}
+		v->mapped[p] = 1;
+		count_mapping(ctx, 1);
+	}
+	if (!ok || (to && gml_set_access(&ctx->dev, b->ptr,
+					 (size_t)to * ctx->chunk)))
+		gml_log(GMLAKE_LOG_ERROR, "cannot map block %#lx back after a "
+			"failed spill", (unsigned long)b->ptr);
+}
+
+/*
+ * Take the chunks of resident large block b away while its range stays
+ * reserved: unmap its run; chunks of a stitched view go back to the free
+ * pool of their segments, chunks of a segment (whose home is this range)
+ * go back to the driver. The caller has the bytes elsewhere and the work
+ * on the block is complete. With check, only see whether it would work.
+ * 0, -EBUSY (a chunk is shared with a stitched range in use), or -errno
+ * with the block intact.
+ */
+int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
+{
+	static const struct gml_guard none = { -1, 0 };
+	struct gml_view *v = b->view;
+	uint32_t i;
+	int ret;
+
+	if (ctx->nzombies)
+		gml_zombies_reap(ctx);
+	v->maxfree = GML_RUN_UNKNOWN;
+	for (i = 0; !v->stitched && i < b->n; i++) {
+		ret = unshare_chunk(ctx, v->chunks[b->pos + i]);
+		if (ret)
+			return ret;
+	}
+	if (check)
+		return 0;
+	for (i = 0; i < b->n; i++) {
+		uint32_t p = b->pos + i;
+
+		ret = gml_mem_unmap(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				    ctx->chunk);
+		if (ret) {
+			detach_undo(ctx, b, i);
+			return ret;
+		}
+		v->mapped[p] = 0;
+		count_mapping(ctx, -1);
+	}
+	for (i = 0; i < b->n; i++) {
+		struct gml_chunk *c = v->chunks[b->pos + i];
+
+		chunk_touch(c);
+		v->chunks[b->pos + i] = NULL;
+		c->owner = NULL;
+		c->guard = none;
+		if (v->stitched) {
+			del_view_ref(c, v);
+			v->holes++;
+			continue;
+		}
+		chunk_handle_release(ctx, c->handle);
+		free(c->views);
+		free(c);
+	}
+	return 0;
+}
+
+/*
+ * Free chunks mapped by their segment, not by v (alone: by no stitched
+ * view either). Their last work may still run: the caller orders its
+ * copy after every stream (mapping a chunk elsewhere disturbs nothing).
+ */
+static uint32_t free_chunks(gmlake_ctx *ctx, struct gml_view *v,
+			    struct gml_chunk **out, uint32_t want, bool alone)
+{
+	uint32_t got = 0;
+
+	for (struct gml_view *s = ctx->segs; s && got < want; s = s->next)
+		for (uint32_t i = 0; i < s->n && got < want; i++) {
+			struct gml_chunk *c = s->chunks[i];
+
+			if (c && s->mapped[i] && !c->owner &&
+			    (!alone || !c->nviews) && !gml_chunk_in_view(c, v))
+				out[got++] = c;
+		}
+	return got;
+}
+
+/* Unmap [0, k) of got from b's run after a failed attach. */
+static void attach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t k)
+{
+	struct gml_view *v = b->view;
+
+	for (uint32_t i = 0; i < k; i++) {
+		uint32_t p = b->pos + i;
+
+		if (v->mapped[p] && !gml_mem_unmap(&ctx->dev, v->va +
+						   (gml_va)p * ctx->chunk,
+						   ctx->chunk)) {
+			v->mapped[p] = 0;
+			count_mapping(ctx, -1);
+		}
+	}
+}
+
+/* Stitched run: free chunks of any segment, new ones for the shortfall. */
+static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
+			   struct gml_chunk **got)
+{
+	struct gml_view *v = b->view, *grown = NULL;
+	uint32_t k, i;
+	int ret;
+
+	k = free_chunks(ctx, v, got, b->n, true);
+	k += free_chunks(ctx, v, got + k, b->n - k, false);
+	/* the second pass may list a chunk of the first again */
+	for (i = 0; i < k; i++)
+		for (uint32_t j = 0; j < i; j++)
+			if (got[j] == got[i]) {
+				got[i--] = got[--k];
+				break;
+			}
+	if (k < b->n) {
+		ret = seg_create(ctx, b->n - k, &grown);
+		if (ret)
+			return ret;
+		for (i = 0; k < b->n; i++)
+			got[k++] = grown->chunks[i];
+	}
+	for (i = 0; i < b->n; i++) {
+		uint32_t p = b->pos + i;
+
+		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				  ctx->chunk, got[i]->handle);
+		if (ret)
+			goto out_undo;
+		v->mapped[p] = 1;
+		count_mapping(ctx, 1);
+	}
+	ret = gml_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	if (ret)
+		goto out_undo;
+	for (i = 0; i < b->n; i++) {
+		ret = add_view_ref(got[i], v);
+		if (ret) {
+			while (i--)
+				del_view_ref(got[i], v);
+			gml_set_error(ret, "no host memory to fetch a block");
+			goto out_undo;
+		}
+	}
+	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;
+	for (i = 0; i < b->n; i++)
+		v->chunks[b->pos + i] = got[i];
+	v->holes -= b->n;
+	return 0;
+out_undo:
+	attach_undo(ctx, b, b->n);
+	return ret;
+}
+
+/* A free chunk of a segment, unmapped from its home to live elsewhere
+ * once the work that used it there completed. */
+static struct gml_chunk *move_chunk(gmlake_ctx *ctx, struct gml_view *dst)
+{
+	struct gml_chunk *c;
+
+	if (!free_chunks(ctx, dst, &c, 1, true))
+		return NULL;
+	if (c->guard.stream >= 0 &&
+	    gml_stream_wait(ctx, c->guard.stream, c->guard.seq))
+		return NULL;
+	c->seg->maxfree = GML_RUN_UNKNOWN;
+	if (gml_mem_unmap(&ctx->dev, c->seg->va + (gml_va)c->seg_pos *
+			  ctx->chunk, ctx->chunk))
+		return NULL;
+	c->seg->mapped[c->seg_pos] = 0;
+	c->seg->chunks[c->seg_pos] = NULL;
+	count_mapping(ctx, -1);
+	return c;
+}
+
+/* One chunk for position p of segment v: a new one, else a moved one. */
+static int seg_chunk(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		     struct gml_chunk **out)
+{
+	struct gml_chunk *c = NULL;
+	int ret = over_device_limit(ctx, 1);
+
+	if (!ret) {
+		c = calloc(1, sizeof(*c));
+		if (!c)
+			return gml_set_error(-ENOMEM, "no host memory for a chunk");
+		ret = gml_mem_create(&ctx->dev, ctx->chunk, &c->handle);
+		if (ret) {
+			free(c);
+			c = NULL;
+		} else {
+			gml_gauge_add(&ctx->st.chunks, 1);
+			gml_gauge_add(&ctx->st.reserved_bytes,
+				      (int64_t)ctx->chunk);
+		}
+	}
+	if (!c && ret == -ENOMEM)
+		c = move_chunk(ctx, v);
+	if (!c)
+		return ret ? ret : -ENOMEM;
+	c->seg = v;
+	c->seg_pos = p;
+	c->guard.stream = -1;
+	c->guard.seq = 0;
+	*out = c;
+	return 0;
+}
+
+/* Segment run: chunks made (or moved) to live at their new home. */
+static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
+			  struct gml_chunk **got)
+{
+	struct gml_view *v = b->view;
+	uint32_t k;
+	int ret;
+
+	for (k = 0; k < b->n; k++) {
+		uint32_t p = b->pos + k;
+
+		ret = seg_chunk(ctx, v, p, &got[k]);
+		if (ret)
+			goto out_undo;
+		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				  ctx->chunk, got[k]->handle);
+		if (ret) {
+			k++;
+			goto out_undo;
+		}
+		v->mapped[p] = 1;
+		count_mapping(ctx, 1);
+	}
+	ret = gml_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	if (ret)
+		goto out_undo;
+	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;
+	for (k = 0; k < b->n; k++)
+		v->chunks[b->pos + k] = got[k];
+	return 0;
+out_undo:
+	attach_undo(ctx, b, k);
+	for (uint32_t i = 0; i < k; i++) {
+		chunk_handle_release(ctx, got[i]->handle);
+		free(got[i]->views);
+		free(got[i]);
+	}
+	return ret;
+}
+
+/*
+ * Map chunks at spilled block b's run again (same address): free chunks
+ * for a stitched run, chunks at their new home for a segment run. The
+ * block owns them afterwards; its bytes are for the caller to bring back.
+ * 0, or -ENOMEM / -errno with the block still spilled.
+ */
+int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
+{
+	struct gml_chunk **got = calloc(b->n, sizeof(*got));
+	int ret;
+
+	if (!got)
+		return gml_set_error(-ENOMEM, "no host memory to fetch a block");
+	if (ctx->nzombies)
+		gml_zombies_reap(ctx);
+	b->view->maxfree = GML_RUN_UNKNOWN;
+	if (b->view->stitched)
+		ret = attach_stitched(ctx, b, got);
+	else
+		ret = attach_segment(ctx, b, got);
+	if (ret == -ENOMEM) {
+		/* Unused stitched views keep chunks from moving: drop them. */
+		gml_release_cached(ctx, false);
+		if (b->view->stitched)
+			ret = attach_stitched(ctx, b, got);
+		else
+			ret = attach_segment(ctx, b, got);
+	}
+	for (uint32_t i = 0; !ret && i < b->n; i++) {
+		got[i]->owner = b;
+		chunk_touch(got[i]);
+	}
+	free(got);
+	return ret;
+}
+
+/* Free a spilled block: its run stays holes; a stitched view with holes
+ * and no live block leaves the cache. */
+void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b)
+{
+	struct gml_view *v = b->view;
+
+	v->live--;
+	free(b);
+	if (!v->stitched)
+		return;
+	gml_gauge_add(&ctx->st.stitched_live, -1);
+	if (!v->live && !v->dying)
+		view_evict(ctx, v, false);
 }

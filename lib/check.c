@@ -20,26 +20,59 @@ struct tally {
 	int64_t requested;
 	struct gml_ptrmap seen;		/* small chunks already counted */
 	struct gml_ptrmap view_live;	/* view -> blocks counted on it */
+	struct gml_ptrmap holes;	/* cached view -> holes found */
+	struct gml_ptrmap spilled;	/* view -> holes of spilled blocks */
+	int64_t spilled_bytes, spilled_blocks;
 };
 
-/* The longest free run best fit believes in is at least the real one. */
-static int check_maxfree(const struct gml_view *v)
+/* Best fit's sorted free runs of v, when known, are v's free runs. */
+static int check_runs(const struct gml_view *v)
 {
-	uint32_t len = 0, longest = 0;
+	uint32_t len = 0, k = 0;
+	bool *seen;
+	int ret = 0;
 
-	for (uint32_t i = 0; i < v->n; i++) {
-		const struct gml_chunk *c = v->chunks[i];
+	if (v->maxfree == GML_RUN_UNKNOWN)
+		return 0;
+	seen = calloc(v->nruns + 1, sizeof(*seen));
+	if (!seen)
+		return 0;	/* no host memory: check the rest */
+	for (uint32_t i = 0; i <= v->n && !ret; i++) {
+		const struct gml_chunk *c = i < v->n ? v->chunks[i] : NULL;
+		uint32_t j;
 
-		len = c && !c->owner && v->mapped[i] ? len + 1 : 0;
-		if (len > longest)
-			longest = len;
+		if (c && !c->owner && v->mapped[i]) {
+			len++;
+			continue;
+		}
+		if (!len)
+			continue;
+		for (j = 0; j < v->nruns; j++)
+			if (v->runs[j].pos == i - len && v->runs[j].len == len)
+				break;
+		if (j == v->nruns || seen[j])
+			ret = gml_set_error(-EFAULT, "view %#llx: free run at "
+					    "%u of %u chunks unknown to best "
+					    "fit", (unsigned long long)v->va,
+					    i - len, len);
+		else
+			seen[j] = true, k++;
+		len = 0;
 	}
-	if (v->maxfree != GML_RUN_UNKNOWN && longest > v->maxfree)
-		return gml_set_error(-EFAULT, "view %#llx has a free run of "
-				     "%u chunks, best fit counts %u",
-				     (unsigned long long)v->va, longest,
-				     v->maxfree);
-	return 0;
+	if (!ret && k != v->nruns)
+		ret = gml_set_error(-EFAULT, "view %#llx: best fit lists %u "
+				    "free runs, there are %u",
+				    (unsigned long long)v->va, v->nruns, k);
+	free(seen);
+	return ret;
+}
+
+/* Add n to the count kept for key in m. */
+static int map_add(struct gml_ptrmap *m, const void *key, uintptr_t n)
+{
+	uintptr_t old = (uintptr_t)gml_ptrmap_del(m, (uintptr_t)key);
+
+	return gml_ptrmap_put(m, (uintptr_t)key, (void *)(old + n));
 }
 
 static int check_segments(gmlake_ctx *ctx, struct tally *t)
@@ -48,7 +81,7 @@ static int check_segments(gmlake_ctx *ctx, struct tally *t)
 		if (v->stitched)
 			return gml_set_error(-EFAULT, "stitched view on the "
 					     "segment list");
-		if (check_maxfree(v))
+		if (check_runs(v))
 			return -EFAULT;
 		for (uint32_t i = 0; i < v->n; i++) {
 			struct gml_chunk *c = v->chunks[i];
@@ -89,12 +122,19 @@ static int check_views(gmlake_ctx *ctx, struct gml_view *list, bool cached,
 		if ((cached && !v->stitched) || v->dying == cached)
 			return gml_set_error(-EFAULT, "view %#llx on the wrong "
 					     "list", (unsigned long long)v->va);
-		if (cached && check_maxfree(v))
+		if (cached && check_runs(v))
 			return -EFAULT;
 		for (uint32_t i = 0; i < v->n; i++) {
 			struct gml_chunk *c = v->chunks[i];
 
 			t->mapped += v->mapped[i];
+			if (cached && !c && !v->mapped[i]) {
+				/* Allowed under a spilled block only:
+				 * check_holes() counts them. */
+				if (map_add(&t->holes, v, 1))
+					return -ENOMEM;
+				continue;
+			}
 			if (cached && (!c || !v->mapped[i]))
 				return gml_set_error(-EFAULT, "cached stitched "
 						     "view %#llx has a hole at "
@@ -126,6 +166,33 @@ static int view_count(struct tally *t, struct gml_view *v)
 	return gml_ptrmap_put(&t->view_live, (uintptr_t)v, (void *)(n + 1));
 }
 
+/*
+ * A spilled block owns no chunk: its run is holes (no chunk, unmapped), so
+ * nobody else can be handed its range, and it keeps a copy on the host.
+ */
+static int check_spilled(gmlake_ctx *ctx, struct gml_block *b,
+			 struct tally *t)
+{
+	struct gml_view *v = b->view;
+
+	for (uint32_t i = 0; i < b->n; i++)
+		if (v->chunks[b->pos + i] || v->mapped[b->pos + i])
+			return gml_set_error(-EFAULT, "spilled block %#lx still "
+					     "maps a chunk at +%u",
+					     (unsigned long)b->ptr, i);
+	if (!b->host && !b->inplace)
+		return gml_set_error(-EFAULT, "spilled block %#lx has no host "
+				     "copy", (unsigned long)b->ptr);
+	if (b->on_lru)
+		return gml_set_error(-EFAULT, "spilled block %#lx is on the "
+				     "offload LRU", (unsigned long)b->ptr);
+	t->spilled_bytes += (int64_t)b->size;
+	t->spilled_blocks++;
+	if (v->stitched && map_add(&t->spilled, v, b->n))
+		return -ENOMEM;
+	return view_count(t, v);
+}
+
 /* A large block owns every chunk of its run, and its address matches. */
 static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 {
@@ -135,6 +202,16 @@ static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 	    ctx->chunk)
 		return gml_set_error(-EFAULT, "block %#lx lies outside its "
 				     "view", (unsigned long)b->ptr);
+	if (b->off_state == GML_OFF_SPILLED)
+		return check_spilled(ctx, b, t);
+	if (b->on_lru && !b->offloadable)
+		return gml_set_error(-EFAULT, "block %#lx is on the offload LRU "
+				     "but may not spill", (unsigned long)b->ptr);
+	if (b->off_state == GML_OFF_FETCHING) {
+		/* Mapped again, its host copy still counted until done. */
+		t->spilled_bytes += (int64_t)b->size;
+		t->spilled_blocks++;
+	}
 	for (uint32_t i = 0; i < b->n; i++) {
 		struct gml_chunk *c = v->chunks[b->pos + i];
 
@@ -207,9 +284,41 @@ static int check_view_live(struct tally *t, struct gml_view *list)
 	return 0;
 }
 
+/*
+ * Every hole of a cached stitched view was made by a spill and is counted;
+ * the spilled blocks on it cover no more than that, and a view with holes
+ * stays cached only while it has live blocks.
+ */
+static int check_holes(gmlake_ctx *ctx, struct tally *t)
+{
+	for (struct gml_view *v = ctx->stitched; v; v = v->next) {
+		uintptr_t h = (uintptr_t)gml_ptrmap_get(&t->holes, (uintptr_t)v);
+		uintptr_t s = (uintptr_t)gml_ptrmap_get(&t->spilled, (uintptr_t)v);
+
+		if (h != v->holes || s > h || (h && !v->live))
+			return gml_set_error(-EFAULT, "cached stitched view "
+					     "%#llx has %lu holes (%u counted, "
+					     "%u live blocks), spilled blocks "
+					     "cover %lu", (unsigned long long)
+					     v->va, (unsigned long)h, v->holes,
+					     v->live, (unsigned long)s);
+	}
+	return 0;
+}
+
 static int check_totals(gmlake_ctx *ctx, struct tally *t)
 {
 	const struct gmlake_stats *st = &ctx->st;
+
+	t->chunks += ctx->nzombies;	/* released later, still counted */
+	if (t->spilled_bytes != st->spilled_bytes.current ||
+	    t->spilled_blocks != st->spilled_blocks.current)
+		return gml_set_error(-EFAULT, "%lld spilled blocks of %lld "
+				     "bytes found, %lld of %lld counted",
+				     (long long)t->spilled_blocks,
+				     (long long)t->spilled_bytes,
+				     (long long)st->spilled_blocks.current,
+				     (long long)st->spilled_bytes.current);
 
 	if (t->owned != t->blocks_n)
 		return gml_set_error(-EFAULT, "%llu chunks have owners, blocks "
@@ -255,9 +364,13 @@ int gml_ctx_check_locked(gmlake_ctx *ctx)
 	if (!ret)
 		ret = check_view_live(&t, ctx->stitched);
 	if (!ret)
+		ret = check_holes(ctx, &t);
+	if (!ret)
 		ret = check_totals(ctx, &t);
 	gml_ptrmap_fini(&t.seen);
 	gml_ptrmap_fini(&t.view_live);
+	gml_ptrmap_fini(&t.holes);
+	gml_ptrmap_fini(&t.spilled);
 	return ret;
 }
 

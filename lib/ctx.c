@@ -135,6 +135,14 @@ void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 	free(b->extra);
 	b->extra = NULL;
 	b->nextra = 0;
+	if (!b->small) {
+		/* Offload: the host copy goes; a spilled run stays holes. */
+		gml_off_block_gone(ctx, b);
+		if (b->off_state == GML_OFF_SPILLED) {
+			gml_large_free_spilled(ctx, b);
+			return;
+		}
+	}
 	if (b->small)
 		gml_small_free(ctx, b, g);
 	else
@@ -287,6 +295,14 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;
+	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
+	if (b && !b->small && (b->off_state == GML_OFF_SPILLING ||
+			       b->off_state == GML_OFF_FETCHING)) {
+		ret = gml_set_error(-EBUSY, "gmlake_free: %p is being spilled "
+				    "or fetched; free it after its completion",
+				    ptr);
+		goto out_leave;
+	}
 	b = gml_ptrmap_del(&ctx->blocks, (uintptr_t)ptr);
 	if (!b) {
 		ret = unknown_pointer(ctx, "gmlake_free", ptr);
@@ -399,6 +415,7 @@ static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
 	const void *dptr = kind == GML_COPY_HTOD ? dst : src;
 	const char *fn = kind == GML_COPY_HTOD ? "gmlake_memcpy_htod" :
 						 "gmlake_memcpy_dtoh";
+	struct gml_block *b;
 	int idx, ret;
 
 	if (!ctx || !dst || !src)
@@ -408,9 +425,16 @@ static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;
-	if (!block_containing(ctx, (uintptr_t)dptr, size)) {
+	b = block_containing(ctx, (uintptr_t)dptr, size);
+	if (!b) {
 		ret = gml_set_error(-EINVAL, "%s: [%p, +%zu) is not inside one "
 				    "live block", fn, dptr, size);
+		goto out_leave;
+	}
+	if (!b->small && b->off_state != GML_OFF_RESIDENT) {
+		ret = gml_set_error(-EFAULT, "%s: the block at %#lx is not on "
+				    "the device (spilled, or moving); fetch it "
+				    "first", fn, (unsigned long)b->ptr);
 		goto out_leave;
 	}
 	ret = gml_stream_index(ctx, stream, &idx);
@@ -542,6 +566,14 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		ctx_leave(ctx);
 		return ret;
 	}
+	if (ctx->off) {
+		/* The offload engine takes the lock: stop it without. */
+		ctx_leave(ctx);
+		gml_off_quiesce(ctx);
+		ret = ctx_enter(ctx);
+		if (ret)
+			return ret;
+	}
 	gml_shm_unregister(ctx);
 	if (ctx->cfg.show_stats)
 		gml_stats_at_destroy(ctx);
@@ -557,7 +589,10 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		live_del(&ctx->deferred, b);
 		gml_block_release(ctx, b, &none);
 	}
+	gml_off_fini(ctx);
 	gml_views_fini(ctx);
+	gml_zombies_reap(ctx);
+	free(ctx->zombies);
 	gml_spools_fini(ctx);
 	gml_streams_fini(ctx);
 	gml_ptrmap_fini(&ctx->blocks);

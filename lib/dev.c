@@ -219,3 +219,56 @@ int gml_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
 		return injected(dev, GMLAKE_CALL_memcpy);
 	return end(dev, GMLAKE_CALL_memcpy, t0, dev->ops->memcpy_async(dev->priv, dst, src, size, kind, s));
 }
+
+int gml_stream_wait_event(struct gml_dev *dev, gmlake_stream_t s, gml_event e)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_stream_wait, &t0))
+		return injected(dev, GMLAKE_CALL_stream_wait);
+	return end(dev, GMLAKE_CALL_stream_wait, t0, dev->ops->stream_wait(dev->priv, s, e));
+}
+
+int gml_host_func(struct gml_dev *dev, gmlake_stream_t s, void (*fn)(void *),
+		  void *arg)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_host_func, &t0))
+		return injected(dev, GMLAKE_CALL_host_func);
+	return end(dev, GMLAKE_CALL_host_func, t0, dev->ops->host_func(dev->priv, s, fn, arg));
+}
+
+int gml_host_register(struct gml_dev *dev, void *p, size_t size)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_host_register, &t0))
+		return injected(dev, GMLAKE_CALL_host_register);
+	return end(dev, GMLAKE_CALL_host_register, t0, dev->ops->host_register(dev->priv, p, size));
+}
+
+int gml_host_unregister(struct gml_dev *dev, void *p)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_host_unregister, &t0))
+		return injected(dev, GMLAKE_CALL_host_unregister);
+	return end(dev, GMLAKE_CALL_host_unregister, t0, dev->ops->host_unregister(dev->priv, p));
+}
+
+/* A query at set-up, not counted as a call kind of its own. */
+int gml_host_numa(struct gml_dev *dev, int *node)
+{
+	return dev->ops->host_numa(dev->priv, node);
+}
+
+int gml_mem_create_host(struct gml_dev *dev, size_t size, int numa,
+			gml_handle *h)
+{
+	uint64_t t0;
+
+	if (begin(dev, GMLAKE_CALL_mem_create_host, &t0))
+		return injected(dev, GMLAKE_CALL_mem_create_host);
+	return end(dev, GMLAKE_CALL_mem_create_host, t0, dev->ops->mem_create_host(dev->priv, size, numa, h));
+}

@@ -61,6 +61,22 @@ struct gml_drv_ops {
 	int (*memcpy_async)(void *priv, void *dst, const void *src,
 			    size_t size, enum gml_copy_kind kind,
 			    gmlake_stream_t s);
+
+	/* Offload primitives. Stream s waits (on the device) for e. */
+	int (*stream_wait)(void *priv, gmlake_stream_t s, gml_event e);
+	/* Run fn(arg) on a driver thread once s reaches this point; fn must
+	 * not call the driver. */
+	int (*host_func)(void *priv, gmlake_stream_t s, void (*fn)(void *),
+			 void *arg);
+	/* Page-lock [p, p+size) for async copies; undo with unregister. */
+	int (*host_register)(void *priv, void *p, size_t size);
+	int (*host_unregister)(void *priv, void *p);
+	/* Host NUMA node nearest the device, -1 when unknown. */
+	int (*host_numa)(void *priv, int *node);
+	/* Host memory on NUMA node numa (-1: any) as a handle that maps
+	 * into device ranges like a chunk (in-place spill). */
+	int (*mem_create_host)(void *priv, size_t size, int numa,
+			       gml_handle *h);
 };
 
 extern const struct gml_drv_ops gml_drv_cuda;
@@ -105,6 +121,14 @@ int gml_event_sync(struct gml_dev *dev, gml_event e);
 int gml_stream_sync(struct gml_dev *dev, gmlake_stream_t s);
 int gml_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
 	       enum gml_copy_kind kind, gmlake_stream_t s);
+int gml_stream_wait_event(struct gml_dev *dev, gmlake_stream_t s, gml_event e);
+int gml_host_func(struct gml_dev *dev, gmlake_stream_t s, void (*fn)(void *),
+		  void *arg);
+int gml_host_register(struct gml_dev *dev, void *p, size_t size);
+int gml_host_unregister(struct gml_dev *dev, void *p);
+int gml_host_numa(struct gml_dev *dev, int *node);
+int gml_mem_create_host(struct gml_dev *dev, size_t size, int numa,
+			gml_handle *h);
 
 /* Emulated device only: the bytes behind it, for tests (NULL elsewhere). */
 struct gml_emu_info {
@@ -120,6 +144,10 @@ int gml_emu_info(void *priv, struct gml_emu_info *info);
 /* Emulated device only: hold a stream's worker (queued work waits) or let
  * it go, so tests can stall a stream on purpose. -EOPNOTSUPP elsewhere. */
 int gml_emu_stream_hold(void *priv, gmlake_stream_t s, bool hold);
+/* Emulated device only: the host NUMA node it reports (-1: none). */
+int gml_emu_set_host_numa(void *priv, int node);
+/* Emulated device only: host bytes held by mem_create_host handles. */
+int gml_emu_host_used(void *priv, size_t *bytes);
 /* Whether priv belongs to the emulated backend. */
 bool gml_dev_is_emu(const struct gml_dev *dev);
 

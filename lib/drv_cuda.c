@@ -73,7 +73,11 @@
 	X(cuEventSynchronize, 2000, true)			\
 	X(cuMemcpyHtoDAsync, 3020, true)			\
 	X(cuMemcpyDtoHAsync, 3020, true)			\
-	X(cuMemcpyDtoDAsync, 3020, true)
+	X(cuMemcpyDtoDAsync, 3020, true)			\
+	X(cuStreamWaitEvent, 3020, true)			\
+	X(cuLaunchHostFunc, 10000, true)			\
+	X(cuMemHostRegister, 6050, true)			\
+	X(cuMemHostUnregister, 4000, true)
 
 /*
  * The loaded driver. Field names carry a p_ prefix because cuda.h
@@ -648,6 +652,73 @@ static int gml_cu_memcpy_async(void *priv, void *dst, const void *src, size_t si
 	return gml_set_error(-EINVAL, "cuda: unknown copy kind %d", (int)kind);
 }
 
+static int gml_cu_stream_wait(void *priv, gmlake_stream_t s, gml_event e)
+{
+	(void)priv;
+	return gml_cu_err(gml_cu.p_cuStreamWaitEvent(s, (CUevent)e, 0),
+			  "cuStreamWaitEvent");
+}
+
+/* fn runs on a driver thread and must not call the driver. */
+static int gml_cu_host_func(void *priv, gmlake_stream_t s, void (*fn)(void *),
+			    void *arg)
+{
+	(void)priv;
+	return gml_cu_err(gml_cu.p_cuLaunchHostFunc(s, fn, arg),
+			  "cuLaunchHostFunc");
+}
+
+/* Portable: the pages serve copies on every context. */
+static int gml_cu_host_register(void *priv, void *p, size_t size)
+{
+	(void)priv;
+	return gml_cu_err(gml_cu.p_cuMemHostRegister(p, size,
+						     CU_MEMHOSTREGISTER_PORTABLE),
+			  "cuMemHostRegister");
+}
+
+static int gml_cu_host_unregister(void *priv, void *p)
+{
+	(void)priv;
+	return gml_cu_err(gml_cu.p_cuMemHostUnregister(p), "cuMemHostUnregister");
+}
+
+static int gml_cu_host_numa(void *priv, int *node)
+{
+	const struct gml_cu_dev *d = priv;
+
+	*node = d->host_numa;
+	return 0;
+}
+
+/*
+ * Host memory on a NUMA node that maps into device ranges like a chunk
+ * (CUDA 12.2 and later): a spilled block mapped at its own address reads
+ * the right bytes over the bus instead of faulting.
+ */
+static int gml_cu_mem_create_host(void *priv, size_t size, int numa,
+				  gml_handle *h)
+{
+#if CUDA_VERSION >= 12020
+	const struct gml_cu_dev *d = priv;
+	CUmemGenericAllocationHandle handle;
+	CUmemAllocationProp prop;
+	CUresult r;
+
+	memset(&prop, 0, sizeof(prop));
+	prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+	prop.location.id = numa >= 0 ? numa : (d->host_numa >= 0 ? d->host_numa : 0);
+	r = gml_cu.p_cuMemCreate(&handle, size, &prop, 0);
+	if (r != CUDA_SUCCESS)
+		return gml_cu_err(r, "cuMemCreate(HOST_NUMA)");
+	*h = handle;
+	return 0;
+#else
+	return gml_set_error(-EOPNOTSUPP, "cuda: host NUMA memory needs CUDA 12.2 headers");
+#endif
+}
+
 const struct gml_drv_ops gml_drv_cuda = {
 	.name = "cuda",
 	.open = gml_cu_open,
@@ -672,6 +743,12 @@ const struct gml_drv_ops gml_drv_cuda = {
 	.event_query = gml_cu_event_query,
 	.event_sync = gml_cu_event_sync,
 	.memcpy_async = gml_cu_memcpy_async,
+	.stream_wait = gml_cu_stream_wait,
+	.host_func = gml_cu_host_func,
+	.host_register = gml_cu_host_register,
+	.host_unregister = gml_cu_host_unregister,
+	.host_numa = gml_cu_host_numa,
+	.mem_create_host = gml_cu_mem_create_host,
 };
 
 #else /* GML_NO_CUDA */

@@ -90,6 +90,7 @@ struct emu_chunk {
 	uint64_t units;
 	uint64_t maps;		/* live mappings of it */
 	bool released;		/* handle gone; memory stays if mapped */
+	bool host;		/* host memory (mem_create_host), host_fd */
 };
 
 struct emu_map {
@@ -112,13 +113,23 @@ struct emu_event {
 	unsigned refs;		/* table, queued markers, waiters */
 };
 
+enum emu_item_kind {
+	EMU_ITEM_COPY,
+	EMU_ITEM_MARK,		/* an event record reached */
+	EMU_ITEM_WAIT,		/* wait until ev reaches gen */
+	EMU_ITEM_FUNC,		/* call fn(arg) */
+};
+
 struct emu_item {
 	struct emu_item *next;
-	struct emu_event *ev;	/* a marker when set, else a copy */
+	enum emu_item_kind kind;
+	struct emu_event *ev;	/* MARK and WAIT */
 	uint64_t gen;
 	void *dst;
 	const void *src;
 	size_t size;
+	void (*fn)(void *);
+	void *arg;
 };
 
 struct emu_dev;
@@ -156,6 +167,10 @@ struct emu_dev {
 	struct emu_stream *null_stream;
 	pthread_mutex_t ev_lock;
 	pthread_cond_t ev_cond;	/* broadcast when any event completes */
+	int host_fd;		/* host memory of mem_create_host, -1 */
+	uint64_t host_next;	/* next free offset in host_fd, in units */
+	size_t host_used;
+	int host_numa;		/* reported host NUMA node */
 };
 
 /* ------------------------------------------------------------------ */
@@ -339,13 +354,18 @@ static void emu_chunk_free(struct emu_dev *dev, struct emu_chunk *c)
 	size_t off = c->start * dev->gran;
 	size_t len = c->units * dev->gran;
 
-	if (fallocate(dev->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+	if (fallocate(c->host ? dev->host_fd : dev->fd,
+		      FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
 		      (off_t)off, (off_t)len))
 		gml_log(GMLAKE_LOG_WARN,
 			"emu: cannot punch a hole over a released chunk: %s",
 			strerror(errno));
-	emu_extent_give(dev, c->start, c->units);
-	dev->used -= len;
+	if (c->host) {
+		dev->host_used -= len;
+	} else {
+		emu_extent_give(dev, c->start, c->units);
+		dev->used -= len;
+	}
 	emu_table_del(&dev->chunks, c->id);
 	free(c);
 }
@@ -599,7 +619,7 @@ static int emu_mem_map(void *priv, gml_va va, size_t size, gml_handle h)
 		goto out_unlock;
 	}
 	p = mmap((void *)(uintptr_t)va, size, PROT_NONE, MAP_SHARED | MAP_FIXED,
-		 dev->fd, (off_t)(c->start * dev->gran));
+		 c->host ? dev->host_fd : dev->fd, (off_t)(c->start * dev->gran));
 	if (p == MAP_FAILED) {
 		ret = gml_set_error(-errno, "emu: mem_map: mmap: %s",
 				    strerror(errno));
@@ -734,9 +754,23 @@ static void emu_event_put(struct emu_dev *dev, struct emu_event *ev)
 
 static void emu_item_run(struct emu_dev *dev, struct emu_item *it)
 {
-	if (!it->ev) {
+	switch (it->kind) {
+	case EMU_ITEM_COPY:
 		memmove(it->dst, it->src, it->size);
 		return;
+	case EMU_ITEM_FUNC:
+		it->fn(it->arg);
+		return;
+	case EMU_ITEM_WAIT:
+		pthread_mutex_lock(&dev->ev_lock);
+		while (it->ev->done_gen < it->gen)
+			pthread_cond_wait(&dev->ev_cond, &dev->ev_lock);
+		if (!--it->ev->refs)
+			free(it->ev);
+		pthread_mutex_unlock(&dev->ev_lock);
+		return;
+	case EMU_ITEM_MARK:
+		break;
 	}
 	pthread_mutex_lock(&dev->ev_lock);
 	if (it->gen > it->ev->done_gen)
@@ -1010,6 +1044,7 @@ static int emu_event_record(void *priv, gml_event h, gmlake_stream_t sh)
 	if (!it)
 		return gml_set_error(-ENOMEM,
 			"emu: event_record: out of host memory");
+	it->kind = EMU_ITEM_MARK;
 	pthread_mutex_lock(&dev->lock);
 	it->ev = emu_event_get(dev, h, "event_record");
 	s = emu_stream_get(dev, sh, "event_record");
@@ -1138,6 +1173,7 @@ static int emu_memcpy_async(void *priv, void *dst, const void *src,
 	if (!it)
 		return gml_set_error(-ENOMEM,
 			"emu: memcpy: out of host memory");
+	it->kind = EMU_ITEM_COPY;
 	it->dst = dst;
 	it->src = src;
 	it->size = size;
@@ -1161,6 +1197,162 @@ out_unlock:
 	pthread_mutex_unlock(&dev->lock);
 	free(it);
 	return ret;
+}
+
+/* Like cuStreamWaitEvent: wait for the last record made before the call. */
+static int emu_stream_wait(void *priv, gmlake_stream_t sh, gml_event h)
+{
+	struct emu_dev *dev = priv;
+	struct emu_item *it = calloc(1, sizeof(*it));
+	struct emu_stream *s;
+	int ret = -EINVAL;
+
+	if (!it)
+		return gml_set_error(-ENOMEM,
+			"emu: stream_wait: out of host memory");
+	it->kind = EMU_ITEM_WAIT;
+	pthread_mutex_lock(&dev->lock);
+	it->ev = emu_event_get(dev, h, "stream_wait");
+	s = emu_stream_get(dev, sh, "stream_wait");
+	if (!it->ev || !s)
+		goto out_unlock;
+	pthread_mutex_lock(&dev->ev_lock);
+	it->gen = it->ev->rec_gen;
+	it->ev->refs++;
+	pthread_mutex_unlock(&dev->ev_lock);
+	ret = emu_enqueue(s, it);
+	if (ret) {
+		pthread_mutex_lock(&dev->ev_lock);
+		it->ev->refs--;
+		pthread_mutex_unlock(&dev->ev_lock);
+		goto out_unlock;
+	}
+	pthread_mutex_unlock(&dev->lock);
+	return 0;
+
+out_unlock:
+	pthread_mutex_unlock(&dev->lock);
+	free(it);
+	return ret;
+}
+
+/* Like cuLaunchHostFunc: the stream's worker calls fn(arg) in order. */
+static int emu_host_func(void *priv, gmlake_stream_t sh, void (*fn)(void *),
+			 void *arg)
+{
+	struct emu_dev *dev = priv;
+	struct emu_item *it;
+	struct emu_stream *s;
+	int ret;
+
+	if (!fn)
+		return gml_set_error(-EINVAL, "emu: host_func: NULL function");
+	it = calloc(1, sizeof(*it));
+	if (!it)
+		return gml_set_error(-ENOMEM,
+			"emu: host_func: out of host memory");
+	it->kind = EMU_ITEM_FUNC;
+	it->fn = fn;
+	it->arg = arg;
+	pthread_mutex_lock(&dev->lock);
+	s = emu_stream_get(dev, sh, "host_func");
+	ret = s ? emu_enqueue(s, it) : -EINVAL;
+	pthread_mutex_unlock(&dev->lock);
+	if (ret)
+		free(it);
+	return ret;
+}
+
+/* Host memory needs no pinning here; the arguments are still checked. */
+static int emu_host_register(void *priv, void *p, size_t size)
+{
+	(void)priv;
+	if (!p || !size)
+		return gml_set_error(-EINVAL,
+			"emu: host_register: empty range %p +%zu", p, size);
+	return 0;
+}
+
+static int emu_host_unregister(void *priv, void *p)
+{
+	(void)priv;
+	if (!p)
+		return gml_set_error(-EINVAL, "emu: host_unregister: NULL");
+	return 0;
+}
+
+static int emu_host_numa(void *priv, int *node)
+{
+	struct emu_dev *dev = priv;
+
+	if (!node)
+		return gml_set_error(-EINVAL, "emu: host_numa: NULL result");
+	*node = dev->host_numa;
+	return 0;
+}
+
+/* The memfd behind host handles, made on first use. dev->lock held. */
+static int emu_host_fd(struct emu_dev *dev)
+{
+	if (dev->host_fd >= 0)
+		return 0;
+	dev->host_fd = memfd_create("gmlake-emu-host", MFD_CLOEXEC);
+	if (dev->host_fd < 0)
+		return gml_set_error(-errno, "emu: memfd_create: %s",
+				     strerror(errno));
+	/* Sparse: offsets are never reused, holes are punched on release. */
+	if (ftruncate(dev->host_fd, (off_t)1 << 46)) {
+		int err = -errno;
+
+		close(dev->host_fd);
+		dev->host_fd = -1;
+		return gml_set_error(err, "emu: cannot size host memory: %s",
+				     strerror(-err));
+	}
+	return 0;
+}
+
+/* Host pages mappable into device ranges, like cuMemCreate on HOST_NUMA. */
+static int emu_mem_create_host(void *priv, size_t size, int numa,
+			       gml_handle *h)
+{
+	struct emu_dev *dev = priv;
+	struct emu_chunk *c;
+	int ret;
+
+	if (!h || !size || size % dev->gran)
+		return gml_set_error(-EINVAL,
+			"emu: mem_create_host: size %zu is not a non-zero multiple of the granularity %zu",
+			size, dev->gran);
+	if (numa < -1 || (numa >= 0 && dev->host_numa >= 0 &&
+			  numa != dev->host_numa))
+		return gml_set_error(-EINVAL,
+			"emu: mem_create_host: no host NUMA node %d", numa);
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return gml_set_error(-ENOMEM,
+			"emu: mem_create_host: out of host memory");
+	c->units = size / dev->gran;
+	c->host = true;
+	pthread_mutex_lock(&dev->lock);
+	ret = emu_host_fd(dev);
+	if (!ret && (dev->host_next + c->units) * dev->gran > ((size_t)1 << 46))
+		ret = gml_set_error(-ENOMEM,
+			"emu: mem_create_host: host address space used up");
+	if (!ret)
+		ret = emu_table_add(&dev->chunks, c, &c->id);
+	if (ret) {
+		pthread_mutex_unlock(&dev->lock);
+		free(c);
+		return ret;
+	}
+	c->start = dev->host_next;
+	dev->host_next += c->units;
+	dev->host_used += size;
+	dev->live_handles++;
+	*h = c->id;
+	pthread_mutex_unlock(&dev->lock);
+	return 0;
 }
 
 /* ------------------------------------------------------------------ */
@@ -1294,6 +1486,8 @@ static int emu_open(const struct gmlake_config *cfg, void **priv)
 	if (!dev)
 		return gml_set_error(-ENOMEM, "emu: open: out of host memory");
 	dev->magic = EMU_MAGIC;
+	dev->host_fd = -1;
+	dev->host_numa = -1;
 	dev->gran = gran;
 	dev->capacity = cap;
 	emu_table_init(&dev->chunks);
@@ -1349,6 +1543,8 @@ static void emu_close(void *priv)
 	for (i = 0; i < dev->chunks.len; i++)
 		free(dev->chunks.slot[i].obj);
 	close(dev->fd);
+	if (dev->host_fd >= 0)
+		close(dev->host_fd);
 	free(dev->streams.slot);
 	free(dev->events.slot);
 	free(dev->chunks.slot);
@@ -1409,6 +1605,34 @@ int gml_emu_stream_hold(void *priv, gmlake_stream_t h, bool hold)
 	return s ? 0 : -EINVAL;
 }
 
+int gml_emu_set_host_numa(void *priv, int node)
+{
+	struct emu_dev *dev = emu_dev_of(priv);
+
+	if (!dev)
+		return gml_set_error(-EOPNOTSUPP,
+			"emu_set_host_numa: not an emulated device");
+	if (node < -1)
+		return gml_set_error(-EINVAL, "emu_set_host_numa: node %d", node);
+	pthread_mutex_lock(&dev->lock);
+	dev->host_numa = node;
+	pthread_mutex_unlock(&dev->lock);
+	return 0;
+}
+
+int gml_emu_host_used(void *priv, size_t *bytes)
+{
+	struct emu_dev *dev = emu_dev_of(priv);
+
+	if (!dev)
+		return gml_set_error(-EOPNOTSUPP,
+			"emu_host_used: not an emulated device");
+	pthread_mutex_lock(&dev->lock);
+	*bytes = dev->host_used;
+	pthread_mutex_unlock(&dev->lock);
+	return 0;
+}
+
 const struct gml_drv_ops gml_drv_emu = {
 	.name = "emu",
 	.open = emu_open,
@@ -1433,4 +1657,10 @@ const struct gml_drv_ops gml_drv_emu = {
 	.event_query = emu_event_query,
 	.event_sync = emu_event_sync,
 	.memcpy_async = emu_memcpy_async,
+	.stream_wait = emu_stream_wait,
+	.host_func = emu_host_func,
+	.host_register = emu_host_register,
+	.host_unregister = emu_host_unregister,
+	.host_numa = emu_host_numa,
+	.mem_create_host = emu_mem_create_host,
 };

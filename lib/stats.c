@@ -105,6 +105,18 @@ static void put(struct out *o, const char *fmt, ...)
 		o->len = sizeof(o->buf);
 }
 
+static const char *engine_name(int engine)
+{
+	switch (engine) {
+	case GMLAKE_OFFLOAD_ENGINE_URING:
+		return "io_uring";
+	case GMLAKE_OFFLOAD_ENGINE_THREAD:
+		return "thread";
+	default:
+		return "none";
+	}
+}
+
 static void format_text(const struct gmlake_stats *st, struct out *o)
 {
 	put(o, "%-18s %16s %16s %16s\n", "gmlake", "current", "peak", "total");
@@ -118,6 +130,13 @@ static void format_text(const struct gmlake_stats *st, struct out *o)
 	put(o, "%-18s %16llu\n", #name, (unsigned long long)st->name);
 	GMLAKE_FOREACH_COUNTER(TEXT_COUNTER)
 #undef TEXT_COUNTER
+	put(o, "%-18s %16s\n", "offload_engine",
+	    engine_name(st->offload_engine));
+	if (st->d2h_ns || st->h2d_ns)
+		/* per request: copies in flight together each count */
+		put(o, "%-18s %16.2f %16.2f\n", "GB/s d2h h2d (1)",
+		    st->d2h_ns ? st->d2h_bytes / (double)st->d2h_ns : 0.0,
+		    st->h2d_ns ? st->h2d_bytes / (double)st->h2d_ns : 0.0);
 	put(o, "%-18s %16s %16s %16s\n", "driver call", "count", "ms",
 	    "failed");
 	for (int i = 0; i < GMLAKE_CALL_COUNT; i++)
@@ -139,6 +158,7 @@ static void format_json(const struct gmlake_stats *st, struct out *o)
 	put(o, ",\"" #name "\":%llu", (unsigned long long)st->name);
 	GMLAKE_FOREACH_COUNTER(JSON_COUNTER)
 #undef JSON_COUNTER
+	put(o, ",\"offload_engine\":\"%s\"", engine_name(st->offload_engine));
 	put(o, ",\"access_bytes\":%llu,\"calls\":{",
 	    (unsigned long long)st->access_bytes);
 	for (int i = 0; i < GMLAKE_CALL_COUNT; i++)

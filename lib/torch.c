@@ -124,15 +124,24 @@ static int check_device(int device)
 	return 0;
 }
 
-/* Set ctx's device limit to fraction of its memory, under its lock. */
+/*
+ * Set ctx's device limit to fraction of its memory, under its lock; a
+ * cache left over the new limit is given back at once.
+ */
 static void apply_fraction(gmlake_ctx *ctx, double fraction)
 {
 	size_t limit;
+	bool over;
 
 	pthread_mutex_lock(&ctx->lock);
 	limit = (size_t)(fraction * (double)ctx->dev_total);
-	ctx->cfg.device_limit = limit ? limit : 1;
+	__atomic_store_n(&ctx->cfg.device_limit, limit ? limit : 1,
+			 __ATOMIC_RELAXED);
+	over = (size_t)ctx->st.reserved_bytes.current > limit;
 	pthread_mutex_unlock(&ctx->lock);
+	if (over && gmlake_trim(ctx))
+		gml_log(GMLAKE_LOG_WARN, "torch: giving the cache back under "
+			"the new device limit: %s", gmlake_last_error());
 }
 
 /* Create device's context, or find it created by another thread. */
@@ -210,48 +219,30 @@ static void get_state(gmlake_ctx *ctx, struct torch_state *s)
 	pthread_mutex_unlock(&ctx->lock);
 }
 
-/* Undo an allocation made over the limit and give the cache back. */
-static void undo_over_limit(gmlake_ctx *ctx, void *p)
-{
-	if (gmlake_free(ctx, p) || gmlake_trim(ctx))
-		gml_log(GMLAKE_LOG_WARN, "torch: giving memory back under the "
-			"device limit: %s", gmlake_last_error());
-}
-
 /*
  * gmlake_alloc under the context's device limit (cfg.device_limit, from
- * GMLAKE_DEVICE_LIMIT or the memory fraction): what is reserved stays at
- * or under it. An allocation that grew past it is undone, the cache is
- * trimmed and the allocation tried once more; -ENOMEM if it still does
- * not fit. (Until the allocator checks the limit when it grows, reserved
- * memory can pass it by one request for a moment.) A device out of memory
- * also gets one retry after a trim.
+ * GMLAKE_DEVICE_LIMIT or the memory fraction), which the allocator never
+ * grows past. A request that cannot fit beside what is allocated fails at
+ * once; out of memory gets one retry after a trim, as in PyTorch.
  */
 static int alloc_limited(gmlake_ctx *ctx, size_t size, gmlake_stream_t stream,
 			 void **p)
 {
 	struct torch_state s;
-	int ret, tries;
+	int ret;
 
-	get_state(ctx, &s);
-	if (s.limit && (size > s.limit ||
-			(size_t)s.allocated > s.limit - size))
-		return gml_set_error(-ENOMEM, "the device limit cannot hold "
-				     "it next to what is allocated");
-	for (tries = 0; tries < 2; tries++) {
-		ret = gmlake_alloc(ctx, p, size, stream);
-		if (ret == -ENOMEM && !tries && !gmlake_trim(ctx))
-			continue;	/* as PyTorch: free the cache, retry */
-		if (ret || !s.limit)
-			return ret;
+	if (__atomic_load_n(&ctx->cfg.device_limit, __ATOMIC_RELAXED)) {
 		get_state(ctx, &s);
-		if ((size_t)s.reserved <= s.limit)
-			return 0;
-		undo_over_limit(ctx, *p);
-		*p = NULL;
+		if (s.limit && (size > s.limit ||
+				(size_t)s.allocated > s.limit - size))
+			return gml_set_error(-ENOMEM, "the device limit cannot "
+					     "hold it next to what is "
+					     "allocated");
 	}
-	return gml_set_error(-ENOMEM, "it would take reserved memory over the "
-			     "device limit");
+	ret = gmlake_alloc(ctx, p, size, stream);
+	if (ret == -ENOMEM && !gmlake_trim(ctx))
+		ret = gmlake_alloc(ctx, p, size, stream);
+	return ret;
 }
 
 /* Log an out-of-memory failure with the allocator's state. */

@@ -15,9 +15,18 @@
  *   small chunk  a one-chunk large block cut into small pieces for one
  *           stream.
  *
- * Invariants (lib/check.c verifies them): a live large block owns every
- * chunk under its run; no chunk has two owners; a free chunk has no owner;
- * a stitched view with live blocks stays mapped.
+ *   spilled block  a live large block whose bytes the offload manager
+ *           (offload/) moved to the host. It owns no chunk: the positions
+ *           of its run are holes (no chunk, unmapped; or host memory mapped
+ *           in place, which the block itself records), and it still counts
+ *           as live on its view, so the view and its range stay reserved
+ *           and nobody else is handed that range. Fetching fills the holes
+ *           with chunks again, at the same address.
+ *
+ * Invariants (lib/check.c verifies them): a live resident large block
+ * owns every chunk under its run; a spilled one owns none and its run is
+ * all holes; no chunk has two owners; a free chunk has no owner; a cached
+ * stitched view has no hole except under a spilled block.
  */
 #ifndef GML_TYPES_H
 #define GML_TYPES_H
@@ -73,6 +82,8 @@ struct gml_view {
 	struct gml_free_run *runs;	/* free runs by (len, pos), valid
 					   while maxfree is known */
 	uint32_t nruns, cap_runs;
+	uint32_t holes;			/* stitched: positions emptied by a
+					   spill (offload/) */
 	uint64_t last_use;		/* LRU clock of stitched views */
 	struct gml_guard *guards;	/* last free per stream, for unmap */
 	uint32_t nguards;
@@ -90,6 +101,15 @@ struct gml_stream {
 };
 
 struct gml_schunk;
+struct gml_offload;
+
+/* Where a large block's bytes are (offload/). */
+enum gml_off_state {
+	GML_OFF_RESIDENT = 0,	/* on the device */
+	GML_OFF_SPILLING,	/* a copy to the host is in flight */
+	GML_OFF_SPILLED,	/* on the host; the run is holes */
+	GML_OFF_FETCHING,	/* chunks mapped again, copy in flight */
+};
 
 struct gml_block {
 	uintptr_t ptr;
@@ -106,6 +126,18 @@ struct gml_block {
 					   free the guards to wait for */
 	uint32_t nextra;
 	struct gml_block *lprev, *lnext; /* ctx->live / ctx->deferred */
+
+	/* Offload (offload/), large blocks only. */
+	uint8_t off_state;		/* enum gml_off_state */
+	bool offloadable;		/* gmlake_advise: may spill by LRU */
+	bool on_lru;			/* on ctx->lru */
+	bool inplace;			/* spilled: host memory mapped at ptr */
+	void *host;			/* spilled: the copy in the host arena */
+	size_t host_size;
+	gml_handle host_h;		/* in place: host memory handle, */
+	gml_va host_va;			/* and its second mapping; */
+	bool inplace_mapped;		/* also mapped at ptr */
+	struct gml_block *oprev, *onext; /* ctx->lru, oldest first */
 };
 
 struct gml_schunk {
@@ -147,6 +179,12 @@ struct gmlake_ctx {
 	gml_event *event_pool;
 	size_t nevent_pool, cap_event_pool;
 
+	/* Offload manager (offload/): NULL until first used. */
+	struct gml_offload *off;
+	struct gml_block *lru, *lru_tail; /* offloadable resident blocks */
+	gml_handle *zombies;		/* chunks whose release failed */
+	uint32_t nzombies, cap_zombies;
+
 	struct gmlake_stats st;
 };
 
@@ -169,6 +207,18 @@ int gml_release_cached(gmlake_ctx *ctx, bool all);
 void gml_reap_dying(gmlake_ctx *ctx, bool wait);
 void gml_views_fini(gmlake_ctx *ctx);
 bool gml_chunk_in_view(const struct gml_chunk *c, const struct gml_view *v);
+/* Offload: take a block's chunks away, its range kept (0, -EBUSY, -errno);
+ * map chunks at its range again; free a spilled block's run. */
+int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check);
+int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b);
+void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b);
+void gml_zombies_reap(gmlake_ctx *ctx);
+
+/* offload/: hooks into the allocator, ctx lock held. */
+bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep);
+void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b);
+void gml_off_quiesce(gmlake_ctx *ctx);
+void gml_off_fini(gmlake_ctx *ctx);
 
 /* small.c */
 int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,

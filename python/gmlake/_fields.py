@@ -63,6 +63,11 @@ CALLS = (
     "event_sync",
     "stream_sync",
     "memcpy",
+    "stream_wait",
+    "host_func",
+    "host_register",
+    "host_unregister",
+    "mem_create_host",
 )
 
 RESERVED_WORDS = 32

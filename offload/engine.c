@@ -1,0 +1,951 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Spill and fetch, the completion engine, and automatic offload.
+ *
+ * A spill records an event on each stream of the block, makes the
+ * device-to-host copy stream wait for them, copies the block into the host
+ * arena, queues a host function that wakes the engine, and records a
+ * "done" event. When that event completes, the engine unmaps the block's
+ * run and gives its chunks back (alloc.c, gml_large_detach); the range
+ * stays reserved, so the address stays valid. A fetch maps chunks at the
+ * run again (gml_large_attach, stitching free chunks if need be), copies
+ * host to device on the other copy stream, and completes the same way.
+ * Spills and fetches use separate streams, so both directions run at once.
+ *
+ * One engine thread per context starts requests and reaps their copies.
+ * It sleeps on an eventfd that submitters and the copy streams' host
+ * functions write. With io_uring (probed once at set-up, unless
+ * cfg.offload_engine says otherwise) it waits for a read of that eventfd
+ * through liburing; otherwise with poll(2): the plain thread engine. A
+ * request whose host function could not be queued is polled every
+ * millisecond instead.
+ *
+ * Automatic offload: blocks advised offloadable sit on ctx->lru, least
+ * recently used first. When an allocation (or a fetch) would fail, or pass
+ * cfg.device_limit, gml_off_reclaim spills from the head of that list
+ * synchronously, in the caller's thread, with the context lock held.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "error.h"
+#include "offload.h"
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int lock_ctx(gmlake_ctx *ctx)
+{
+	int ret;
+
+	pthread_mutex_lock(&ctx->lock);
+	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	if (ret)
+		pthread_mutex_unlock(&ctx->lock);
+	return ret;
+}
+
+static void unlock_ctx(gmlake_ctx *ctx)
+{
+	ctx->dev.ops->leave(ctx->dev.priv);
+	pthread_mutex_unlock(&ctx->lock);
+}
+
+/* Move the arena's byte counts into the context's gauges; ctx lock held. */
+static void sync_gauges(gmlake_ctx *ctx)
+{
+	struct gml_host *h = &ctx->off->host;
+
+	pthread_mutex_lock(&h->lock);
+	gml_gauge_add(&ctx->st.host_bytes, h->d_used);
+	gml_gauge_add(&ctx->st.host_pinned, h->d_pinned);
+	h->d_used = 0;
+	h->d_pinned = 0;
+	pthread_mutex_unlock(&h->lock);
+}
+
+static void wake(struct gml_offload *off)
+{
+	uint64_t one = 1;
+
+	if (write(off->efd, &one, sizeof(one)) < 0)
+		gml_log(GMLAKE_LOG_DEBUG, "offload: cannot wake the engine");
+}
+
+/* The host function queued after each copy: runs on a driver thread. */
+static void notify(void *arg)
+{
+	wake(arg);
+}
+
+/* ---------------------------------------------------------------------- */
+/* LRU of offloadable resident blocks                                      */
+
+static void lru_del(gmlake_ctx *ctx, struct gml_block *b)
+{
+	if (!b->on_lru)
+		return;
+	if (b->oprev)
+		b->oprev->onext = b->onext;
+	else
+		ctx->lru = b->onext;
+	if (b->onext)
+		b->onext->oprev = b->oprev;
+	else
+		ctx->lru_tail = b->oprev;
+	b->oprev = b->onext = NULL;
+	b->on_lru = false;
+}
+
+/* Most recently used: to the tail. */
+static void lru_touch(gmlake_ctx *ctx, struct gml_block *b)
+{
+	lru_del(ctx, b);
+	if (!b->offloadable || b->off_state != GML_OFF_RESIDENT)
+		return;
+	b->oprev = ctx->lru_tail;
+	b->onext = NULL;
+	if (ctx->lru_tail)
+		ctx->lru_tail->onext = b;
+	else
+		ctx->lru = b;
+	ctx->lru_tail = b;
+	b->on_lru = true;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Copies                                                                  */
+
+/* Make copy stream cs wait for the work queued so far on stream idx. */
+static int after_stream(gmlake_ctx *ctx, int idx, gmlake_stream_t cs)
+{
+	gml_event e;
+	int ret;
+
+	if (idx < 0 || idx >= ctx->nstreams || ctx->streams[idx].dead)
+		return 0;
+	ret = gml_event_create(&ctx->dev, &e);
+	if (ret)
+		return ret;
+	ret = gml_event_record(&ctx->dev, e, ctx->streams[idx].handle);
+	if (!ret)
+		ret = gml_stream_wait_event(&ctx->dev, cs, e);
+	gml_event_destroy(&ctx->dev, e);
+	return ret;
+}
+
+/* ... for the work on b's streams (its own and record_stream's). */
+static int after_block(gmlake_ctx *ctx, struct gml_block *b, gmlake_stream_t cs)
+{
+	int ret = 0;
+
+	for (uint32_t i = 0; i <= b->nextra && !ret; i++)
+		ret = after_stream(ctx, i < b->nextra ? b->extra[i].stream :
+				   b->stream, cs);
+	return ret;
+}
+
+/* ... for all work: free chunks a fetch takes may still be in use. */
+static int after_all(gmlake_ctx *ctx, gmlake_stream_t cs)
+{
+	int ret = 0;
+
+	for (int i = 0; i < ctx->nstreams && !ret; i++)
+		ret = after_stream(ctx, i, cs);
+	return ret;
+}
+
+/*
+ * Queue one block copy on cs, then the done event, then the engine's
+ * wake-up (after the event, so a woken engine finds it complete; the
+ * copy streams are drained before the eventfd closes). 0: req->done tells
+ * when the copy finished, or has_done is false and the copy already
+ * finished. -errno: nothing of the copy is pending.
+ */
+static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
+		      struct gml_off_req *req, gmlake_stream_t cs, void *dst,
+		      const void *src, enum gml_copy_kind kind, bool wake_engine)
+{
+	int ret;
+
+	req->t0 = now_ns();
+	ret = gml_memcpy(&ctx->dev, dst, src, req->size, kind, cs);
+	if (ret)
+		return ret;
+	req->has_done = false;
+	if (!gml_event_create(&ctx->dev, &req->done)) {
+		if (!gml_event_record(&ctx->dev, req->done, cs)) {
+			req->has_done = true;
+			req->notified = wake_engine &&
+					!gml_host_func(&ctx->dev, cs, notify,
+						       off);
+			return 0;
+		}
+		gml_event_destroy(&ctx->dev, req->done);
+	}
+	/* No event to wait on: wait for the whole stream now. */
+	ret = gml_stream_sync(&ctx->dev, cs);
+	if (ret) {
+		/* The copy may still run into the buffer: never reuse it. */
+		gml_log(GMLAKE_LOG_ERROR, "offload: lost track of a copy: %s",
+			gmlake_last_error());
+		req->host = NULL;
+	}
+	return ret;
+}
+
+/* Whether req's copy finished; ctx lock held. Errors count as finished
+ * once the copy stream drained. */
+static bool copy_done(gmlake_ctx *ctx, struct gml_off_req *req,
+		      gmlake_stream_t cs)
+{
+	int ret;
+
+	if (!req->has_done)
+		return true;
+	ret = gml_event_query(&ctx->dev, req->done);
+	if (ret == -EBUSY)
+		return false;
+	if (ret && gml_stream_sync(&ctx->dev, cs))
+		return false;
+	gml_event_destroy(&ctx->dev, req->done);
+	req->has_done = false;
+	return true;
+}
+
+/* ---------------------------------------------------------------------- */
+/* In place: host memory mapped at the block's own range while spilled    */
+
+/*
+ * Host memory for b as a driver handle on the device's NUMA node, mapped
+ * at a second range the copies use. ctx lock held.
+ */
+static int inplace_prepare(gmlake_ctx *ctx, struct gml_offload *off,
+			   struct gml_block *b)
+{
+	size_t size = b->alloc_size;
+	int ret;
+
+	ret = gml_host_charge(&off->host, (int64_t)size);
+	if (ret)
+		return ret;
+	ret = gml_mem_create_host(&ctx->dev, size, off->numa, &b->host_h);
+	if (ret)
+		goto out_uncharge;
+	ret = gml_va_reserve(&ctx->dev, size, ctx->chunk, &b->host_va);
+	if (ret)
+		goto out_release;
+	ret = gml_mem_map(&ctx->dev, b->host_va, size, b->host_h);
+	if (ret)
+		goto out_free_va;
+	ret = gml_set_access(&ctx->dev, b->host_va, size);
+	if (ret)
+		goto out_unmap;
+	b->inplace = true;
+	return 0;
+out_unmap:
+	gml_mem_unmap(&ctx->dev, b->host_va, size);
+out_free_va:
+	gml_va_free(&ctx->dev, b->host_va, size);
+out_release:
+	gml_mem_release(&ctx->dev, b->host_h);
+out_uncharge:
+	gml_host_charge(&off->host, -(int64_t)size);
+	b->host_va = 0;
+	return ret;
+}
+
+/* Undo inplace_prepare (and the mapping at the block's range). */
+static void inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
+			 struct gml_block *b)
+{
+	size_t size = b->alloc_size;
+
+	if (b->inplace_mapped && !gml_mem_unmap(&ctx->dev, b->ptr, size))
+		b->inplace_mapped = false;
+	if (b->inplace_mapped ||
+	    gml_mem_unmap(&ctx->dev, b->host_va, size) ||
+	    gml_va_free(&ctx->dev, b->host_va, size) ||
+	    gml_mem_release(&ctx->dev, b->host_h))
+		gml_log(GMLAKE_LOG_WARN, "offload: leaking in-place host "
+			"memory of block %#lx: %s", (unsigned long)b->ptr,
+			gmlake_last_error());
+	gml_host_charge(&off->host, -(int64_t)size);
+	b->inplace = false;
+	b->inplace_mapped = false;
+	b->host_va = 0;
+}
+
+/* After the chunks left: the host memory at the block's own range, so a
+ * stray access reads the right bytes. Best effort. */
+static void inplace_map(gmlake_ctx *ctx, struct gml_block *b)
+{
+	if (gml_mem_map(&ctx->dev, b->ptr, b->alloc_size, b->host_h))
+		return;
+	if (gml_set_access(&ctx->dev, b->ptr, b->alloc_size)) {
+		gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+		return;
+	}
+	b->inplace_mapped = true;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Spill                                                                   */
+
+static void spill_done(gmlake_ctx *ctx, struct gml_block *b, void *host,
+		       size_t size, uint64_t t0)
+{
+	b->off_state = GML_OFF_SPILLED;
+	b->host = host;
+	b->host_size = size;
+	lru_del(ctx, b);
+	gml_gauge_add(&ctx->st.spilled_bytes, (int64_t)b->size);
+	gml_gauge_add(&ctx->st.spilled_blocks, 1);
+	ctx->st.spills++;
+	ctx->st.d2h_bytes += size;
+	ctx->st.d2h_ns += now_ns() - t0;
+}
+
+/* The block req names, if it may take part; ctx lock held. */
+static int req_block(gmlake_ctx *ctx, struct gml_off_req *req)
+{
+	struct gml_block *b = gml_ptrmap_get(&ctx->blocks, req->ptr);
+
+	if (!b)
+		return gml_set_error(-EINVAL, "offload: %#lx is not a live "
+				     "block", (unsigned long)req->ptr);
+	if (b->small)
+		return gml_set_error(-EOPNOTSUPP, "offload: %#lx is a small "
+				     "block (below the small size); only large "
+				     "blocks move", (unsigned long)req->ptr);
+	req->b = b;
+	return 0;
+}
+
+/* First half of a spill: checks, a host buffer, the copy queued. */
+static int spill_start(struct gml_offload *off, struct gml_off_req *req)
+{
+	gmlake_ctx *ctx = off->ctx;
+	struct gml_block *b;
+	int ret;
+
+	ret = lock_ctx(ctx);
+	if (ret)
+		return ret;
+	ret = req_block(ctx, req);
+	if (ret)
+		goto out_unlock;
+	b = req->b;
+	if (b->off_state == GML_OFF_SPILLED) {
+		ret = 1;		/* nothing to do */
+		goto out_unlock;
+	}
+	if (b->off_state != GML_OFF_RESIDENT) {
+		ret = gml_set_error(-EBUSY, "offload: block %#lx is moving",
+				    (unsigned long)b->ptr);
+		goto out_unlock;
+	}
+	ret = gml_large_detach(ctx, b, true);
+	if (ret)
+		goto out_unlock;
+	b->off_state = GML_OFF_SPILLING;
+	req->size = b->size;
+	unlock_ctx(ctx);
+
+	/* Pinning may take long: never with the context lock held. */
+	if (!req->inplace)
+		ret = gml_host_alloc(&off->host, req->size, true, &req->host);
+
+	if (lock_ctx(ctx)) {
+		/* Cannot happen once the device opened; keep the block. */
+		b->off_state = GML_OFF_RESIDENT;
+		return -EIO;
+	}
+	if (req->inplace)
+		ret = inplace_prepare(ctx, off, b);
+	if (!ret)
+		ret = after_block(ctx, b, off->d2h);
+	if (!ret && req->inplace)
+		ret = queue_copy(ctx, off, req, off->d2h,
+				 (void *)(uintptr_t)b->host_va, (void *)b->ptr,
+				 GML_COPY_DTOD, true);
+	else if (!ret)
+		ret = queue_copy(ctx, off, req, off->d2h, req->host,
+				 (void *)b->ptr, GML_COPY_DTOH, true);
+	if (ret) {
+		b->off_state = GML_OFF_RESIDENT;
+		if (req->host)
+			gml_host_free(&off->host, req->host, req->size);
+		req->host = NULL;
+		if (b->inplace)
+			inplace_drop(ctx, off, b);
+	}
+	sync_gauges(ctx);
+out_unlock:
+	if (ret < 0)
+		ctx->st.offload_failures++;
+	unlock_ctx(ctx);
+	return ret;
+}
+
+/* Second half: the copy is done; give the chunks back. ctx lock held. */
+static int spill_finish(struct gml_offload *off, struct gml_off_req *req)
+{
+	gmlake_ctx *ctx = off->ctx;
+	struct gml_block *b = req->b;
+	int ret;
+
+	ret = req->host || b->inplace ? gml_large_detach(ctx, b, false) : -EIO;
+	if (ret) {
+		b->off_state = GML_OFF_RESIDENT;
+		if (req->host)
+			gml_host_free(&off->host, req->host, req->size);
+		if (b->inplace)
+			inplace_drop(ctx, off, b);
+		ctx->st.offload_failures++;
+		return ret;
+	}
+	if (b->inplace)
+		inplace_map(ctx, b);
+	spill_done(ctx, b, req->host, req->host ? req->size : 0, req->t0);
+	ctx->st.d2h_bytes += req->host ? 0 : req->size;
+	return 0;
+}
+
+/*
+ * Spill b now, in this thread, from the arena's free space only: the
+ * allocation path under pressure. ctx lock held. 0 or -errno, b intact.
+ */
+static int spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
+		      struct gml_block *b)
+{
+	struct gml_off_req req;
+	int ret;
+
+	memset(&req, 0, sizeof(req));
+	req.size = b->size;
+	ret = gml_large_detach(ctx, b, true);
+	if (ret)
+		return ret;
+	ret = gml_host_alloc(&off->host, req.size, false, &req.host);
+	if (ret) {
+		wake(off);		/* the engine pins more, ahead */
+		return ret;
+	}
+	ret = after_block(ctx, b, off->d2h);
+	if (!ret)
+		ret = queue_copy(ctx, off, &req, off->d2h, req.host,
+				 (void *)b->ptr, GML_COPY_DTOH, false);
+	if (!ret && req.has_done) {
+		ret = gml_event_sync(&ctx->dev, req.done);
+		if (ret)
+			ret = gml_stream_sync(&ctx->dev, off->d2h);
+		gml_event_destroy(&ctx->dev, req.done);
+	}
+	if (!ret)
+		ret = gml_large_detach(ctx, b, false);
+	if (ret) {
+		if (req.host)
+			gml_host_free(&off->host, req.host, req.size);
+		sync_gauges(ctx);
+		return ret;
+	}
+	spill_done(ctx, b, req.host, req.size, req.t0);
+	sync_gauges(ctx);
+	return 0;
+}
+
+bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep)
+{
+	struct gml_offload *off = ctx->off;
+	struct gml_block *b, *next;
+	uint32_t freed = 0;
+
+	if (!off)
+		return false;
+	/* One block a call: the caller tries again after each. */
+	for (b = ctx->lru; b && !freed; b = next) {
+		next = b->onext;
+		if (b == keep || b->off_state != GML_OFF_RESIDENT)
+			continue;
+		if (spill_sync(ctx, off, b))
+			continue;
+		freed += b->n;
+		ctx->st.auto_spills++;
+	}
+	(void)chunks;
+	return freed > 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Fetch                                                                   */
+
+static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
+{
+	gmlake_ctx *ctx = off->ctx;
+	struct gml_block *b;
+	int ret;
+
+	ret = lock_ctx(ctx);
+	if (ret)
+		return ret;
+	ret = req_block(ctx, req);
+	if (ret)
+		goto out_unlock;
+	b = req->b;
+	if (b->off_state == GML_OFF_RESIDENT) {
+		ret = 1;		/* nothing to do */
+		goto out_unlock;
+	}
+	if (b->off_state != GML_OFF_SPILLED) {
+		ret = gml_set_error(-EBUSY, "offload: block %#lx is moving",
+				    (unsigned long)b->ptr);
+		goto out_unlock;
+	}
+	if (b->inplace_mapped) {
+		ret = gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+		if (ret)
+			goto out_unlock;
+		b->inplace_mapped = false;
+	}
+	ret = gml_large_attach(ctx, b);
+	while (ret == -ENOMEM && gml_off_reclaim(ctx, b->n, b))
+		ret = gml_large_attach(ctx, b);
+	if (ret) {
+		if (b->inplace)
+			inplace_map(ctx, b);
+		goto out_unlock;
+	}
+	b->off_state = GML_OFF_FETCHING;
+	req->size = b->size;
+	ret = after_all(ctx, off->h2d);
+	if (!ret && b->inplace)
+		ret = queue_copy(ctx, off, req, off->h2d, (void *)b->ptr,
+				 (void *)(uintptr_t)b->host_va, GML_COPY_DTOD,
+				 true);
+	else if (!ret)
+		ret = queue_copy(ctx, off, req, off->h2d, (void *)b->ptr,
+				 b->host, GML_COPY_HTOD, true);
+	if (ret && gml_large_detach(ctx, b, false)) {
+		/* The chunks stay; the bytes on the host are still right. */
+		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx holds chunks "
+			"it could not fill", (unsigned long)b->ptr);
+	}
+	if (ret) {
+		b->off_state = GML_OFF_SPILLED;
+		if (b->inplace)
+			inplace_map(ctx, b);
+	}
+out_unlock:
+	if (ret < 0)
+		ctx->st.offload_failures++;
+	unlock_ctx(ctx);
+	return ret;
+}
+
+/* The copy is done: the block is resident again. ctx lock held. */
+static int fetch_finish(struct gml_offload *off, struct gml_off_req *req)
+{
+	gmlake_ctx *ctx = off->ctx;
+	struct gml_block *b = req->b;
+
+	if (b->inplace)
+		inplace_drop(ctx, off, b);
+	else
+		gml_host_free(&off->host, b->host, b->host_size);
+	b->host = NULL;
+	b->host_size = 0;
+	b->off_state = GML_OFF_RESIDENT;
+	gml_gauge_add(&ctx->st.spilled_bytes, -(int64_t)b->size);
+	gml_gauge_add(&ctx->st.spilled_blocks, -1);
+	ctx->st.fetches++;
+	ctx->st.h2d_bytes += req->size;
+	ctx->st.h2d_ns += now_ns() - req->t0;
+	lru_touch(ctx, b);
+	sync_gauges(ctx);
+	return 0;
+}
+
+/* ---------------------------------------------------------------------- */
+/* The engine thread                                                       */
+
+static void start(struct gml_offload *off, struct gml_off_req *req)
+{
+	int ret;
+
+	switch (req->op) {
+	case GMLAKE_OFFLOAD_SPILL:
+		ret = spill_start(off, req);
+		break;
+	case GMLAKE_OFFLOAD_FETCH:
+	case GMLAKE_OFFLOAD_PREFETCH:
+		ret = fetch_start(off, req);
+		break;
+	default:
+		ret = gml_set_error(-EINVAL, "offload: unknown operation %u",
+				    req->op);
+		break;
+	}
+	if (ret) {
+		gml_ring_complete(req, ret > 0 ? 0 : ret);
+		return;
+	}
+	req->next = off->inflight;
+	off->inflight = req;
+}
+
+/* Finish every request whose copy completed. */
+static void reap(struct gml_offload *off)
+{
+	gmlake_ctx *ctx = off->ctx;
+	struct gml_off_req **pp, *req;
+	int ret;
+
+	if (!off->inflight || lock_ctx(ctx))
+		return;
+	for (pp = &off->inflight; (req = *pp);) {
+		bool spill = req->op == GMLAKE_OFFLOAD_SPILL;
+
+		if (!copy_done(ctx, req, spill ? off->d2h : off->h2d)) {
+			pp = &req->next;
+			continue;
+		}
+		*pp = req->next;
+		ret = spill ? spill_finish(off, req) : fetch_finish(off, req);
+		sync_gauges(ctx);
+		gml_ring_complete(req, ret);
+	}
+	unlock_ctx(ctx);
+}
+
+/* Requests handed in: spills and fetches first, then prefetches. */
+static void start_incoming(struct gml_offload *off, struct gml_off_req *list)
+{
+	struct gml_off_req *later = NULL, **tail = &later, *req, *next;
+
+	for (req = list; req; req = next) {
+		next = req->next;
+		if (req->op == GMLAKE_OFFLOAD_PREFETCH) {
+			req->next = NULL;
+			*tail = req;
+			tail = &req->next;
+			continue;
+		}
+		start(off, req);
+	}
+	for (req = later; req; req = next) {
+		next = req->next;
+		start(off, req);
+	}
+}
+
+/* Sleep until woken (or timeout_ms passes; -1: no limit). */
+static void sleep_uring(struct gml_offload *off, int timeout_ms)
+{
+	struct io_uring_cqe *cqe = NULL;
+	struct io_uring_sqe *sqe;
+	int ret;
+
+	if (!off->uring_armed) {
+		sqe = io_uring_get_sqe(&off->uring);
+		if (!sqe)
+			return;
+		io_uring_prep_read(sqe, off->efd, &off->efd_buf,
+				   sizeof(off->efd_buf), 0);
+		if (io_uring_submit(&off->uring) < 1)
+			return;
+		off->uring_armed = true;
+	}
+	if (timeout_ms < 0) {
+		ret = io_uring_wait_cqe(&off->uring, &cqe);
+	} else {
+		struct __kernel_timespec ts = {
+			.tv_sec = timeout_ms / 1000,
+			.tv_nsec = (long long)(timeout_ms % 1000) * 1000000,
+		};
+
+		ret = io_uring_wait_cqe_timeout(&off->uring, &cqe, &ts);
+	}
+	if (!ret && cqe) {
+		io_uring_cqe_seen(&off->uring, cqe);
+		off->uring_armed = false;
+	}
+}
+
+static void sleep_thread(struct gml_offload *off, int timeout_ms)
+{
+	struct pollfd p = { .fd = off->efd, .events = POLLIN };
+	uint64_t v;
+
+	if (poll(&p, 1, timeout_ms) > 0 &&
+	    read(off->efd, &v, sizeof(v)) < 0)
+		gml_log(GMLAKE_LOG_DEBUG, "offload: eventfd read failed");
+}
+
+static void *engine_main(void *arg)
+{
+	struct gml_offload *off = arg;
+	struct gml_off_req *list, *req;
+	bool stop, poll_needed;
+	int timeout;
+
+	for (;;) {
+		pthread_mutex_lock(&off->lock);
+		list = off->incoming;
+		off->incoming = NULL;
+		stop = off->stop;
+		pthread_mutex_unlock(&off->lock);
+		if (stop) {
+			/* Not started: cancelled. In flight: waited for. */
+			for (; list; list = req) {
+				req = list->next;
+				gml_ring_complete(list, -ECANCELED);
+			}
+		}
+		start_incoming(off, list);
+		reap(off);
+		if (stop && !off->inflight)
+			break;
+		gml_host_grow_ahead(&off->host);
+		poll_needed = false;
+		for (req = off->inflight; req; req = req->next)
+			poll_needed |= !req->notified;
+		/*
+		 * Woken by submitters and by each copy's host function; while
+		 * copies are in flight a 5 ms timeout as well, as a safety net
+		 * (an in-place round trip on the emulated device was seen to
+		 * miss a wake-up, not understood yet).
+		 */
+		timeout = poll_needed || stop ? 1 : off->inflight ? 5 : 200;
+		if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
+			sleep_uring(off, timeout);
+		else
+			sleep_thread(off, timeout);
+	}
+	return NULL;
+}
+
+void gml_off_queue(struct gml_offload *off, struct gml_off_req *list)
+{
+	struct gml_off_req **tail;
+
+	pthread_mutex_lock(&off->lock);
+	for (tail = &off->incoming; *tail; tail = &(*tail)->next)
+		;
+	*tail = list;
+	pthread_mutex_unlock(&off->lock);
+	wake(off);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Set-up and tear-down                                                    */
+
+/* io_uring unless told otherwise and if the kernel lets us. */
+static int pick_engine(gmlake_ctx *ctx, struct gml_offload *off)
+{
+	int want = ctx->cfg.offload_engine, ret;
+
+	if (want == GMLAKE_OFFLOAD_ENGINE_THREAD)
+		return GMLAKE_OFFLOAD_ENGINE_THREAD;
+	ret = io_uring_queue_init(4, &off->uring, 0);
+	if (!ret)
+		return GMLAKE_OFFLOAD_ENGINE_URING;
+	gml_log(want == GMLAKE_OFFLOAD_ENGINE_URING ? GMLAKE_LOG_WARN :
+		GMLAKE_LOG_INFO, "offload: io_uring unavailable (%s), using "
+		"the thread engine", strerror(-ret));
+	return GMLAKE_OFFLOAD_ENGINE_THREAD;
+}
+
+static void off_free(gmlake_ctx *ctx, struct gml_offload *off)
+{
+	/* Host functions still queued write the eventfd: let them run. */
+	if (off->d2h)
+		ctx->dev.ops->stream_sync(ctx->dev.priv, off->d2h);
+	if (off->h2d)
+		ctx->dev.ops->stream_sync(ctx->dev.priv, off->h2d);
+	if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
+		io_uring_queue_exit(&off->uring);
+	if (off->efd >= 0)
+		close(off->efd);
+	if (off->h2d)
+		ctx->dev.ops->stream_destroy(ctx->dev.priv, off->h2d);
+	if (off->d2h)
+		ctx->dev.ops->stream_destroy(ctx->dev.priv, off->d2h);
+	gml_host_fini(&off->host);
+	pthread_cond_destroy(&off->idle);
+	pthread_mutex_destroy(&off->lock);
+	free(off);
+}
+
+int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
+{
+	struct gml_offload *off;
+	int ret;
+
+	if (ctx->off) {
+		*out = ctx->off;
+		return 0;
+	}
+	off = calloc(1, sizeof(*off));
+	if (!off)
+		return gml_set_error(-ENOMEM, "no host memory for the offload "
+				     "manager");
+	off->ctx = ctx;
+	off->efd = -1;
+	pthread_mutex_init(&off->lock, NULL);
+	pthread_cond_init(&off->idle, NULL);
+	if (gml_host_numa(&ctx->dev, &off->numa))
+		off->numa = -1;
+	ret = gml_host_init(&off->host, &ctx->dev, off->numa,
+			    ctx->cfg.host_limit);
+	if (ret)
+		goto out_free;
+	ret = ctx->dev.ops->stream_create(ctx->dev.priv, &off->d2h);
+	if (!ret)
+		ret = ctx->dev.ops->stream_create(ctx->dev.priv, &off->h2d);
+	if (ret)
+		goto out_free;
+	off->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (off->efd < 0) {
+		ret = gml_set_error(-errno, "offload: eventfd: %s",
+				    strerror(errno));
+		goto out_free;
+	}
+	off->engine = pick_engine(ctx, off);
+	ret = -pthread_create(&off->thread, NULL, engine_main, off);
+	if (ret) {
+		gml_set_error(ret, "offload: cannot start the engine thread");
+		goto out_free;
+	}
+	off->started = true;
+	ctx->st.offload_engine = off->engine;
+	ctx->off = off;
+	sync_gauges(ctx);
+	*out = off;
+	return 0;
+out_free:
+	off_free(ctx, off);
+	return ret;
+}
+
+/* Stop the engine: requests not started are cancelled, copies in flight
+ * finish. No lock held. */
+void gml_off_quiesce(gmlake_ctx *ctx)
+{
+	struct gml_offload *off = ctx->off;
+
+	if (!off || !off->started)
+		return;
+	pthread_mutex_lock(&off->lock);
+	off->stop = true;
+	pthread_mutex_unlock(&off->lock);
+	wake(off);
+	pthread_join(off->thread, NULL);
+	off->started = false;
+}
+
+/* After every block is gone; ctx lock held. */
+void gml_off_fini(gmlake_ctx *ctx)
+{
+	if (!ctx->off)
+		return;
+	gml_off_quiesce(ctx);
+	sync_gauges(ctx);
+	off_free(ctx, ctx->off);
+	ctx->off = NULL;
+}
+
+/* A block is freed: its host side goes with it. ctx lock held. */
+void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b)
+{
+	lru_del(ctx, b);
+	if (b->off_state != GML_OFF_SPILLED)
+		return;
+	if (b->host && ctx->off)
+		gml_host_free(&ctx->off->host, b->host, b->host_size);
+	if (b->inplace && ctx->off)
+		inplace_drop(ctx, ctx->off, b);
+	b->host = NULL;
+	gml_gauge_add(&ctx->st.spilled_bytes, -(int64_t)b->size);
+	gml_gauge_add(&ctx->st.spilled_blocks, -1);
+	if (ctx->off)
+		sync_gauges(ctx);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Public calls on blocks                                                  */
+
+GML_EXPORT int gmlake_advise(gmlake_ctx *ctx, void *ptr, int advice)
+{
+	struct gml_offload *off;
+	struct gml_block *b;
+	int ret;
+
+	if (!ctx || !ptr)
+		return gml_set_error(-EINVAL, "gmlake_advise: %s is NULL",
+				     ctx ? "ptr" : "ctx");
+	if (advice != GMLAKE_ADVISE_OFFLOADABLE &&
+	    advice != GMLAKE_ADVISE_NOT_OFFLOADABLE)
+		return gml_set_error(-EINVAL, "gmlake_advise: unknown advice %d",
+				     advice);
+	ret = lock_ctx(ctx);
+	if (ret)
+		return ret;
+	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
+	if (!b) {
+		ret = gml_set_error(-EINVAL, "gmlake_advise: %p is not a live "
+				    "block", ptr);
+		goto out_unlock;
+	}
+	if (advice == GMLAKE_ADVISE_NOT_OFFLOADABLE) {
+		b->offloadable = false;
+		lru_del(ctx, b);
+		goto out_unlock;
+	}
+	if (b->small) {
+		ret = gml_set_error(-EOPNOTSUPP, "gmlake_advise: %p is a small "
+				    "block; only large blocks can move", ptr);
+		goto out_unlock;
+	}
+	ret = gml_off_get(ctx, &off);
+	if (ret)
+		goto out_unlock;
+	b->offloadable = true;
+	lru_touch(ctx, b);
+out_unlock:
+	unlock_ctx(ctx);
+	return ret;
+}
+
+GML_EXPORT int gmlake_offload_state(gmlake_ctx *ctx, const void *ptr)
+{
+	struct gml_block *b;
+	int ret;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_offload_state: ctx is "
+				     "NULL");
+	pthread_mutex_lock(&ctx->lock);
+	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
+	if (!b)
+		ret = gml_set_error(-EINVAL, "gmlake_offload_state: %p is not "
+				    "a live block", ptr);
+	else
+		ret = b->small ? GMLAKE_BLOCK_RESIDENT : b->off_state;
+	pthread_mutex_unlock(&ctx->lock);
+	return ret;
+}

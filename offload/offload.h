@@ -1,0 +1,110 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The offload manager's insides, shared by host.c (the pinned host arena),
+ * engine.c (spill and fetch, the completion engine, automatic offload) and
+ * ring.c (the io_uring-shaped rings of include/gmlake-offload.h).
+ *
+ * Locking, outermost first: a ring's lock (ring.c), then the context lock,
+ * then off->lock (the engine's queues), then the arena's lock. The engine
+ * thread takes the context lock only with no other lock held, and never
+ * waits for a device copy while holding it, except in the allocation
+ * path's synchronous spill (gml_off_reclaim), which the caller asked for.
+ */
+#ifndef GML_OFFLOAD_H
+#define GML_OFFLOAD_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <liburing.h>
+
+#include "gmlake-offload.h"
+#include "types.h"
+
+/* ---- host.c: the pinned host arena ---- */
+
+struct gml_host_region;
+
+struct gml_host {
+	pthread_mutex_t lock;
+	struct gml_dev *dev;
+	int node;			/* NUMA node, -1: none */
+	size_t limit;			/* bytes that may be pinned */
+	size_t step;			/* growth unit */
+	size_t pinned, used;
+	size_t inplace;			/* host handles of in-place spills */
+	int64_t d_pinned, d_used;	/* not yet in the context's gauges */
+	struct gml_host_region *regions;
+};
+
+int gml_host_init(struct gml_host *h, struct gml_dev *dev, int node,
+		  size_t limit);
+void gml_host_fini(struct gml_host *h);
+/* size bytes of pinned memory; -ENOMEM when none is free (grow: pin a
+ * new region first when the budget allows). */
+int gml_host_alloc(struct gml_host *h, size_t size, bool grow, void **p);
+void gml_host_free(struct gml_host *h, void *p, size_t size);
+/* Charge (or with a negative size, refund) in-place host memory against
+ * the budget; -ENOMEM when it would pass it. */
+int gml_host_charge(struct gml_host *h, int64_t size);
+/* Whether a request of size bytes would need a new region. */
+bool gml_host_needs_growth(struct gml_host *h, size_t size);
+/* Pin ahead: a region when less than a step is free (engine thread). */
+void gml_host_grow_ahead(struct gml_host *h);
+
+/* ---- engine.c ---- */
+
+struct gml_ring;
+
+struct gml_off_req {
+	struct gml_off_req *next;
+	struct gml_ring *ring;
+	uint8_t op;			/* enum gmlake_offload_op */
+	bool inplace;
+	uintptr_t ptr;
+	uint64_t user_data;
+	struct gml_block *b;
+	gml_event done;			/* after the copy and the notify */
+	bool has_done;
+	bool notified;			/* no host_func: poll the event */
+	void *host;			/* spill: the arena buffer */
+	size_t size;
+	uint64_t t0;
+};
+
+struct gml_offload {
+	gmlake_ctx *ctx;
+	struct gml_host host;
+	gmlake_stream_t d2h, h2d;	/* the two copy streams */
+	int engine;			/* enum gmlake_offload_engine */
+	int numa;
+
+	pthread_mutex_t lock;		/* the queues below */
+	pthread_cond_t idle;		/* a ring's requests all done */
+	struct gml_off_req *incoming;	/* submitted, not started */
+	struct gml_off_req *inflight;	/* copies under way (engine only) */
+	unsigned nrings;
+	bool stop;
+	bool started;
+	pthread_t thread;
+	int efd;			/* eventfd that wakes the engine */
+	struct io_uring uring;		/* the io_uring engine's ring */
+	bool uring_armed;
+	uint64_t efd_buf;
+};
+
+/* The context's manager, made on first use; ctx lock held. */
+int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out);
+/* Queue requests for the engine (any thread, no lock held). */
+void gml_off_queue(struct gml_offload *off, struct gml_off_req *list);
+/* A ring went away / came. */
+void gml_off_ring_ref(struct gml_offload *off, int delta);
+
+/* ---- ring.c ---- */
+
+/* Post a completion for req to its ring and free req. */
+void gml_ring_complete(struct gml_off_req *req, int res);
+
+#endif

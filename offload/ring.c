@@ -1,0 +1,330 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Rings shaped like io_uring's, for the callers of the offload manager.
+ *
+ * The submission queue is an array of entries between sq_head (the next
+ * one submit hands in) and sq_tail (the next one get_sqe gives out). The
+ * completion queue holds twice as many entries, between cq_head (the next
+ * to reap) and cq_tail (the next the engine fills). submit never lets the
+ * requests in flight plus the completions not yet seen pass the completion
+ * queue's size, so the engine never finds it full and a completion stays
+ * where wait_cqe pointed until cqe_seen.
+ *
+ * A ring's lock is innermost: the engine posts completions with the
+ * context lock held, and nothing here takes the context lock with the
+ * ring's lock held.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "offload.h"
+
+#define RING_MAX_ENTRIES 4096
+
+struct gml_ring {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;		/* a completion was posted */
+	gmlake_ctx *ctx;
+	struct gml_offload *off;
+	unsigned flags;
+	unsigned sq_entries, sq_head, sq_tail;
+	unsigned cq_entries, cq_head, cq_tail;
+	unsigned inflight;		/* submitted, not completed */
+	struct gmlake_offload_sqe *sqes;
+	struct gmlake_offload_cqe *cqes;
+};
+
+static struct gml_ring *ring_of(struct gmlake_offload *ring, const char *fn)
+{
+	if (!ring || !ring->priv) {
+		gml_set_error(-EINVAL, "%s: ring is %s", fn,
+			      ring ? "not initialised" : "NULL");
+		return NULL;
+	}
+	return ring->priv;
+}
+
+GML_EXPORT int gmlake_offload_init(struct gmlake_offload *ring,
+				   gmlake_ctx *ctx, unsigned entries,
+				   unsigned flags)
+{
+	struct gml_offload *off;
+	struct gml_ring *r;
+	unsigned n = 1;
+	int ret;
+
+	if (!ring || !ctx)
+		return gml_set_error(-EINVAL, "gmlake_offload_init: %s is NULL",
+				     ring ? "ctx" : "ring");
+	if (!entries || entries > RING_MAX_ENTRIES)
+		return gml_set_error(-EINVAL, "gmlake_offload_init: %u entries "
+				     "(1 to %u)", entries, RING_MAX_ENTRIES);
+	if (flags & ~GMLAKE_OFFLOAD_INPLACE)
+		return gml_set_error(-EINVAL, "gmlake_offload_init: unknown "
+				     "flags %#x", flags);
+	while (n < entries)
+		n <<= 1;
+	r = calloc(1, sizeof(*r));
+	if (!r)
+		return gml_set_error(-ENOMEM, "no host memory for a ring");
+	r->sqes = calloc(n, sizeof(*r->sqes));
+	r->cqes = calloc(2 * n, sizeof(*r->cqes));
+	if (!r->sqes || !r->cqes) {
+		ret = gml_set_error(-ENOMEM, "no host memory for a ring");
+		goto out_free;
+	}
+	r->sq_entries = n;
+	r->cq_entries = 2 * n;
+	r->flags = flags;
+	r->ctx = ctx;
+	pthread_mutex_lock(&ctx->lock);
+	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	if (!ret) {
+		ret = gml_off_get(ctx, &off);
+		if (!ret)
+			off->nrings++;
+		ctx->dev.ops->leave(ctx->dev.priv);
+	}
+	pthread_mutex_unlock(&ctx->lock);
+	if (ret)
+		goto out_free;
+	r->off = off;
+	pthread_mutex_init(&r->lock, NULL);
+	pthread_cond_init(&r->cond, NULL);
+	memset(ring, 0, sizeof(*ring));
+	ring->priv = r;
+	return 0;
+out_free:
+	free(r->sqes);
+	free(r->cqes);
+	free(r);
+	return ret;
+}
+
+GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
+{
+	struct gml_ring *r = ring_of(ring, "gmlake_offload_exit");
+	gmlake_ctx *ctx;
+
+	if (!r)
+		return -EINVAL;
+	pthread_mutex_lock(&r->lock);
+	while (r->inflight)
+		pthread_cond_wait(&r->cond, &r->lock);
+	pthread_mutex_unlock(&r->lock);
+	ctx = r->ctx;
+	pthread_mutex_lock(&ctx->lock);
+	if (ctx->off == r->off)
+		r->off->nrings--;
+	pthread_mutex_unlock(&ctx->lock);
+	pthread_cond_destroy(&r->cond);
+	pthread_mutex_destroy(&r->lock);
+	free(r->sqes);
+	free(r->cqes);
+	free(r);
+	ring->priv = NULL;
+	return 0;
+}
+
+GML_EXPORT struct gmlake_offload_sqe *
+gmlake_offload_get_sqe(struct gmlake_offload *ring)
+{
+	struct gml_ring *r = ring_of(ring, "gmlake_offload_get_sqe");
+	struct gmlake_offload_sqe *sqe = NULL;
+
+	if (!r)
+		return NULL;
+	pthread_mutex_lock(&r->lock);
+	if (r->sq_tail - r->sq_head < r->sq_entries) {
+		sqe = &r->sqes[r->sq_tail++ & (r->sq_entries - 1)];
+		memset(sqe, 0, sizeof(*sqe));
+	}
+	pthread_mutex_unlock(&r->lock);
+	return sqe;
+}
+
+static void prep(struct gmlake_offload_sqe *sqe, uint8_t op, void *ptr)
+{
+	if (!sqe)
+		return;
+	sqe->opcode = op;
+	sqe->addr = (uint64_t)(uintptr_t)ptr;
+}
+
+GML_EXPORT void gmlake_offload_prep_spill(struct gmlake_offload_sqe *sqe,
+					  void *ptr)
+{
+	prep(sqe, GMLAKE_OFFLOAD_SPILL, ptr);
+}
+
+GML_EXPORT void gmlake_offload_prep_fetch(struct gmlake_offload_sqe *sqe,
+					  void *ptr)
+{
+	prep(sqe, GMLAKE_OFFLOAD_FETCH, ptr);
+}
+
+GML_EXPORT void gmlake_offload_prep_prefetch(struct gmlake_offload_sqe *sqe,
+					     void *ptr)
+{
+	prep(sqe, GMLAKE_OFFLOAD_PREFETCH, ptr);
+}
+
+GML_EXPORT void gmlake_offload_sqe_set_data(struct gmlake_offload_sqe *sqe,
+					    uint64_t user_data)
+{
+	if (sqe)
+		sqe->user_data = user_data;
+}
+
+GML_EXPORT uint64_t
+gmlake_offload_cqe_get_data(const struct gmlake_offload_cqe *cqe)
+{
+	return cqe ? cqe->user_data : 0;
+}
+
+/* Post a completion into r; r->lock held. */
+static void post(struct gml_ring *r, uint64_t user_data, int res)
+{
+	struct gmlake_offload_cqe *cqe;
+
+	cqe = &r->cqes[r->cq_tail++ & (r->cq_entries - 1)];
+	cqe->user_data = user_data;
+	cqe->res = res;
+	cqe->flags = 0;
+	pthread_cond_broadcast(&r->cond);
+}
+
+void gml_ring_complete(struct gml_off_req *req, int res)
+{
+	struct gml_ring *r = req->ring;
+
+	if (res < 0)
+		gml_log(GMLAKE_LOG_DEBUG, "offload: request on %#lx: %d (%s)",
+			(unsigned long)req->ptr, res, gmlake_last_error());
+	pthread_mutex_lock(&r->lock);
+	post(r, req->user_data, res);
+	r->inflight--;
+	pthread_mutex_unlock(&r->lock);
+	free(req);
+}
+
+/* Turn the submitted entries into requests; r->lock held. */
+static int take_entries(struct gml_ring *r, struct gml_off_req **list)
+{
+	unsigned room = r->cq_entries - (r->cq_tail - r->cq_head) - r->inflight;
+	struct gml_off_req **tail = list;
+	int count = 0;
+
+	while (r->sq_head != r->sq_tail && room) {
+		struct gmlake_offload_sqe *sqe;
+		struct gml_off_req *req;
+
+		sqe = &r->sqes[r->sq_head & (r->sq_entries - 1)];
+		if (sqe->opcode == GMLAKE_OFFLOAD_NOP ||
+		    sqe->opcode > GMLAKE_OFFLOAD_PREFETCH || !sqe->addr) {
+			post(r, sqe->user_data, sqe->opcode == GMLAKE_OFFLOAD_NOP ?
+			     0 : -EINVAL);
+			goto next;
+		}
+		req = calloc(1, sizeof(*req));
+		if (!req)
+			break;
+		req->ring = r;
+		req->op = sqe->opcode;
+		req->inplace = (sqe->flags & GMLAKE_OFFLOAD_SQE_INPLACE) ||
+			       (r->flags & GMLAKE_OFFLOAD_INPLACE);
+		req->ptr = (uintptr_t)sqe->addr;
+		req->user_data = sqe->user_data;
+		*tail = req;
+		tail = &req->next;
+		r->inflight++;
+next:
+		r->sq_head++;
+		room--;
+		count++;
+	}
+	if (!count && r->sq_head != r->sq_tail)
+		return gml_set_error(room ? -ENOMEM : -EBUSY, "gmlake_offload_"
+				     "submit: %s", room ? "no host memory for "
+				     "a request" : "the completion queue is "
+				     "full; reap completions first");
+	return count;
+}
+
+GML_EXPORT int gmlake_offload_submit(struct gmlake_offload *ring)
+{
+	struct gml_ring *r = ring_of(ring, "gmlake_offload_submit");
+	struct gml_off_req *list = NULL;
+	int count;
+
+	if (!r)
+		return -EINVAL;
+	pthread_mutex_lock(&r->lock);
+	count = take_entries(r, &list);
+	pthread_mutex_unlock(&r->lock);
+	if (list)
+		gml_off_queue(r->off, list);
+	return count;
+}
+
+static int next_cqe(struct gml_ring *r, bool wait,
+		    struct gmlake_offload_cqe **cqe)
+{
+	int ret = 0;
+
+	pthread_mutex_lock(&r->lock);
+	while (r->cq_head == r->cq_tail && wait && r->inflight)
+		pthread_cond_wait(&r->cond, &r->lock);
+	if (r->cq_head == r->cq_tail)
+		ret = -EAGAIN;
+	else
+		*cqe = &r->cqes[r->cq_head & (r->cq_entries - 1)];
+	pthread_mutex_unlock(&r->lock);
+	return ret;
+}
+
+GML_EXPORT int gmlake_offload_wait_cqe(struct gmlake_offload *ring,
+				       struct gmlake_offload_cqe **cqe)
+{
+	struct gml_ring *r = ring_of(ring, "gmlake_offload_wait_cqe");
+	int ret;
+
+	if (!r || !cqe)
+		return r ? gml_set_error(-EINVAL, "gmlake_offload_wait_cqe: "
+					 "cqe is NULL") : -EINVAL;
+	ret = next_cqe(r, true, cqe);
+	if (ret)
+		return gml_set_error(ret, "gmlake_offload_wait_cqe: nothing "
+				     "in flight and no completion to reap");
+	return 0;
+}
+
+GML_EXPORT int gmlake_offload_peek_cqe(struct gmlake_offload *ring,
+				       struct gmlake_offload_cqe **cqe)
+{
+	struct gml_ring *r = ring_of(ring, "gmlake_offload_peek_cqe");
+
+	if (!r || !cqe)
+		return r ? gml_set_error(-EINVAL, "gmlake_offload_peek_cqe: "
+					 "cqe is NULL") : -EINVAL;
+	return next_cqe(r, false, cqe);
+}
+
+GML_EXPORT void gmlake_offload_cqe_seen(struct gmlake_offload *ring,
+					struct gmlake_offload_cqe *cqe)
+{
+	struct gml_ring *r = ring_of(ring, "gmlake_offload_cqe_seen");
+
+	if (!r || !cqe)
+		return;
+	pthread_mutex_lock(&r->lock);
+	if (r->cq_head != r->cq_tail)
+		r->cq_head++;
+	pthread_mutex_unlock(&r->lock);
+}

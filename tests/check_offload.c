@@ -1,0 +1,905 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The offload manager (offload/): spill and fetch through the rings, with
+ * stable addresses, the host budget, device memory running out during a
+ * fetch, fault injection on every driver call a spill or fetch makes, a
+ * random workload under memory pressure, automatic offload, and calls
+ * from several threads. Every block's bytes are checked against its
+ * pattern after each round trip, and the allocator's invariants after
+ * each operation.
+ *
+ * Run with the argument "thread" (tests/check_offload_thread.sh) it
+ * expects the plain thread engine (GMLAKE_OFFLOAD_ENGINE=thread);
+ * otherwise whichever engine the probe picks.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <pthread.h>
+
+#include "gmlake-offload.h"
+#include "helpers.h"
+#include "types.h"
+
+static bool want_thread_engine;
+
+/* A context on the emulated device with capacity and host limit. */
+static gmlake_ctx *off_ctx(size_t capacity, size_t host_limit,
+			   size_t device_limit)
+{
+	struct gmlake_config cfg;
+
+	th_config(&cfg, capacity);
+	cfg.host_limit = host_limit;
+	cfg.device_limit = device_limit;
+	return th_ctx_cfg(&cfg);
+}
+
+static void ring_init(struct gmlake_offload *ring, gmlake_ctx *ctx,
+		      unsigned entries)
+{
+	int ret = gmlake_offload_init(ring, ctx, entries, 0);
+
+	ck_assert_msg(ret == 0, "gmlake_offload_init: %d (%s)", ret,
+		      gmlake_last_error());
+}
+
+/* Submit one request and wait for its completion; its res. */
+static int one(struct gmlake_offload *ring, int op, void *p, uint64_t tag)
+{
+	struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
+	struct gmlake_offload_cqe *cqe;
+	int ret, res;
+
+	ck_assert_ptr_nonnull(sqe);
+	if (op == GMLAKE_OFFLOAD_SPILL)
+		gmlake_offload_prep_spill(sqe, p);
+	else if (op == GMLAKE_OFFLOAD_FETCH)
+		gmlake_offload_prep_fetch(sqe, p);
+	else
+		gmlake_offload_prep_prefetch(sqe, p);
+	gmlake_offload_sqe_set_data(sqe, tag);
+	ck_assert_int_eq(gmlake_offload_submit(ring), 1);
+	ret = gmlake_offload_wait_cqe(ring, &cqe);
+	ck_assert_msg(ret == 0, "wait_cqe: %d (%s)", ret, gmlake_last_error());
+	ck_assert_uint_eq(gmlake_offload_cqe_get_data(cqe), tag);
+	res = cqe->res;
+	gmlake_offload_cqe_seen(ring, cqe);
+	if (getenv("DBG")) fprintf(stderr, "res %d: %s\n", res, gmlake_last_error());
+	return res;
+}
+
+static int spill(struct gmlake_offload *ring, void *p)
+{
+	return one(ring, GMLAKE_OFFLOAD_SPILL, p, (uintptr_t)p ^ 1);
+}
+
+static int fetch(struct gmlake_offload *ring, void *p)
+{
+	return one(ring, GMLAKE_OFFLOAD_FETCH, p, (uintptr_t)p ^ 2);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Core                                                                   */
+
+START_TEST(test_spill_fetch_segment)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	size_t size = 8 * TH_MiB - 4096;
+	void *p = th_alloc(ctx, size, NULL);
+	char byte;
+
+	th_fill_ok(ctx, p, size, 11, NULL);
+	ring_init(&ring, ctx, 8);
+	th_stats(ctx, &st0);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	th_check(ctx);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.reserved_bytes.current,
+			 st0.reserved_bytes.current - 8 * (int64_t)TH_MiB);
+	ck_assert_int_eq(st.spilled_bytes.current, (int64_t)size);
+	ck_assert_int_eq(st.spilled_blocks.current, 1);
+	ck_assert_int_ge(st.host_bytes.current, (int64_t)size);
+	ck_assert_int_ge(st.host_pinned.current, st.host_bytes.current);
+	ck_assert_uint_eq(st.spills, 1);
+	ck_assert_uint_eq(st.d2h_bytes, size);
+	ck_assert_int_eq(st.offload_engine, want_thread_engine ?
+			 GMLAKE_OFFLOAD_ENGINE_THREAD : st.offload_engine);
+	ck_assert_int_ne(st.offload_engine, GMLAKE_OFFLOAD_ENGINE_NONE);
+	/* A copy from a spilled block is refused, not a fault. */
+	TH_ERR(ctx, gmlake_memcpy_dtoh(ctx, &byte, p, 1, NULL), -EFAULT);
+	/* Spilling again is nothing to do. */
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_RESIDENT);
+	th_verify_ok(ctx, p, size, 11, NULL);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.spilled_bytes.current, 0);
+	ck_assert_int_eq(st.host_bytes.current, 0);
+	ck_assert_uint_eq(st.fetches, 1);
+	ck_assert_uint_eq(st.h2d_bytes, size);
+	ck_assert_int_eq(fetch(&ring, p), 0);	/* resident: nothing to do */
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A block stitched from non-contiguous chunks moves whole, same address. */
+START_TEST(test_spill_fetch_stitched)
+{
+	gmlake_ctx *ctx = off_ctx(20 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st;
+	void *a, *b, *c, *d, *s, *x, *y;
+
+	a = th_alloc(ctx, 4 * TH_MiB, NULL);
+	b = th_alloc(ctx, 2 * TH_MiB, NULL);
+	c = th_alloc(ctx, 4 * TH_MiB, NULL);
+	d = th_alloc(ctx, 2 * TH_MiB, NULL);
+	th_fill_ok(ctx, b, 2 * TH_MiB, 2, NULL);
+	th_fill_ok(ctx, d, 2 * TH_MiB, 4, NULL);
+	th_free(ctx, a);
+	th_free(ctx, c);
+	th_stats(ctx, &st);
+	s = th_alloc(ctx, 14 * TH_MiB, NULL);	/* 4 + 4 free + 6 new */
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.stitched_live.current, 1);
+	th_fill_ok(ctx, s, 14 * TH_MiB, 7, NULL);
+	ring_init(&ring, ctx, 4);
+	ck_assert_int_eq(spill(&ring, s), 0);
+	th_check(ctx);
+	/* Its chunks are free again: others may use them, not its range. */
+	x = th_alloc(ctx, 8 * TH_MiB, NULL);
+	y = th_alloc(ctx, 4 * TH_MiB, NULL);
+	ck_assert(!th_overlap(x, 8 * TH_MiB, s, 14 * TH_MiB));
+	ck_assert(!th_overlap(y, 4 * TH_MiB, s, 14 * TH_MiB));
+	th_fill_ok(ctx, x, 8 * TH_MiB, 8, NULL);
+	th_fill_ok(ctx, y, 4 * TH_MiB, 9, NULL);
+	/* No room to fetch: -ENOMEM, still spilled. */
+	ck_assert_int_eq(fetch(&ring, s), -ENOMEM);
+	ck_assert_int_eq(gmlake_offload_state(ctx, s), GMLAKE_BLOCK_SPILLED);
+	th_check(ctx);
+	th_free(ctx, x);
+	th_free(ctx, y);
+	ck_assert_int_eq(fetch(&ring, s), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, s, 14 * TH_MiB, 7, NULL);
+	th_verify_ok(ctx, b, 2 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, d, 2 * TH_MiB, 4, NULL);
+	/* Spill, then free while spilled: the host copy goes too. */
+	ck_assert_int_eq(spill(&ring, s), 0);
+	th_free(ctx, s);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.spilled_blocks.current, 0);
+	ck_assert_int_eq(st.host_bytes.current, 0);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, b);
+	th_free(ctx, d);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Many requests in flight, both directions at once, any order. */
+START_TEST(test_many_in_flight)
+{
+	enum { N = 16 };
+	gmlake_ctx *ctx = off_ctx(256 * TH_MiB, 256 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_offload_sqe *sqe;
+	struct gmlake_offload_cqe *cqe;
+	bool seen[2 * N] = { false };
+	void *p[2 * N];
+	int i, got;
+
+	for (i = 0; i < 2 * N; i++) {
+		p[i] = th_alloc(ctx, (size_t)(1 + i % 3) * 2 * TH_MiB, NULL);
+		th_fill_ok(ctx, p[i], (size_t)(1 + i % 3) * 2 * TH_MiB,
+			   100 + i, NULL);
+	}
+	ring_init(&ring, ctx, 2 * N);
+	for (i = 0; i < N; i++)
+		ck_assert_int_eq(spill(&ring, p[i]), 0);
+	/* Fetch the first half while spilling the second. */
+	for (i = 0; i < 2 * N; i++) {
+		sqe = gmlake_offload_get_sqe(&ring);
+		ck_assert_ptr_nonnull(sqe);
+		if (i < N)
+			gmlake_offload_prep_fetch(sqe, p[i]);
+		else
+			gmlake_offload_prep_spill(sqe, p[i]);
+		gmlake_offload_sqe_set_data(sqe, (uint64_t)i);
+	}
+	ck_assert_ptr_null(gmlake_offload_get_sqe(&ring));
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 2 * N);
+	for (got = 0; got < 2 * N; got++) {
+		ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
+		i = (int)gmlake_offload_cqe_get_data(cqe);
+		ck_assert_int_lt(i, 2 * N);
+		ck_assert(!seen[i]);
+		seen[i] = true;
+		ck_assert_msg(cqe->res == 0, "request %d: %d", i, cqe->res);
+		gmlake_offload_cqe_seen(&ring, cqe);
+	}
+	ck_assert_int_eq(gmlake_offload_peek_cqe(&ring, &cqe), -EAGAIN);
+	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), -EAGAIN);
+	th_check(ctx);
+	for (i = N; i < 2 * N; i++)
+		ck_assert_int_eq(fetch(&ring, p[i]), 0);
+	for (i = 0; i < 2 * N; i++) {
+		th_verify_ok(ctx, p[i], (size_t)(1 + i % 3) * 2 * TH_MiB,
+			     100 + i, NULL);
+		th_free(ctx, p[i]);
+	}
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Bad requests complete with -errno; a block in motion cannot be freed. */
+START_TEST(test_ring_errors)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring, bad = { 0 };
+	struct gmlake_offload_sqe *sqe;
+	struct gmlake_offload_cqe *cqe;
+	gmlake_stream_t s = th_stream(ctx);
+	void *small = th_alloc(ctx, 4096, NULL);
+	void *p = th_alloc(ctx, 4 * TH_MiB, s);
+
+	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 0, 0), -EINVAL);
+	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 8, 0x80), -EINVAL);
+	ck_assert_int_eq(gmlake_offload_init(NULL, ctx, 8, 0), -EINVAL);
+	ck_assert_int_eq(gmlake_offload_submit(&bad), -EINVAL);
+	ck_assert_ptr_null(gmlake_offload_get_sqe(&bad));
+	ck_assert_int_eq(gmlake_advise(ctx, p, 7), -EINVAL);
+	ck_assert_int_eq(gmlake_advise(ctx, (char *)p + 1,
+				       GMLAKE_ADVISE_OFFLOADABLE), -EINVAL);
+	ck_assert_int_eq(gmlake_advise(ctx, small, GMLAKE_ADVISE_OFFLOADABLE),
+			 -EOPNOTSUPP);
+	ck_assert_int_eq(gmlake_offload_state(ctx, (char *)p + 1), -EINVAL);
+	ring_init(&ring, ctx, 4);
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 0);
+	ck_assert_int_eq(spill(&ring, (char *)p + 4096), -EINVAL);
+	ck_assert_int_eq(spill(&ring, small), -EOPNOTSUPP);
+	ck_assert_int_eq(fetch(&ring, small), -EOPNOTSUPP);
+	sqe = gmlake_offload_get_sqe(&ring);	/* a NOP completes with 0 */
+	gmlake_offload_sqe_set_data(sqe, 77);
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 1);
+	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
+	ck_assert_int_eq(cqe->res, 0);
+	ck_assert_uint_eq(cqe->user_data, 77);
+	gmlake_offload_cqe_seen(&ring, cqe);
+
+	/* The spill waits for the block's stream: hold it there. */
+	th_fill_ok(ctx, p, 4 * TH_MiB, 5, s);
+	th_hold(ctx, s, true);
+	sqe = gmlake_offload_get_sqe(&ring);
+	gmlake_offload_prep_spill(sqe, p);
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 1);
+	while (gmlake_offload_state(ctx, p) != GMLAKE_BLOCK_SPILLING)
+		usleep(1000);
+	TH_ERR(ctx, gmlake_free(ctx, p), -EBUSY);
+	ck_assert_int_eq(gmlake_offload_peek_cqe(&ring, &cqe), -EAGAIN);
+	ck_assert_int_eq(fetch(&ring, p), -EBUSY);
+	th_hold(ctx, s, false);
+	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
+	ck_assert_int_eq(cqe->res, 0);
+	gmlake_offload_cqe_seen(&ring, cqe);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_verify_ok(ctx, p, 4 * TH_MiB, 5, s);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_free(ctx, small);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Limits                                                                 */
+
+/* More than the host budget: -ENOMEM, the block stays on the device. */
+START_TEST(test_host_budget)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 6 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st;
+	void *p = th_alloc(ctx, 8 * TH_MiB, NULL);
+	void *q = th_alloc(ctx, 4 * TH_MiB, NULL);
+	void *r = th_alloc(ctx, 4 * TH_MiB, NULL);
+
+	th_fill_ok(ctx, p, 8 * TH_MiB, 1, NULL);
+	th_fill_ok(ctx, q, 4 * TH_MiB, 2, NULL);
+	th_fill_ok(ctx, r, 4 * TH_MiB, 3, NULL);
+	ring_init(&ring, ctx, 4);
+	ck_assert_int_eq(spill(&ring, p), -ENOMEM);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	th_verify_ok(ctx, p, 8 * TH_MiB, 1, NULL);
+	ck_assert_int_eq(spill(&ring, q), 0);
+	ck_assert_int_eq(spill(&ring, r), -ENOMEM);	/* budget spent */
+	th_stats(ctx, &st);
+	ck_assert_int_le(st.host_pinned.current, (int64_t)(6 * TH_MiB));
+	ck_assert_uint_ge(st.offload_failures, 2);
+	ck_assert_int_eq(fetch(&ring, q), 0);
+	ck_assert_int_eq(spill(&ring, r), 0);		/* room again */
+	ck_assert_int_eq(fetch(&ring, r), 0);
+	th_verify_ok(ctx, q, 4 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, r, 4 * TH_MiB, 3, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_free(ctx, q);
+	th_free(ctx, r);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* The device fills up while a segment block is out: -ENOMEM, no loss. */
+START_TEST(test_fetch_oom)
+{
+	gmlake_ctx *ctx = off_ctx(16 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	void *p = th_alloc(ctx, 8 * TH_MiB, NULL), *big;
+
+	th_fill_ok(ctx, p, 8 * TH_MiB, 21, NULL);
+	ring_init(&ring, ctx, 2);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	big = th_alloc(ctx, 16 * TH_MiB, NULL);
+	ck_assert(!th_overlap(big, 16 * TH_MiB, p, 8 * TH_MiB));
+	th_fill_ok(ctx, big, 16 * TH_MiB, 22, NULL);
+	ck_assert_int_eq(fetch(&ring, p), -ENOMEM);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
+	th_check(ctx);
+	th_verify_ok(ctx, big, 16 * TH_MiB, 22, NULL);
+	th_free(ctx, big);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, p, 8 * TH_MiB, 21, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * Fault injection: each driver call a spill or a fetch makes fails once,
+ * at its first to third use. The completion carries 0 or -errno, and
+ * whatever happened, the block's bytes come back intact.
+ */
+static const int fault_calls[] = {
+	GMLAKE_CALL_memcpy, GMLAKE_CALL_stream_wait, GMLAKE_CALL_host_func,
+	GMLAKE_CALL_event_create, GMLAKE_CALL_event_record,
+	GMLAKE_CALL_event_query, GMLAKE_CALL_event_sync,
+	GMLAKE_CALL_stream_sync, GMLAKE_CALL_mem_map, GMLAKE_CALL_mem_unmap,
+	GMLAKE_CALL_set_access, GMLAKE_CALL_mem_create,
+	GMLAKE_CALL_mem_release, GMLAKE_CALL_host_register,
+};
+
+static void fault_round(int call, uint64_t nth, bool stitched)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
+	struct gml_dev *dev = th_dev(ctx);
+	struct gmlake_offload ring;
+	size_t size = 6 * TH_MiB;
+	void *p, *hole = NULL, *keep = NULL;
+	int res;
+
+	if (stitched) {
+		hole = th_alloc(ctx, 2 * TH_MiB, NULL);
+		keep = th_alloc(ctx, 2 * TH_MiB, NULL);
+		th_free(ctx, hole);
+	}
+	p = th_alloc(ctx, size, NULL);
+	th_fill_ok(ctx, p, size, 31, NULL);
+	ring_init(&ring, ctx, 4);
+	gml_dev_fail_nth(dev, call, nth, call == GMLAKE_CALL_mem_create ?
+			 ENOMEM : EIO);
+	res = spill(&ring, p);
+	ck_assert_msg(res == 0 || res < 0, "spill: %d", res);
+	th_check(ctx);
+	if (res == 0) {
+		ck_assert_int_eq(gmlake_offload_state(ctx, p),
+				 GMLAKE_BLOCK_SPILLED);
+		gml_dev_fail_nth(dev, call, nth, call == GMLAKE_CALL_mem_create ?
+				 ENOMEM : EIO);
+		res = fetch(&ring, p);
+		ck_assert_msg(res == 0 || res < 0, "fetch: %d", res);
+		th_check(ctx);
+		gml_dev_fail_nth(dev, -1, 0, 0);
+		if (res)
+			ck_assert_int_eq(fetch(&ring, p), 0);
+	} else {
+		ck_assert_int_eq(gmlake_offload_state(ctx, p),
+				 GMLAKE_BLOCK_RESIDENT);
+	}
+	gml_dev_fail_nth(dev, -1, 0, 0);
+	th_check(ctx);
+	th_verify_ok(ctx, p, size, 31, NULL);
+	/* And the machinery still works. */
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_verify_ok(ctx, p, size, 31, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	if (keep)
+		th_free(ctx, keep);
+	th_destroy(ctx);
+}
+
+START_TEST(test_faults)
+{
+	int call = fault_calls[_i % (sizeof(fault_calls) /
+				     sizeof(fault_calls[0]))];
+	bool stitched = _i >= (int)(sizeof(fault_calls) /
+				    sizeof(fault_calls[0]));
+
+	for (uint64_t nth = 1; nth <= 3; nth++)
+		fault_round(call, nth, stitched);
+}
+END_TEST
+
+/* The arena cannot grow (pinning fails): a clean -errno, block intact. */
+START_TEST(test_pin_failure)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 8 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	void *p = th_alloc(ctx, 4 * TH_MiB, NULL);
+	int res;
+
+	th_fill_ok(ctx, p, 4 * TH_MiB, 41, NULL);
+	/* Set-up pins the first region: make it fail, then the growth. */
+	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_host_register, 1, EIO);
+	ring_init(&ring, ctx, 2);
+	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_host_register, 1, EIO);
+	res = spill(&ring, p);
+	ck_assert_int_lt(res, 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	ck_assert_int_eq(spill(&ring, p), 0);	/* pins now */
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_verify_ok(ctx, p, 4 * TH_MiB, 41, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Automatic offload                                                      */
+
+/* Passing the device limit spills the least recently used first. */
+START_TEST(test_auto_device_limit)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 24 * TH_MiB);
+	struct gmlake_offload ring;
+	struct gmlake_stats st;
+	void *a = th_alloc(ctx, 8 * TH_MiB, NULL);
+	void *b = th_alloc(ctx, 8 * TH_MiB, NULL);
+	void *c;
+
+	th_fill_ok(ctx, a, 8 * TH_MiB, 51, NULL);
+	th_fill_ok(ctx, b, 8 * TH_MiB, 52, NULL);
+	TH_OK(ctx, gmlake_advise(ctx, a, GMLAKE_ADVISE_OFFLOADABLE));
+	TH_OK(ctx, gmlake_advise(ctx, b, GMLAKE_ADVISE_OFFLOADABLE));
+	c = th_alloc(ctx, 12 * TH_MiB, NULL);
+	th_stats(ctx, &st);
+	ck_assert_uint_ge(st.auto_spills, 1);
+	ck_assert_int_le(st.reserved_bytes.current, (int64_t)(24 * TH_MiB));
+	ck_assert_int_eq(gmlake_offload_state(ctx, a), GMLAKE_BLOCK_SPILLED);
+	ck_assert_int_eq(gmlake_offload_state(ctx, b), GMLAKE_BLOCK_RESIDENT);
+	th_fill_ok(ctx, c, 12 * TH_MiB, 53, NULL);
+	th_verify_ok(ctx, b, 8 * TH_MiB, 52, NULL);
+	/* Fetch on demand: b goes out to make room for a. */
+	ring_init(&ring, ctx, 2);
+	ck_assert_int_eq(fetch(&ring, a), 0);
+	th_check(ctx);
+	ck_assert_int_eq(gmlake_offload_state(ctx, b), GMLAKE_BLOCK_SPILLED);
+	th_verify_ok(ctx, a, 8 * TH_MiB, 51, NULL);
+	th_verify_ok(ctx, c, 12 * TH_MiB, 53, NULL);
+	/* Not offloadable: stays. */
+	TH_OK(ctx, gmlake_advise(ctx, a, GMLAKE_ADVISE_NOT_OFFLOADABLE));
+	TH_OK(ctx, gmlake_advise(ctx, b, GMLAKE_ADVISE_NOT_OFFLOADABLE));
+	th_free(ctx, c);
+	ck_assert_int_eq(fetch(&ring, b), 0);
+	th_verify_ok(ctx, b, 8 * TH_MiB, 52, NULL);
+	c = NULL;
+	ck_assert_int_eq(gmlake_alloc(ctx, &c, 12 * TH_MiB, NULL), -ENOMEM);
+	ck_assert_int_eq(gmlake_offload_state(ctx, a), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, a);
+	th_free(ctx, b);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* An allocation that would fail on a full device spills instead. */
+START_TEST(test_auto_oom)
+{
+	gmlake_ctx *ctx = off_ctx(24 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_stats st;
+	void *a = th_alloc(ctx, 10 * TH_MiB, NULL);
+	void *b = th_alloc(ctx, 10 * TH_MiB, NULL);
+	void *c;
+
+	th_fill_ok(ctx, a, 10 * TH_MiB, 61, NULL);
+	th_fill_ok(ctx, b, 10 * TH_MiB, 62, NULL);
+	TH_OK(ctx, gmlake_advise(ctx, a, GMLAKE_ADVISE_OFFLOADABLE));
+	TH_OK(ctx, gmlake_advise(ctx, b, GMLAKE_ADVISE_OFFLOADABLE));
+	TH_OK(ctx, gmlake_advise(ctx, a, GMLAKE_ADVISE_OFFLOADABLE)); /* a: newest */
+	c = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.auto_spills, 1);
+	ck_assert_int_eq(gmlake_offload_state(ctx, b), GMLAKE_BLOCK_SPILLED);
+	th_fill_ok(ctx, c, 8 * TH_MiB, 63, NULL);
+	th_verify_ok(ctx, a, 10 * TH_MiB, 61, NULL);
+	th_free(ctx, c);
+	th_free(ctx, a);
+	th_free(ctx, b);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.host_bytes.current, 0);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Stress: random spill, fetch, alloc and free under memory pressure      */
+
+enum blk_state { B_FREE, B_RES, B_OUT, B_MOVING };
+
+struct blk {
+	void *p;
+	size_t size;
+	uint64_t seed;
+	enum blk_state st;
+	int op;
+};
+
+/* Bring a block home if it was spilled (by us or automatically). */
+static int settle(gmlake_ctx *ctx, struct gmlake_offload *ring,
+		  struct blk *b)
+{
+	int where = gmlake_offload_state(ctx, b->p);
+
+	if (where == GMLAKE_BLOCK_RESIDENT)
+		return 0;
+	ck_assert_int_eq(where, GMLAKE_BLOCK_SPILLED);
+	return fetch(ring, b->p);
+}
+
+static void reap_one(gmlake_ctx *ctx, struct gmlake_offload *ring,
+		     struct blk *blks, bool wait, unsigned *inflight)
+{
+	struct gmlake_offload_cqe *cqe;
+	struct blk *b;
+	int ret;
+
+	ret = wait ? gmlake_offload_wait_cqe(ring, &cqe) :
+		     gmlake_offload_peek_cqe(ring, &cqe);
+	if (ret == -EAGAIN)
+		return;
+	ck_assert_int_eq(ret, 0);
+	b = &blks[gmlake_offload_cqe_get_data(cqe)];
+	ck_assert_int_eq(b->st, B_MOVING);
+	ck_assert_msg(cqe->res == 0 || cqe->res == -ENOMEM ||
+		      cqe->res == -EBUSY || (cqe->res == -EOPNOTSUPP &&
+					      b->size < TH_MiB),
+		      "op %d: %d", b->op, cqe->res);
+	b->st = B_RES;
+	gmlake_offload_cqe_seen(ring, cqe);
+	(*inflight)--;
+	(void)ctx;
+}
+
+/* Submit what is prepared and reap everything in flight. */
+static void drain(gmlake_ctx *ctx, struct gmlake_offload *ring,
+		  struct blk *blks, unsigned *inflight)
+{
+	while (gmlake_offload_submit(ring) > 0)
+		;
+	while (*inflight)
+		reap_one(ctx, ring, blks, true, inflight);
+}
+
+START_TEST(test_stress)
+{
+	enum { NB = 24, OPS = 3000 };
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 40 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct th_rng rng = { 0x5eed + (uint64_t)_i };
+	struct blk blks[NB];
+	struct gmlake_stats st;
+	unsigned inflight = 0;
+	uint64_t seed = 1000;
+
+	memset(blks, 0, sizeof(blks));
+	ring_init(&ring, ctx, 32);
+	for (int op = 0; op < OPS; op++) {
+		struct blk *b = &blks[th_range(&rng, 0, NB - 1)];
+		struct gmlake_offload_sqe *sqe;
+		int dice = (int)th_range(&rng, 0, 99);
+
+		if (b->st == B_MOVING) {
+			reap_one(ctx, &ring, blks, false, &inflight);
+			continue;
+		}
+		if (b->st == B_FREE) {
+			b->size = th_range(&rng, 0, 9) ? th_range(&rng, 1, 12) *
+				  TH_MiB - th_range(&rng, 0, 3) * 4096 :
+				  th_range(&rng, 1, 64) * 1024;
+			b->p = NULL;
+			if (gmlake_alloc(ctx, &b->p, b->size, NULL))
+				continue;	/* full: fine */
+			b->seed = seed++;
+			ck_assert_int_eq(th_fill(ctx, b->p, b->size, b->seed,
+						 NULL), 0);
+			b->st = B_RES;
+			if (th_range(&rng, 0, 2) == 0 && b->size >= TH_MiB)
+				TH_OK(ctx, gmlake_advise(ctx, b->p,
+					GMLAKE_ADVISE_OFFLOADABLE));
+			continue;
+		}
+		if (dice < 25)
+			drain(ctx, &ring, blks, &inflight);
+		if (dice < 15) {
+			/* verify and free */
+			ck_assert_int_eq(settle(ctx, &ring, b) == 0 ||
+					 gmlake_offload_state(ctx, b->p) ==
+					 GMLAKE_BLOCK_SPILLED, 1);
+			if (gmlake_offload_state(ctx, b->p) ==
+			    GMLAKE_BLOCK_RESIDENT)
+				th_verify_ok(ctx, b->p, b->size, b->seed, NULL);
+			th_free(ctx, b->p);
+			b->st = B_FREE;
+			continue;
+		}
+		if (dice < 25) {
+			if (settle(ctx, &ring, b) == 0)
+				th_verify_ok(ctx, b->p, b->size, b->seed, NULL);
+			continue;
+		}
+		if (inflight >= 32) {
+			reap_one(ctx, &ring, blks, true, &inflight);
+			continue;
+		}
+		sqe = gmlake_offload_get_sqe(&ring);
+		if (!sqe) {
+			ck_assert_int_gt(gmlake_offload_submit(&ring), 0);
+			continue;
+		}
+		b->op = dice < 60 ? GMLAKE_OFFLOAD_SPILL : dice < 90 ?
+			GMLAKE_OFFLOAD_FETCH : GMLAKE_OFFLOAD_PREFETCH;
+		if (b->op == GMLAKE_OFFLOAD_SPILL)
+			gmlake_offload_prep_spill(sqe, b->p);
+		else if (b->op == GMLAKE_OFFLOAD_FETCH)
+			gmlake_offload_prep_fetch(sqe, b->p);
+		else
+			gmlake_offload_prep_prefetch(sqe, b->p);
+		gmlake_offload_sqe_set_data(sqe, (uint64_t)(b - blks));
+		b->st = B_MOVING;
+		inflight++;
+		if (th_range(&rng, 0, 3) == 0)
+			ck_assert_int_ge(gmlake_offload_submit(&ring), 1);
+		if (op % 64 == 0)
+			th_check(ctx);
+	}
+	drain(ctx, &ring, blks, &inflight);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_gt(st.spills, 50);
+	ck_assert_uint_gt(st.fetches, 20);
+	/* Resident blocks first, to make room; then the spilled ones. */
+	for (int pass = 0; pass < 2; pass++) {
+		for (int i = 0; i < NB; i++) {
+			if (blks[i].st == B_FREE ||
+			    (!pass && gmlake_offload_state(ctx, blks[i].p) !=
+			     GMLAKE_BLOCK_RESIDENT))
+				continue;
+			ck_assert_int_eq(settle(ctx, &ring, &blks[i]), 0);
+			th_verify_ok(ctx, blks[i].p, blks[i].size,
+				     blks[i].seed, NULL);
+			th_free(ctx, blks[i].p);
+			blks[i].st = B_FREE;
+		}
+	}
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.spilled_blocks.current, 0);
+	ck_assert_int_eq(st.host_bytes.current, 0);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* Threads: rings and calls from any thread                               */
+
+struct worker {
+	gmlake_ctx *ctx;
+	int id;
+	int failures;
+};
+
+static void *worker_main(void *arg)
+{
+	struct worker *w = arg;
+	struct gmlake_offload ring;
+	void *p[4] = { NULL };
+	int i, round;
+
+	if (gmlake_offload_init(&ring, w->ctx, 8, 0)) {
+		w->failures++;
+		return NULL;
+	}
+	for (i = 0; i < 4; i++)
+		if (gmlake_alloc(w->ctx, &p[i], 2 * TH_MiB, NULL) ||
+		    th_fill(w->ctx, p[i], 2 * TH_MiB, w->id * 10 + i, NULL))
+			w->failures++;
+	for (round = 0; round < 20 && !w->failures; round++) {
+		for (i = 0; i < 4; i++) {
+			struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(&ring);
+
+			if (round % 2)
+				gmlake_offload_prep_fetch(sqe, p[i]);
+			else
+				gmlake_offload_prep_spill(sqe, p[i]);
+			gmlake_offload_sqe_set_data(sqe, i);
+		}
+		if (gmlake_offload_submit(&ring) != 4)
+			w->failures++;
+		for (i = 0; i < 4; i++) {
+			struct gmlake_offload_cqe *cqe;
+
+			if (gmlake_offload_wait_cqe(&ring, &cqe) || cqe->res)
+				w->failures++;
+			else
+				gmlake_offload_cqe_seen(&ring, cqe);
+		}
+	}
+	for (i = 0; i < 4; i++) {
+		if (th_verify(w->ctx, p[i], 2 * TH_MiB, w->id * 10 + i, NULL,
+			      NULL))
+			w->failures++;
+		gmlake_free(w->ctx, p[i]);
+	}
+	if (gmlake_offload_exit(&ring))
+		w->failures++;
+	return NULL;
+}
+
+START_TEST(test_threads)
+{
+	enum { NT = 4 };
+	gmlake_ctx *ctx = off_ctx(128 * TH_MiB, 128 * TH_MiB, 0);
+	struct worker w[NT];
+	pthread_t t[NT];
+
+	for (int i = 0; i < NT; i++) {
+		w[i] = (struct worker){ ctx, i + 1, 0 };
+		ck_assert_int_eq(pthread_create(&t[i], NULL, worker_main,
+						&w[i]), 0);
+	}
+	for (int i = 0; i < NT; i++) {
+		pthread_join(t[i], NULL);
+		ck_assert_int_eq(w[i].failures, 0);
+	}
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * In place: while spilled, host memory is mapped at the block's own
+ * address, so a stray access (here a CPU read of the emulated device's
+ * mapping) sees the block's bytes instead of faulting.
+ */
+START_TEST(test_inplace)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	size_t size = 6 * TH_MiB - 512;
+	void *p, *q, *hole, *keep;
+
+	hole = th_alloc(ctx, 2 * TH_MiB, NULL);
+	keep = th_alloc(ctx, 2 * TH_MiB, NULL);
+	th_free(ctx, hole);
+	p = th_alloc(ctx, size, NULL);			/* segment */
+	q = th_alloc(ctx, 20 * TH_MiB, NULL);		/* stitched */
+	th_fill_ok(ctx, p, size, 71, NULL);
+	th_fill_ok(ctx, q, 20 * TH_MiB, 72, NULL);
+	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 4,
+					     GMLAKE_OFFLOAD_INPLACE), 0);
+	th_stats(ctx, &st0);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(spill(&ring, q), 0);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_lt(st.reserved_bytes.current, st0.reserved_bytes.current);
+	ck_assert_int_ge(st.host_bytes.current, (int64_t)(26 * TH_MiB));
+	ck_assert_int_eq(st.spilled_blocks.current, 2);
+	ck_assert_uint_eq(th_pattern_diff(p, size, 71), SIZE_MAX);
+	ck_assert_uint_eq(th_pattern_diff(q, 20 * TH_MiB, 72), SIZE_MAX);
+	ck_assert_int_eq(fetch(&ring, q), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, q, 20 * TH_MiB, 72, NULL);
+	th_free(ctx, p);			/* freed while in place */
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.host_bytes.current, 0);
+	ck_assert_int_eq(st.spilled_blocks.current, 0);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, q);
+	th_free(ctx, keep);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Destroying a context with spilled blocks (force) leaves nothing. */
+START_TEST(test_destroy_spilled)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gml_emu_info info;
+	void *p = th_alloc(ctx, 4 * TH_MiB, NULL);
+
+	ring_init(&ring, ctx, 2);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_emu_info(ctx, &info);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), -EBUSY);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+}
+END_TEST
+
+static Suite *offload_suite(void)
+{
+	Suite *s = suite_create("offload");
+	TCase *tc;
+
+	tc = th_tcase(s, "Core");
+	tcase_add_test(tc, test_spill_fetch_segment);
+	tcase_add_test(tc, test_spill_fetch_stitched);
+	tcase_add_test(tc, test_many_in_flight);
+	tcase_add_test(tc, test_ring_errors);
+	tcase_add_test(tc, test_destroy_spilled);
+	tcase_add_test(tc, test_inplace);
+
+	tc = th_tcase(s, "Limits");
+	tcase_add_test(tc, test_host_budget);
+	tcase_add_test(tc, test_fetch_oom);
+	tcase_add_test(tc, test_pin_failure);
+	tcase_add_loop_test(tc, test_faults, 0,
+			    2 * (int)(sizeof(fault_calls) /
+				      sizeof(fault_calls[0])));
+
+	tc = th_tcase(s, "Auto");
+	tcase_add_test(tc, test_auto_device_limit);
+	tcase_add_test(tc, test_auto_oom);
+
+	tc = th_tcase(s, "Stress");
+	tcase_add_loop_test(tc, test_stress, 0, 2);
+	tcase_add_test(tc, test_threads);
+	return s;
+}
+
+int main(int argc, char **argv)
+{
+	int probe;
+
+	want_thread_engine = argc > 1 && !strcmp(argv[1], "thread");
+	/* The emulated device only: these tests set its capacity. */
+	if (!th_env_is_emu()) {
+		fprintf(stderr, "check_offload: emulated device only\n");
+		return 77;
+	}
+	probe = th_probe();
+	if (probe)
+		return probe;
+	return th_run_suite(offload_suite());
+}
