@@ -28,8 +28,9 @@
 #	with gmlake-replay on both backends, timing each step. Writes four
 #	files to ${GML_GPU_OUT:-/tmp}: gpu-summary.log (machine, timings, results;
 #	its last line is "N passed, M failed, K skipped"), gpu-tests.log (every
-#	step's output, in order) and gpu-replay-{cuda,emu}.json. Exit 1 if any
-#	step failed.
+#	step's output, in order), gpu-replay-{cuda,emu}.json, gpu-offload.txt
+#	(tools/offload_bench on the GPU) and gpu-top.txt (gmlake-top watching
+#	a live process). Exit 1 if any step failed.
 #
 # Environment for run: CK_DEFAULT_TIMEOUT (default 120 s per test case),
 # GML_STEP_TIMEOUT (default 300 s per program), GML_GPU_OUT (log folder).
@@ -41,7 +42,8 @@ cd "$root"
 build=build-gpu
 
 usage() {
-	sed -n '4,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+	awk 'NR < 4 { next } !/^#/ { exit } { sub(/^# ?/, ""); print }' \
+		"${BASH_SOURCE[0]}"
 	exit 2
 }
 
@@ -104,7 +106,8 @@ do_build() {
 	${CC:-gcc} -shared -o "$build/libgmlake.so" -Wl,-soname,libgmlake.so \
 		-Wl,--whole-archive "$build/lib/.libs/libgmlake-internal.a" \
 		-Wl,--no-whole-archive -Wl,--version-script="$src/lib/libgmlake.map" \
-		-Wl,-z,defs $(sed -n 's/^LIBS = //p' "$build/Makefile") -ldl -lpthread
+		-Wl,-z,defs $(sed -n 's/^\(LIBS\|LIBURING_LIBS\|NUMA_LIBS\) = //p' \
+			"$build/Makefile") -ldl -lpthread
 
 	rm -rf "$build/runtime-libs"
 	mkdir -p "$build/runtime-libs"
@@ -214,6 +217,23 @@ do_run() {
 			"$build/tools/gmlake-replay" --backend "$backend" --json \
 			"${traces[@]}"
 	done
+
+	echo "== offload bandwidth (cuda)"
+	step "offload_bench (cuda)" \
+		sh -c '"$@" | tee "$0"' "$out/gpu-offload.txt" \
+		env GMLAKE_BACKEND=cuda "$build/tools/offload_bench"
+
+	# gmlake-top against a live process on the GPU, with NVML.
+	echo "== gmlake-top (cuda)"
+	step "gmlake-top --json (cuda)" sh -c '
+		GMLAKE_BACKEND=cuda "$1/tests/shm_workload" 8 wave >"$0.w" &
+		sleep 3
+		"$1/tools/gmlake-top" -b -n 2 -d 1 >"$0" &&
+			"$1/tools/gmlake-top" -b -n 1 --json >>"$0"
+		rc=$?
+		wait
+		cat "$0"
+		exit $rc' "$out/gpu-top.txt" "$build"
 
 	xid1=$(xid_count)
 	for i in "${!steps[@]}"; do
