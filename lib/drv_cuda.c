@@ -668,19 +668,35 @@ static int gml_cu_host_func(void *priv, gmlake_stream_t s, void (*fn)(void *),
 			  "cuLaunchHostFunc");
 }
 
-/* Portable: the pages serve copies on every context. */
+/*
+ * Portable: the pages serve copies on every context. The offload engine
+ * pins from its own thread, outside any context operation, so these make
+ * the primary context current themselves.
+ */
 static int gml_cu_host_register(void *priv, void *p, size_t size)
 {
-	(void)priv;
-	return gml_cu_err(gml_cu.p_cuMemHostRegister(p, size,
-						     CU_MEMHOSTREGISTER_PORTABLE),
-			  "cuMemHostRegister");
+	CUresult r;
+	int err;
+
+	err = gml_cu_enter(priv);
+	if (err)
+		return err;
+	r = gml_cu.p_cuMemHostRegister(p, size, CU_MEMHOSTREGISTER_PORTABLE);
+	gml_cu_leave(priv);
+	return gml_cu_err(r, "cuMemHostRegister");
 }
 
 static int gml_cu_host_unregister(void *priv, void *p)
 {
-	(void)priv;
-	return gml_cu_err(gml_cu.p_cuMemHostUnregister(p), "cuMemHostUnregister");
+	CUresult r;
+	int err;
+
+	err = gml_cu_enter(priv);
+	if (err)
+		return err;
+	r = gml_cu.p_cuMemHostUnregister(p);
+	gml_cu_leave(priv);
+	return gml_cu_err(r, "cuMemHostUnregister");
 }
 
 static int gml_cu_host_numa(void *priv, int *node)

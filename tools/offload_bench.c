@@ -60,17 +60,24 @@ static int run(struct gmlake_offload *ring, void **p, int from, int to,
 	ret = gmlake_offload_submit(ring);
 	if (ret != n)
 		return ret < 0 ? ret : -EIO;
+	/* Reap every completion, so no block is in flight when the caller
+	 * frees them; report the first failure. */
+	ret = 0;
 	while (n--) {
-		ret = gmlake_offload_wait_cqe(ring, &cqe);
-		if (ret)
-			return ret;
-		ret = cqe->res;
+		int err = gmlake_offload_wait_cqe(ring, &cqe);
+
+		if (err)
+			return err;
+		if (cqe->res && !ret) {
+			ret = cqe->res;
+			fprintf(stderr, "offload_bench: block %d: %s\n",
+				(int)gmlake_offload_cqe_get_data(cqe),
+				strerror(-ret));
+		}
 		gmlake_offload_cqe_seen(ring, cqe);
-		if (ret)
-			return ret;
 	}
 	*secs = now() - t0;
-	return 0;
+	return ret;
 }
 
 static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
