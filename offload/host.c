@@ -166,18 +166,46 @@ static int region_give(struct gml_host_region *r, size_t off, size_t len)
 	return 0;
 }
 
+/*
+ * Unpin regions with nothing in them, so that a request larger than any
+ * region finds room under the limit; h->lock held, the regions go to
+ * *idle for region_free() without the lock.
+ */
+static void drop_idle(struct gml_host *h, struct gml_host_region **idle)
+{
+	struct gml_host_region **pr = &h->regions, *r;
+
+	while ((r = *pr)) {
+		if (r->nfree != 1 || r->free[0].len != r->size) {
+			pr = &r->next;
+			continue;
+		}
+		*pr = r->next;
+		r->next = *idle;
+		*idle = r;
+		h->pinned -= r->size;
+		h->d_pinned -= (int64_t)r->size;
+	}
+}
+
 /* Pin one more region for at least size bytes; h->lock not held. */
 static int grow(struct gml_host *h, size_t size)
 {
-	struct gml_host_region *r = NULL;
+	struct gml_host_region *r = NULL, *idle = NULL, *next;
 	size_t want;
 	int ret;
 
 	pthread_mutex_lock(&h->lock);
 	want = size > h->step ? size : h->step;
+	if (size > h->limit - h->pinned - h->inplace)
+		drop_idle(h, &idle);
 	if (want > h->limit - h->pinned - h->inplace)
 		want = h->limit - h->pinned - h->inplace;
 	pthread_mutex_unlock(&h->lock);
+	for (; idle; idle = next) {
+		next = idle->next;
+		region_free(h, idle);
+	}
 	if (want < size || !want)
 		return gml_set_error(-ENOMEM, "host arena: %zu bytes would pass "
 				     "the host limit of %zu bytes (%zu pinned)",
