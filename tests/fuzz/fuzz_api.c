@@ -147,18 +147,6 @@ static bool is_live_start(struct fz *f, const void *p)
 	return false;
 }
 
-/*
- * After a copy failed under an injected fault the copy may still be queued
- * (an injected stream_sync failure waited for nothing): wait for the stream
- * before the host buffer is freed, as a careful caller would.
- */
-static void settle(struct fz *f, int ret, int s)
-{
-	if (ret && gmlake_stream_synchronize(f->ctx, stream_of(f, s)))
-		fz_fail("%s: stream synchronize after a failed copy: %s",
-			f->op, gmlake_last_error());
-}
-
 /* Read [off, off+len) of block i back and compare with its pattern. */
 static void verify(struct fz *f, int i, size_t off, size_t len, int s)
 {
@@ -172,7 +160,6 @@ static void verify(struct fz *f, int i, size_t off, size_t len, int s)
 	ret = gmlake_memcpy_dtoh(f->ctx, buf, (uint8_t *)b->p + off, len,
 				 stream_of(f, s));
 	expect(f, "gmlake_memcpy_dtoh", ret, 0);
-	settle(f, ret, s);
 	pat_fill(want, off, len, b->seed);
 	if (!ret && memcmp(buf, want, len)) {
 		size_t k = 0;
@@ -199,7 +186,6 @@ static int write_pattern(struct fz *f, int i, size_t off, size_t len, int s)
 	ret = gmlake_memcpy_htod(f->ctx, (uint8_t *)b->p + off, buf, len,
 				 stream_of(f, s));
 	expect(f, "gmlake_memcpy_htod", ret, 0);
-	settle(f, ret, s);
 	free(buf);
 	return ret;
 }
