@@ -3,7 +3,7 @@
 #
 # Run one libFuzzer target for a bounded time:
 #	run.sh TARGET SEED_CORPUS SECONDS
-# New inputs go to tests/fuzz/work/NAME/ (the seed corpus may be read-only);
+# New inputs go to tests/fuzz/found/NAME/ (the seed corpus may be read-only);
 # crashes, leaks and timeouts are written as tests/fuzz/crash-NAME-* etc.
 # and fail the run. The last line gives the executions done.
 
@@ -14,7 +14,7 @@ seeds=$2
 seconds=$3
 name=$(basename "$target")
 dir=$(dirname "$target")
-work=$dir/work/$name
+found=$dir/found/$name
 log=$dir/$name.log
 
 if [ ! -x "$target" ]; then
@@ -25,13 +25,13 @@ if [ ! -d "$seeds" ]; then
 	echo "fuzz: no seed corpus $seeds" >&2
 	exit 1
 fi
-mkdir -p "$work"
+mkdir -p "$found"
 
 echo "fuzz: $name for $seconds s (log: $log)"
 status=0
 "$target" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
 	-print_final_stats=1 -artifact_prefix="$dir/" \
-	"$work" "$seeds" >"$log" 2>&1 || status=$?
+	"$found" "$seeds" >"$log" 2>&1 || status=$?
 
 execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
 if [ "$status" -ne 0 ]; then
