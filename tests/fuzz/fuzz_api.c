@@ -160,8 +160,13 @@ static void verify(struct fz *f, int i, size_t off, size_t len, int s)
 	ret = gmlake_memcpy_dtoh(f->ctx, buf, (uint8_t *)b->p + off, len,
 				 stream_of(f, s));
 	expect(f, "gmlake_memcpy_dtoh", ret, 0);
+	/* A fault fires once: the second read must work. */
+	if (ret && gmlake_memcpy_dtoh(f->ctx, buf, (uint8_t *)b->p + off, len,
+				      stream_of(f, s)))
+		fz_fail("%s: the read failed twice: %s", f->op,
+			gmlake_last_error());
 	pat_fill(want, off, len, b->seed);
-	if (!ret && memcmp(buf, want, len)) {
+	if (memcmp(buf, want, len)) {
 		size_t k = 0;
 
 		while (buf[k] == want[k])
@@ -277,8 +282,11 @@ static void op_alloc(struct fz *f, struct fz_in *in)
 	b->size = size;
 	b->seed = ++f->seeds;
 	b->s = s;
-	if (write_pattern(f, f->n - 1, 0, size, s))
-		forget_block(f, f->n - 1), gmlake_free(f->ctx, p);
+	/* A fault fires once: a failed fill must work the second time. */
+	if (write_pattern(f, f->n - 1, 0, size, s) &&
+	    write_pattern(f, f->n - 1, 0, size, s))
+		fz_fail("%s: the fill failed twice: %s", f->op,
+			gmlake_last_error());
 }
 
 static void op_free(struct fz *f, struct fz_in *in)
@@ -416,8 +424,12 @@ static void op_copy(struct fz *f, struct fz_in *in)
 		return;
 	off = a % f->blk[i].size;
 	len = 1 + b % (f->blk[i].size - off);
-	if (write_pattern(f, i, off, len, s) == 0)
-		verify(f, i, 0, f->blk[i].size, s);
+	/* After a failed write (a fault) the range is written again. */
+	if (write_pattern(f, i, off, len, s) &&
+	    write_pattern(f, i, off, len, s))
+		fz_fail("%s: the write failed twice: %s", f->op,
+			gmlake_last_error());
+	verify(f, i, 0, f->blk[i].size, s);
 	check(f);
 }
 
