@@ -441,8 +441,17 @@ static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
 	if (ret)
 		goto out_leave;
 	ret = gml_memcpy(&ctx->dev, dst, src, size, kind, stream);
-	if (!ret)
+	if (!ret) {
 		ret = gml_stream_sync(&ctx->dev, stream);
+		/*
+		 * The copy uses the caller's buffer, which the caller may free
+		 * as soon as we return: after a failed wait the copy may still
+		 * be queued, so wait once more (a driver in a sticky error
+		 * state answers at once). The first error is the one returned.
+		 */
+		if (ret)
+			gml_stream_sync(&ctx->dev, stream);
+	}
 out_leave:
 	ctx_leave(ctx);
 	return ret;

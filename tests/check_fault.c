@@ -11,22 +11,35 @@
  * their bytes, the next allocation works, and freeing everything plus a
  * trim leaves no chunk, mapping or reservation on the device.
  *
- * A second case fails calls inside gmlake_ctx_destroy and checks that the
- * process is left with no descriptor and no mapping of the device.
+ * Every call kind is walked, the copies and waits included: a failed
+ * copy leaves its block's bytes undefined (the block is filled again once
+ * the fault is disarmed), and even after a failed wait the copy must be
+ * over when the call returns (the host buffer is freed at once).
+ *
+ * Further cases fail calls inside gmlake_ctx_destroy and check that the
+ * process is left with no descriptor and no mapping of the device; fail the
+ * backend's stream create and destroy (not counted call kinds, so through
+ * a copy of the operation table); and make gmlake_ctx_init fail at each of
+ * its steps. Each walk prints its number of fault sites.
  */
+#include <sys/resource.h>
+
 #include "helpers.h"
+#include "error.h"
 
 #define CAP_CHUNKS(n) ((size_t)(n) * TH_CHUNK)
 #define F_BLOCKS 32
 #define F_MAX_NTH 400
 
-/* The call kinds the allocation paths use. */
+/* Every call kind: the allocation paths, the waits and the copies. */
 static const int fault_kinds[] = {
 	GMLAKE_CALL_mem_create,	  GMLAKE_CALL_va_reserve,
 	GMLAKE_CALL_mem_map,	  GMLAKE_CALL_set_access,
 	GMLAKE_CALL_mem_unmap,	  GMLAKE_CALL_mem_release,
 	GMLAKE_CALL_va_free,	  GMLAKE_CALL_event_create,
 	GMLAKE_CALL_event_record, GMLAKE_CALL_event_query,
+	GMLAKE_CALL_event_sync,	  GMLAKE_CALL_stream_sync,
+	GMLAKE_CALL_memcpy,
 };
 #define N_KINDS ((int)(sizeof(fault_kinds) / sizeof(fault_kinds[0])))
 
@@ -50,11 +63,12 @@ struct fblk {
 	uint64_t seed;
 	gmlake_stream_t s;
 	bool live;
+	bool dirty;	/* a copy into it failed: its bytes are undefined */
 };
 
 struct fs {
 	gmlake_ctx *ctx;
-	gmlake_stream_t a, b;
+	gmlake_stream_t a, b, c;	/* c: made and destroyed mid-way */
 	struct fblk blk[F_BLOCKS];
 	int n;
 	int failed;		/* public calls that returned an error */
@@ -68,8 +82,11 @@ static bool f_ok(struct fs *f, int ret, const char *what)
 	ck_assert_msg(ret <= 0 && ret > -4096, "%s: %s: %s returned %d",
 		      site, f->trace, what, ret);
 	f_check(f->ctx, f->trace);
-	if (ret)
+	if (ret) {
+		ck_assert_msg(*gmlake_last_error(), "%s: %s: %s returned %d "
+			      "without a message", site, f->trace, what, ret);
 		f->failed++;
+	}
 	return ret == 0;
 }
 
@@ -91,7 +108,10 @@ static int f_alloc(struct fs *f, size_t size, gmlake_stream_t s)
 	b->seed = 0xf000 + (uint64_t)f->n;
 	b->s = s;
 	b->live = true;
-	th_fill_ok(f->ctx, p, size, b->seed, s);
+	snprintf(f->trace, sizeof(f->trace), "fill %zu", size);
+	ret = th_fill(f->ctx, p, size, b->seed, s);
+	if (!f_ok(f, ret, "gmlake_memcpy_htod"))
+		b->dirty = true;	/* filled again after the fault */
 	return f->n++;
 }
 
@@ -105,7 +125,15 @@ static void f_free(struct fs *f, int i)
 	if (i < 0 || !f->blk[i].live)
 		return;
 	b = &f->blk[i];
-	th_verify_ok(f->ctx, b->p, b->size, b->seed, b->s);
+	if (!b->dirty) {
+		size_t diff = 0;
+
+		snprintf(f->trace, sizeof(f->trace), "read %zu", b->size);
+		ret = th_verify(f->ctx, b->p, b->size, b->seed, b->s, &diff);
+		ck_assert_msg(ret != 1, "%s: block %p (%zu bytes) corrupt at "
+			      "offset %zu", site, b->p, b->size, diff);
+		f_ok(f, ret, "gmlake_memcpy_dtoh");
+	}
 	snprintf(f->trace, sizeof(f->trace), "free %zu", b->size);
 	ret = gmlake_free(f->ctx, b->p);
 	if (f_ok(f, ret, "gmlake_free")) {
@@ -164,6 +192,20 @@ static void scenario(struct fs *f)
 	f_sync(f, f->a);
 	f_alloc(f, 4 * TH_MiB, f->b);
 
+	/* A stream made, used and destroyed with freed blocks on it. */
+	snprintf(f->trace, sizeof(f->trace), "stream create");
+	if (f_ok(f, gmlake_stream_create(f->ctx, &f->c),
+		 "gmlake_stream_create")) {
+		int c0 = f_alloc(f, 2 * TH_MiB, f->c), c1 = f_alloc(f, 500, f->c);
+
+		f_free(f, c0);
+		f_free(f, c1);
+		snprintf(f->trace, sizeof(f->trace), "stream destroy");
+		if (f_ok(f, gmlake_stream_destroy(f->ctx, f->c),
+			 "gmlake_stream_destroy"))
+			f->c = NULL;
+	}
+
 	/* Free and trim; grow again; out of memory; free and trim. */
 	f_free(f, s0);
 	f_free(f, i7);
@@ -187,10 +229,21 @@ static void aftermath(struct fs *f, const struct gml_emu_info *base)
 	int i, ret;
 
 	f_check(f->ctx, "the scenario");
-	for (i = 0; i < f->n; i++)
-		if (f->blk[i].live)
-			th_verify_ok(f->ctx, f->blk[i].p, f->blk[i].size,
-				     f->blk[i].seed, f->blk[i].s);
+	if (f->c) {
+		TH_OK(f->ctx, gmlake_stream_destroy(f->ctx, f->c));
+		f->c = NULL;
+	}
+	for (i = 0; i < f->n; i++) {
+		struct fblk *b = &f->blk[i];
+
+		if (b->live && b->s != f->a && b->s != f->b)
+			b->s = NULL;	/* its stream was destroyed */
+		if (b->live && b->dirty)
+			th_fill_ok(f->ctx, b->p, b->size, b->seed, b->s);
+		b->dirty = false;
+		if (b->live)
+			th_verify_ok(f->ctx, b->p, b->size, b->seed, b->s);
+	}
 
 	/* The next allocations work. */
 	ret = gmlake_alloc(f->ctx, &p, 4 * TH_MiB, f->a);
@@ -304,6 +357,8 @@ START_TEST(test_fault_walk)
 	case GMLAKE_CALL_mem_unmap:
 	case GMLAKE_CALL_mem_release:
 	case GMLAKE_CALL_va_free:
+	case GMLAKE_CALL_stream_sync:
+	case GMLAKE_CALL_memcpy:
 		ck_assert_msg(sites > 0, "%s never called by the scenario",
 			      gmlake_call_name(kind));
 		break;
@@ -443,6 +498,170 @@ START_TEST(test_fault_destroy)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* The backend's stream create and destroy, failed through a copy of its  */
+/* operation table (they are not counted call kinds of the device layer). */
+
+static int s_calls, s_fail_at;
+static int (*real_stream_create)(void *priv, gmlake_stream_t *s);
+static int (*real_stream_destroy)(void *priv, gmlake_stream_t s);
+
+static int failing_stream_create(void *priv, gmlake_stream_t *s)
+{
+	if (++s_calls == s_fail_at)
+		return gml_set_error(-ENOMEM, "stream_create: injected fault");
+	return real_stream_create(priv, s);
+}
+
+static int failing_stream_destroy(void *priv, gmlake_stream_t s)
+{
+	if (++s_calls == s_fail_at)
+		return gml_set_error(-EIO, "stream_destroy: injected fault");
+	return real_stream_destroy(priv, s);
+}
+
+START_TEST(test_fault_stream_ops)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	struct gml_dev *dev = th_dev(ctx);
+	const struct gml_drv_ops *saved = dev->ops;
+	struct gml_drv_ops ops = *saved;
+	struct gml_emu_info base, info;
+	gmlake_stream_t s = NULL, t = NULL;
+	void *p;
+	int ret, sites = 0;
+
+	th_emu_info(ctx, &base);
+	real_stream_create = saved->stream_create;
+	real_stream_destroy = saved->stream_destroy;
+	ops.stream_create = failing_stream_create;
+	ops.stream_destroy = failing_stream_destroy;
+
+	/* Create fails: an error, nothing made, the next create works. */
+	s_calls = 0;
+	s_fail_at = 1;
+	dev->ops = &ops;
+	ret = gmlake_stream_create(ctx, &s);
+	dev->ops = saved;
+	ck_assert_int_eq(ret, -ENOMEM);
+	ck_assert_str_ne(gmlake_last_error(), "");
+	th_check(ctx);
+	th_emu_info(ctx, &info);
+	ck_assert_uint_eq(info.live_streams, base.live_streams);
+	sites++;
+	s = th_stream(ctx);
+
+	/* Destroy fails: an error, the stream still works, destroy again. */
+	p = th_alloc(ctx, 4 * TH_MiB, s);
+	th_fill_ok(ctx, p, 4 * TH_MiB, 7, s);
+	th_free(ctx, p);
+	s_calls = 0;
+	s_fail_at = 1;
+	dev->ops = &ops;
+	ret = gmlake_stream_destroy(ctx, s);
+	dev->ops = saved;
+	ck_assert_int_eq(ret, -EIO);
+	th_check(ctx);
+	sites++;
+	p = th_alloc(ctx, 4 * TH_MiB, s);
+	th_fill_ok(ctx, p, 4 * TH_MiB, 8, s);
+	th_verify_ok(ctx, p, 4 * TH_MiB, 8, s);
+	t = th_stream(ctx);
+	TH_OK(ctx, gmlake_record_stream(ctx, p, t));
+	th_free(ctx, p);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, t));
+
+	/* Everything gone: no stream, chunk or mapping left behind. */
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_emu_info(ctx, &info);
+	ck_assert_uint_eq(info.live_streams, base.live_streams);
+	ck_assert_uint_eq(info.live_handles, 0);
+	ck_assert_uint_eq(info.live_mappings, 0);
+	printf("fault sites exercised: stream_create/stream_destroy: %d\n",
+	       sites);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* gmlake_ctx_init failing at each of its steps.                          */
+
+static void init_fails(const struct gmlake_config *cfg, int want,
+		       const char *what)
+{
+	int fds = th_count_fds(), maps = th_count_memfd_maps();
+	gmlake_ctx *ctx = NULL;
+	int ret = gmlake_ctx_init(&ctx, cfg);
+
+	ck_assert_msg(ret == want, "%s: gmlake_ctx_init = %d, expected %d",
+		      what, ret, want);
+	ck_assert_ptr_null(ctx);
+	ck_assert_str_ne(gmlake_last_error(), "");
+	ck_assert_int_eq(th_count_fds(), fds);
+	ck_assert_int_eq(th_count_memfd_maps(), maps);
+	/* The next context works. */
+	ctx = th_ctx(CAP_CHUNKS(4));
+	th_destroy(ctx);
+}
+
+START_TEST(test_fault_init)
+{
+	struct gmlake_config cfg;
+	struct rlimit rl, none;
+	int fds, maps, ret, sites = 0;
+	gmlake_ctx *ctx = NULL;
+
+	th_config(&cfg, CAP_CHUNKS(4));
+	cfg.backend = GMLAKE_BACKEND_EMU;
+	cfg.emu_granularity = 3 * 4096;		/* not a power of two */
+	init_fails(&cfg, -EINVAL, "granularity");
+	sites++;
+
+	th_config(&cfg, 4096);			/* below the granularity */
+	cfg.backend = GMLAKE_BACKEND_EMU;
+	init_fails(&cfg, -EINVAL, "capacity");
+	sites++;
+
+	th_config(&cfg, CAP_CHUNKS(4));
+	cfg.backend = GMLAKE_BACKEND_EMU;
+	cfg.chunk_size = 3 * TH_CHUNK;		/* not a power of two */
+	init_fails(&cfg, -EINVAL, "chunk size");
+	sites++;
+
+	th_config(&cfg, CAP_CHUNKS(4));
+	cfg.backend = GMLAKE_BACKEND_EMU;
+	cfg.small_size = 2 * TH_CHUNK;		/* above the chunk size */
+	init_fails(&cfg, -EINVAL, "small size");
+	sites++;
+
+	th_config(&cfg, CAP_CHUNKS(4));
+	cfg.version = 0;
+	init_fails(&cfg, -EINVAL, "config version");
+	sites++;
+
+	/* No descriptor left for the device memory: memfd_create fails. */
+	th_config(&cfg, CAP_CHUNKS(4));
+	cfg.backend = GMLAKE_BACKEND_EMU;
+	fds = th_count_fds();
+	maps = th_count_memfd_maps();
+	ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+	none = rl;
+	none.rlim_cur = 0;
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &none), 0);
+	ret = gmlake_ctx_init(&ctx, &cfg);
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+	ck_assert_msg(ret == -EMFILE, "ctx_init without descriptors: %d", ret);
+	ck_assert_ptr_null(ctx);
+	ck_assert_int_eq(th_count_fds(), fds);
+	ck_assert_int_eq(th_count_memfd_maps(), maps);
+	sites++;
+	ctx = th_ctx(CAP_CHUNKS(4));
+	th_destroy(ctx);
+	printf("fault sites exercised: ctx_init: %d\n", sites);
+}
+END_TEST
+
 static Suite *fault_suite(void)
 {
 	Suite *s = suite_create("fault");
@@ -455,6 +674,10 @@ static Suite *fault_suite(void)
 	tcase_add_test(tc, test_fault_counted);
 	tc = th_tcase(s, "Destroy");
 	tcase_add_loop_test(tc, test_fault_destroy, 0, N_KINDS);
+	tc = th_tcase(s, "Streams");
+	tcase_add_test(tc, test_fault_stream_ops);
+	tc = th_tcase(s, "Init");
+	tcase_add_test(tc, test_fault_init);
 	return s;
 }
 

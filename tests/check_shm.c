@@ -8,7 +8,7 @@
  * works in a directory of its own (checked fixture), never in /dev/shm.
  *
  * With GML_SHM_WRITE_CORPUS=DIR the "corpus" case writes the seed inputs
- * of tests/fuzz/corpus/shm/ there (how they were made).
+ * of tests/fuzz/corpus/fuzz_shm/ there (how they were made).
  */
 #include "helpers.h"
 

@@ -6,6 +6,10 @@
 # every package is already installed it changes nothing and needs no
 # network. Run as root, or as a user with sudo.
 #
+# clang and libclang-rt-dev (on Debian 12: clang-14 and libclang-rt-14-dev,
+# which holds libFuzzer) build the fuzz targets (make fuzz); gcc builds the
+# rest, with its own ASan and UBSan for --enable-sanitizer.
+#
 # The CUDA driver API headers (cuda.h, cudaTypedefs.h) are needed to build
 # even without a GPU (libgmlake never links -lcuda). They come with the
 # CUDA toolkit, usually /usr/local/cuda; this script only checks for them.
@@ -25,6 +29,8 @@ PACKAGES="
 	libncurses-dev
 	python3
 	tmux
+	clang
+	libclang-rt-dev
 "
 
 missing=""

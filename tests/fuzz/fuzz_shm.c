@@ -5,7 +5,7 @@
  * gmlake_shm_read() runs on every file it reads). Any input must give 0 or
  * a negative errno with a message, and a snapshot that stays in bounds.
  *
- * Seeds: tests/fuzz/corpus/shm/ (a valid segment, and broken ones).
+ * Seeds: tests/fuzz/corpus/fuzz_shm/ (a valid segment, and broken ones).
  * Build, e.g.: clang -fsanitize=fuzzer,address -Iinclude -Ilib
  *   tests/fuzz/fuzz_shm.c lib/.libs/libgmlake-internal.a -ldl -lpthread
  */
