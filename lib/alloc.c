@@ -114,7 +114,8 @@ static bool view_runs(struct gml_view *v)
 		v->runs[v->nruns++] = (struct gml_free_run){ i - len, len };
 		len = 0;
 	}
-	qsort(v->runs, v->nruns, sizeof(*v->runs), free_run_cmp);
+	if (v->nruns > 1)
+		qsort(v->runs, v->nruns, sizeof(*v->runs), free_run_cmp);
 	v->maxfree = v->nruns ? v->runs[v->nruns - 1].len : 0;
 	return true;
 }
