@@ -356,6 +356,38 @@ def parse(argv):
     return args
 
 
+def shown_path(path):
+    """path as the results show it: relative to the repository, or only
+    its name when outside (no machine's folders in committed results)."""
+    if not path:
+        return path
+    full = os.path.abspath(path)
+    if full.startswith(REPO + os.sep):
+        return os.path.relpath(full, REPO)
+    return os.path.basename(full)
+
+
+def shown_command(argv):
+    """The command that made the results, to rerun from the repository
+    root: paths shown as shown_path() does, --out left out."""
+    words, skip = ["python3", "bench/bench.py"], False
+    for i, a in enumerate(argv[1:], 1):
+        if skip:
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        if a.startswith("--out="):
+            continue
+        if argv[i - 1] == "--lib":
+            a = shown_path(a)
+        elif a.startswith("--lib="):
+            a = "--lib=" + shown_path(a[len("--lib="):])
+        words.append(a)
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def main(argv=None):
     args = parse(argv if argv is not None else sys.argv[1:])
     if args.child:
@@ -374,10 +406,8 @@ def main(argv=None):
     names = args.workloads.split(",") if args.workloads else \
         ["gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu", "generate"]
     start = time.time()
-    meta = dict(command=" ".join(shlex.quote(a) for a in
-                                 [os.path.relpath(sys.argv[0])] +
-                                 sys.argv[1:]),
-                mode=args.size, library=args.lib,
+    meta = dict(command=shown_command(sys.argv),
+                mode=args.size, library=shown_path(args.lib),
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
                 sweep_workload="gpt_plain (batch varies, sequence %s)" %
                 ("1024" if args.size == "full" else "512"),

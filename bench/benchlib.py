@@ -213,7 +213,8 @@ reserved_bytes.peak); *fragmentation* = 1 - peak allocated / peak \
 reserved; *driver used* is the highest total - free of cudaMemGetInfo \
 sampled after each step, minus the use before the workload (a cross-check \
 from outside the allocator that also counts cuBLAS workspaces); *median \
-step ms* leaves out the first step.
+step ms* leaves out the warm-up round (one step per distinct shape of a \
+variable-shape workload, or the first step at fixed shapes).
 """
 
 
