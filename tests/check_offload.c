@@ -626,7 +626,9 @@ START_TEST(test_stress)
 		int dice = (int)th_range(&rng, 0, 99);
 
 		if (b->st == B_MOVING) {
-			reap_one(ctx, &ring, blks, false, &inflight);
+			/* Wait rather than peek: how many operations run must
+			 * not depend on how fast the engine is. */
+			drain(ctx, &ring, blks, &inflight);
 			continue;
 		}
 		if (b->st == B_FREE) {
@@ -692,8 +694,9 @@ START_TEST(test_stress)
 	drain(ctx, &ring, blks, &inflight);
 	th_check(ctx);
 	th_stats(ctx, &st);
-	ck_assert_uint_gt(st.spills, 50);
-	ck_assert_uint_gt(st.fetches, 20);
+	printf("stress: %" PRIu64 " spills, %" PRIu64 " fetches\n", st.spills, st.fetches);
+	ck_assert_uint_gt(st.spills, 100);
+	ck_assert_uint_gt(st.fetches, 50);
 	/* Resident blocks first, to make room; then the spilled ones. */
 	for (int pass = 0; pass < 2; pass++) {
 		for (int i = 0; i < NB; i++) {
