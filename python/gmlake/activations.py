@@ -14,10 +14,10 @@ spill moves the whole libgmlake block behind a saved tensor's storage to
 the pinned host arena and gives its chunks back; the fetch maps chunks at
 the SAME device address again. So, unlike save_on_cpu, no tensor is
 allocated or copied in Python: pack returns a handle holding the tensor,
-unpack returns the very same tensor object, and the only work on the hot
-path is a few ctypes calls into the ring. Nothing synchronizes the device;
-unpack waits on the host only for the completion of the one fetch it needs
-(prefetched ahead, it is normally there already).
+unpack returns the same tensor (the alias pack kept), and the only work
+on the hot path is a few ctypes calls into the ring. Nothing synchronizes
+the device; unpack waits on the host only for the completion of the one
+fetch it needs (prefetched ahead, it is normally there already).
 
 Design, and why:
 
@@ -32,7 +32,10 @@ Design, and why:
   stays where it is, as do blocks whose spill fails for any reason (the
   data is intact on the device: a failed spill only saves less memory).
 
-* References. A handle keeps a reference to its tensor, so PyTorch never
+* References. A handle keeps a reference to its tensor (t.detach(): the
+  same storage, without the grad_fn that would make a reference cycle
+  with a saved output; autograd puts the history back on unpack, and
+  unpack returns that very alias, no new tensor memory), so PyTorch never
   frees a storage while it is spilled: its address is the one the fetch
   maps again. Saved tensors that share a storage (a tensor and its views,
   an output saved by two ops) share one record, counted per storage: the
@@ -111,6 +114,11 @@ SPILLED = "spilled"      # on the host
 FETCHING = "fetching"    # fetch submitted, completion not reaped
 DROPPED = "dropped"      # no handle left; the record let the tensor go
 MOVING = (SPILLING, SPILLED, FETCHING)
+
+
+def _detach(t):
+    detach = getattr(t, "detach", None)
+    return detach() if detach is not None else t
 
 
 class _Storage:
@@ -211,7 +219,13 @@ class Offloader:
 
     def pack(self, t):
         self.stats["packs"] += 1
-        if not self.eligible(t):
+        eligible = self.eligible(t)
+        # Never hold the live tensor: for a saved output its grad_fn owns
+        # the handle, and the cycle would outlive a graph freed without
+        # backward. detach() is an alias of the same storage (no device
+        # memory), and autograd restores the history on unpack.
+        t = _detach(t)
+        if not eligible:
             self.stats["kept"] += 1
             return t
         st = t.untyped_storage()

@@ -329,6 +329,10 @@ class FakeTensor:
     def untyped_storage(self):
         return self._storage
 
+    def detach(self):
+        """The same object: tests compare with assertIs."""
+        return self
+
     def view(self):
         return FakeTensor(self._storage, self.device.index, is_leaf=False,
                           base=self)
@@ -469,6 +473,18 @@ class TestHooks(EmuCase):
         self.assertEqual(self.off.stats["kept"], 4)
         self.assertEqual(self.off.stats["spills"], 0)
         self.assertEqual(self.off.tracked(), 0)
+
+    def test_keeps_a_detached_alias(self):
+        t = self.tensor(2 * MiB, 45)
+        alias = FakeTensor(t.untyped_storage())
+        live = FakeTensor(t.untyped_storage())
+        live.detach = lambda: alias
+        h = self.off.pack(live)
+        self.assertIs(h.tensor, alias)
+        self.assertIs(self.off.unpack(h), alias)
+        leaf = FakeTensor(t.untyped_storage(), is_leaf=True)
+        leaf.detach = lambda: alias
+        self.assertIs(self.off.pack(leaf), alias)
 
     def test_unmovable_stays(self):
         self.off.configure(lag=0, min_bytes=0)
