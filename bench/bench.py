@@ -39,9 +39,11 @@ MARK = "BENCH-RESULT "
 # Measured steps of each workload, after its warm-up round (one step per
 # distinct shape, workloads.SHAPE_COUNT, or one step at fixed shapes).
 STEPS = {"full": {"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
-                  "gpt_save_on_cpu": 8, "generate": 8},
+                  "gpt_save_on_cpu": 8, "gpt_offload": 8, "generate": 8},
          "quick": {"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4,
-                   "gpt_save_on_cpu": 4, "generate": 4}}
+                   "gpt_save_on_cpu": 4, "gpt_offload": 4, "generate": 4}}
+WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu",
+             "gpt_offload", "generate")
 SWEEP = {"full": dict(cap_gib=40.0, limit=256, steps=2),
          "quick": dict(cap_gib=0.5, limit=256, steps=1)}
 TIMEOUT = {"full": 480, "quick": 100}
@@ -90,6 +92,8 @@ class Memory:
             st = self.gmlake.stats(self.device)
             return (st["requested_bytes.peak"], st["reserved_bytes.peak"],
                     {"gmlake_allocated_peak": st["allocated_bytes.peak"],
+                     "spilled_peak": st["spilled_bytes.peak"],
+                     "host_peak": st["host_bytes.peak"],
                      "stitches": st["stitches"],
                      "stitch_reuses": st["stitch_reuses"],
                      "map_calls": st["calls.mem_map"],
@@ -133,6 +137,10 @@ def run_workload(name, index, args, mem):
     steps = STEPS[args.size][name]
     r = dict(workload=name, index=index, allocator=args.allocator,
              steps=steps, ok=False, oom=False)
+    if not benchlib.applies(name, args.allocator):
+        r.update(skipped=benchlib.ONLY[name][1], steps_done=0,
+                 step_times=[], step_ms=None)
+        return r
     mem.reset()
     base = mem.driver_used()
     used = base
@@ -154,6 +162,8 @@ def run_workload(name, index, args, mem):
     except Exception as e:  # report, go on with the next workload
         r["oom"] = is_oom(torch, e)
         r["error"] = "%s: %s" % (type(e).__name__, str(e)[:2000])
+    if state and state.get("stats"):
+        r["offload"] = state["stats"]()
     r["steps_done"] = len(times)
     r["step_times"] = times
     r["step_ms"] = benchlib.median_ms(times, skip=r.get("warmup", 1))
@@ -340,7 +350,7 @@ def parse(argv):
     p.add_argument("--only-sweep", action="store_true",
                    help="the capacity sweep only")
     p.add_argument("--workloads", help="comma-separated subset of: %s" %
-                   "gpt_ckpt,gpt_plain,lora,gpt_save_on_cpu,generate")
+                   ",".join(WORKLOADS))
     p.add_argument("--allocators", default=",".join(benchlib.ALLOCATORS),
                    help="comma-separated subset of: %s" %
                    ",".join(benchlib.ALLOCATORS))
@@ -403,8 +413,12 @@ def main(argv=None):
         if a not in benchlib.ALLOCATORS:
             sys.stderr.write("bench.py: unknown allocator %r\n" % a)
             return 2
-    names = args.workloads.split(",") if args.workloads else \
-        ["gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu", "generate"]
+    names = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    for n in names:
+        if n not in WORKLOADS:
+            sys.stderr.write("bench.py: unknown workload %r (known: %s)\n" %
+                             (n, ", ".join(WORKLOADS)))
+            return 2
     start = time.time()
     meta = dict(command=shown_command(sys.argv),
                 mode=args.size, library=shown_path(args.lib),
@@ -439,6 +453,9 @@ def main(argv=None):
         f.write(benchlib.results_markdown(meta, results, sweeps))
     print(benchlib.chart(results, os.path.join(args.out, "chart.png")))
     print(benchlib.results_table(results))
+    offload = benchlib.offload_table(results)
+    if offload:
+        print(offload)
     if sweeps:
         print(benchlib.sweep_table(sweeps))
     print("wall time %.0f s; results in %s" % (meta["wall_s"], args.out))

@@ -35,6 +35,25 @@ ALLOCATOR_NAMES = {
 }
 GiB = float(1 << 30)
 
+# Workloads that only some allocators can run: name -> (allocators, why).
+ONLY = {
+    "gpt_offload": (("gmlake",), "gmlake.torch.offload_activations() moves "
+                    "libgmlake blocks; not applicable to PyTorch's "
+                    "allocators"),
+}
+
+# The activation-offload comparison: workload -> how it offloads.
+OFFLOAD_METHODS = (
+    ("gpt_save_on_cpu", "torch save_on_cpu(pin_memory=True)"),
+    ("gpt_offload", "gmlake offload_activations()"),
+)
+
+
+def applies(workload, allocator):
+    """Whether the workload runs under the allocator (see ONLY)."""
+    only = ONLY.get(workload)
+    return only is None or allocator in only[0]
+
 
 def fragmentation(peak_allocated, peak_reserved):
     """Percent of the reserved peak not allocated at the allocated peak;
@@ -98,6 +117,8 @@ def row_values(r):
     frag = fragmentation(r.get("peak_allocated"), r.get("peak_reserved"))
     oom = r.get("oom")
     status = "yes" if oom else ("no" if r.get("ok") else "error")
+    if r.get("skipped"):
+        status = "not applicable"
     return [r["workload"], ALLOCATOR_NAMES.get(r["allocator"], r["allocator"]),
             _cell(gib(r.get("peak_allocated"))),
             _cell(gib(r.get("peak_reserved"))),
@@ -127,6 +148,49 @@ def results_table(results):
     rows = sorted(results, key=lambda r: (r.get("index", 0),
                                           order.get(r["allocator"], 99)))
     return markdown_table(HEADER, [row_values(r) for r in rows])
+
+
+OFFLOAD_HEADER = ["method", "allocator", "peak reserved GiB",
+                  "driver used GiB", "median step ms",
+                  "reserved vs save_on_cpu", "step vs save_on_cpu",
+                  "spilled GiB", "status"]
+
+
+def _ratio(a, b):
+    if a is None or not b:
+        return "n/a"
+    return "%.2fx" % (a / b)
+
+
+def offload_table(results):
+    """The GPT activation-offload rows: save_on_cpu under every allocator
+    and gmlake's offload_activations(), each compared with save_on_cpu
+    under the same allocator. None when neither workload ran."""
+    names = dict(OFFLOAD_METHODS)
+    order = {a: i for i, a in enumerate(ALLOCATORS)}
+    rows = [r for r in results if r["workload"] in names and
+            not r.get("skipped")]
+    if not rows:
+        return None
+    base = {r["allocator"]: r for r in rows
+            if r["workload"] == "gpt_save_on_cpu" and r.get("ok")}
+    rows.sort(key=lambda r: ([w for w, _ in OFFLOAD_METHODS].index(
+        r["workload"]), order.get(r["allocator"], 99)))
+    out = []
+    for r in rows:
+        b = base.get(r["allocator"], {})
+        spilled = (r.get("offload") or {}).get("spilled_bytes")
+        out.append([names[r["workload"]],
+                    ALLOCATOR_NAMES.get(r["allocator"], r["allocator"]),
+                    _cell(gib(r.get("peak_reserved"))),
+                    _cell(gib(r.get("driver_used"))),
+                    _cell(r.get("step_ms"), "%.1f"),
+                    _ratio(r.get("peak_reserved"), b.get("peak_reserved")),
+                    _ratio(r.get("step_ms"), b.get("step_ms")),
+                    _cell(gib(spilled)),
+                    "out of memory" if r.get("oom") else
+                    ("ok" if r.get("ok") else "error")])
+    return markdown_table(OFFLOAD_HEADER, out)
 
 
 SWEEP_HEADER = ["allocator", "memory cap GiB", "largest batch that fits",
@@ -190,6 +254,17 @@ def results_markdown(meta, results, sweeps):
              "## Workloads\n",
              results_table(results),
              "\n" + DEFINITIONS]
+    offload = offload_table(results)
+    if offload:
+        parts += ["\n## Activation offload (GPT)\n",
+                  "The same GPT, shapes and steps, its blocks run under "
+                  "torch.autograd.graph.save_on_cpu(pin_memory=True) or "
+                  "under gmlake.torch.offload_activations() (libgmlake "
+                  "only). Compare peak reserved (a spilled block gives its "
+                  "chunks back but stays allocated, so peak allocated does "
+                  "not fall) and median step time; ratios are against "
+                  "save_on_cpu under the same allocator.\n",
+                  offload]
     if sweeps:
         parts += ["\n## Capacity sweep\n",
                   "Workload %s: the largest batch that runs %d training "

@@ -34,7 +34,8 @@ SHAPES = {
 }
 # Distinct shapes of a variable-shape workload (its warm-up round).
 SHAPE_COUNT = 4
-WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu", "generate")
+WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu",
+             "gpt_offload", "generate")
 DTYPE = torch.bfloat16
 
 
@@ -97,6 +98,12 @@ class GPT(nn.Module):
                 x = checkpoint(blk, x, use_reentrant=False)
             elif how == "save_on_cpu":
                 with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    x = blk(x)
+            elif how == "offload":
+                # The same scope as save_on_cpu: each block's saved
+                # tensors; libgmlake only (benchlib.ONLY).
+                import gmlake.torch
+                with gmlake.torch.offload_activations():
                     x = blk(x)
             else:
                 x = blk(x)
@@ -208,7 +215,7 @@ def gpt_workload(size, how, rng):
     s = SHAPES[size]
     if how == "ckpt":
         shapes = _cycle(rng, s["ckpt_b"], s["ckpt_t"])
-    elif how == "save_on_cpu":
+    elif how in ("save_on_cpu", "offload"):
         shapes = _cycle(rng, s["offload_b"], s["offload_t"])
     else:
         shapes = None
@@ -220,9 +227,22 @@ def gpt_workload(size, how, rng):
                      "sequence length",
              "plain": "GPT, no checkpointing, fixed shapes",
              "save_on_cpu": "GPT, activations saved on the host "
-                            "(torch.autograd.graph.save_on_cpu)"}
+                            "(torch.autograd.graph.save_on_cpu, "
+                            "pin_memory=True)",
+             "offload": "GPT, activations spilled to the host and fetched "
+                        "back at the same address "
+                        "(gmlake.torch.offload_activations(), lag 4)"}
+    stats = None
+    if how == "offload":
+        import gmlake.activations
+        off = gmlake.activations.default_offloader()
+        before = dict(off.stats)
+
+        def stats():
+            off.synchronize()
+            return {k: v - before.get(k, 0) for k, v in off.stats.items()}
     return dict(step=step, note=notes[how], keep=(model, opt),
-                warmup=len(shapes) if shapes else 1)
+                warmup=len(shapes) if shapes else 1, stats=stats)
 
 
 def _hf_lora(m):
@@ -333,6 +353,8 @@ def build(name, size, seed):
         return gpt_workload(size, "plain", rng)
     if name == "gpt_save_on_cpu":
         return gpt_workload(size, "save_on_cpu", rng)
+    if name == "gpt_offload":
+        return gpt_workload(size, "offload", rng)
     if name == "lora":
         return lora_workload(size, rng)
     if name == "generate":

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: MIT
 #
 # The Python side: python/tests (the gmlake package: library discovery,
-# stats through ctypes on the emulated device, struct layout against C,
+# stats through ctypes on the emulated device, struct layouts against C,
+# the offload ring and the activation hooks on the emulated device,
 # gmlake.torch.enable with a fake torch) and bench/tests (the benchmark's
 # pure parts). Needs python3 only; skips (77) without it.
 #
@@ -25,9 +26,10 @@ else
 	unset GMLAKE_LIBRARY
 fi
 GMLAKE_STATS_LAYOUT="$top_builddir/tests/stats_layout"
+GMLAKE_OFFLOAD_LAYOUT="$top_builddir/tests/offload_layout"
 GMLAKE_EMU_CAPACITY=512M
 PYTHONDONTWRITEBYTECODE=1
-export GMLAKE_STATS_LAYOUT GMLAKE_EMU_CAPACITY PYTHONDONTWRITEBYTECODE
+export GMLAKE_STATS_LAYOUT GMLAKE_OFFLOAD_LAYOUT GMLAKE_EMU_CAPACITY PYTHONDONTWRITEBYTECODE
 
 status=0
 # Syntax of every Python file (without writing bytecode into srcdir).

@@ -4,6 +4,7 @@
 import os
 import sys
 import unittest
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
@@ -62,6 +63,55 @@ class TestMath(unittest.TestCase):
         self.assertEqual(benchlib.sweep_summary(trials), (8, None))
         self.assertEqual(benchlib.next_batch([(1, False)], 8), None)
         self.assertEqual(benchlib.sweep_summary([(1, False)]), (None, 1))
+
+
+class TestOffloadRows(unittest.TestCase):
+    """gpt_offload: libgmlake only; the save_on_cpu comparison table."""
+
+    def test_applies(self):
+        self.assertTrue(benchlib.applies("gpt_offload", "gmlake"))
+        self.assertFalse(benchlib.applies("gpt_offload", "default"))
+        self.assertFalse(benchlib.applies("gpt_offload", "expandable"))
+        for a in benchlib.ALLOCATORS:
+            self.assertTrue(benchlib.applies("gpt_save_on_cpu", a))
+
+    RESULTS = [
+        dict(index=3, workload="gpt_save_on_cpu", allocator="gmlake",
+             ok=True, oom=False, peak_reserved=8 * G, driver_used=9 * G,
+             step_ms=200.0),
+        dict(index=4, workload="gpt_offload", allocator="default",
+             ok=False, oom=False, skipped="not applicable"),
+        dict(index=4, workload="gpt_offload", allocator="gmlake", ok=True,
+             oom=False, peak_reserved=4 * G, driver_used=5 * G,
+             step_ms=150.0, offload=dict(spilled_bytes=6 * G)),
+        dict(index=3, workload="gpt_save_on_cpu", allocator="default",
+             ok=True, oom=False, peak_reserved=10 * G, driver_used=None,
+             step_ms=300.0),
+        dict(index=0, workload="gpt_plain", allocator="gmlake", ok=True,
+             oom=False, peak_reserved=20 * G, step_ms=100.0),
+    ]
+
+    def test_offload_table(self):
+        lines = benchlib.offload_table(self.RESULTS).strip().split("\n")
+        self.assertEqual(len(lines), 5)   # header, rule, three rows
+        self.assertEqual(lines[2], "| torch save_on_cpu(pin_memory=True) | "
+                         "PyTorch default | 10.00 | n/a | 300.0 | 1.00x | "
+                         "1.00x | n/a | ok |")
+        self.assertEqual(lines[3], "| torch save_on_cpu(pin_memory=True) | "
+                         "libgmlake | 8.00 | 9.00 | 200.0 | 1.00x | 1.00x | "
+                         "n/a | ok |")
+        self.assertEqual(lines[4], "| gmlake offload_activations() | "
+                         "libgmlake | 4.00 | 5.00 | 150.0 | 0.50x | 0.75x | "
+                         "6.00 | ok |")
+        self.assertIsNone(benchlib.offload_table(self.RESULTS[-1:]))
+
+    def test_skipped_row_and_markdown(self):
+        row = benchlib.row_values(self.RESULTS[1])
+        self.assertEqual(row[-1], "not applicable")
+        self.assertEqual(row[2:7], ["n/a"] * 5)
+        text = benchlib.results_markdown(dict(), self.RESULTS, [])
+        self.assertIn("## Activation offload (GPT)", text)
+        self.assertIn("| gmlake offload_activations() | libgmlake |", text)
 
 
 class TestTables(unittest.TestCase):
@@ -139,4 +189,12 @@ class TestBenchCli(unittest.TestCase):
         for size in ("full", "quick"):
             self.assertEqual(sorted(self.bench.STEPS[size]),
                              sorted(["gpt_ckpt", "gpt_plain", "lora",
-                                     "gpt_save_on_cpu", "generate"]))
+                                     "gpt_save_on_cpu", "gpt_offload",
+                                     "generate"]))
+            self.assertEqual(sorted(self.bench.STEPS[size]),
+                             sorted(self.bench.WORKLOADS))
+
+    def test_unknown_workload(self):
+        with mock.patch("gmlake.find_library", return_value="/x.so"):
+            self.assertEqual(self.bench.main(["--workloads", "gpt_nope"]),
+                             2)

@@ -20,6 +20,14 @@ elements, but its data is not allocated yet" at the tensor's first use.
 libgmlake prints the real cause to stderr at once; translate_errors()
 and the excepthook enable() installs turn it into an OutOfMemoryError
 naming the request and the allocator's state.
+
+offload_activations() (gmlake.activations) is a context manager that
+spills the tensors autograd saves to host memory through libgmlake's
+offload rings and fetches them back, at the same address, in backward:
+
+    with gmlake.torch.offload_activations():
+        loss = model(batch)
+    loss.backward()
 """
 
 import contextlib
@@ -28,6 +36,7 @@ import sys
 import threading
 
 from . import _lib
+from .activations import Offloader, offload_activations  # noqa: F401
 
 ALLOC = "gmlake_torch_alloc"
 FREE = "gmlake_torch_free"

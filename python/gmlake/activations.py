@@ -1,0 +1,609 @@
+# SPDX-License-Identifier: MIT
+"""Saved activations spilled to host memory by libgmlake's offload rings.
+
+    import gmlake.torch
+    gmlake.torch.enable()
+    ...
+    with gmlake.torch.offload_activations():
+        loss = model(batch)
+    loss.backward()
+
+offload_activations() installs torch.autograd.graph.saved_tensors_hooks
+whose pack and unpack are Offloader.pack and Offloader.unpack below. A
+spill moves the whole libgmlake block behind a saved tensor's storage to
+the pinned host arena and gives its chunks back; the fetch maps chunks at
+the SAME device address again. So, unlike save_on_cpu, no tensor is
+allocated or copied in Python: pack returns a handle holding the tensor,
+unpack returns the same tensor (the alias pack kept), and the only work
+on the hot path is a few ctypes calls into the ring. Nothing synchronizes
+the device; unpack waits on the host only for the completion of the one
+fetch it needs (prefetched ahead, it is normally there already).
+
+Design, and why:
+
+* What moves. A CUDA tensor whose storage is at least min_bytes (1 MiB:
+  smaller libgmlake blocks share chunks and complete with -EOPNOTSUPP) and
+  is not a leaf: parameters, frozen weights, inputs and buffers are leaves
+  (a view counts as its base), and the rest of the program reads them
+  outside autograd's knowledge (the optimizer, the next step), so they stay
+  unless leaves=True. Everything else is returned as it is and never
+  touched. The block address is t.untyped_storage().data_ptr(); a storage
+  that is not the start of a libgmlake block completes with -EINVAL and
+  stays where it is, as do blocks whose spill fails for any reason (the
+  data is intact on the device: a failed spill only saves less memory).
+
+* References. A handle keeps a reference to its tensor (t.detach(): the
+  same storage, without the grad_fn that would make a reference cycle
+  with a saved output; autograd puts the history back on unpack, and
+  unpack returns that very alias, no new tensor memory), so PyTorch never
+  frees a storage while it is spilled: its address is the one the fetch
+  maps again. Saved tensors that share a storage (a tensor and its views,
+  an output saved by two ops) share one record, counted per storage: the
+  block spills once and is fetched once. A record also holds a tensor
+  itself until every request on it has completed and been reaped, so no
+  block is ever freed while it moves (gmlake_free of a moving block fails
+  with -EBUSY, and PyTorch's free would log and leak it).
+
+* Lag. pack runs when the op that saves the tensor is being recorded: for
+  an input, before its kernel is even queued; and forward often reads a
+  saved output again a few ops later (a residual add, the next layer). A
+  spill orders itself only after the stream work queued before the engine
+  started it, so spilling at pack time would unmap memory a later kernel
+  still reads. A storage is therefore spilled only once `lag` more saved
+  tensors were packed after its last pack (default 4); packing a storage
+  again restarts its lag. Storages still waiting when backward starts
+  (the first unpack) are not spilled at all: they are the first ones
+  backward needs, and a round trip would only cost time. Leaving the
+  context spills nothing more either, and does not wait: spills in flight
+  complete on their own and are reaped at the next pack or unpack (or by
+  synchronize()).
+
+* In place. inplace=False (the default) spills into the pinned arena:
+  full-speed copies, no pinning on the hot path. The price: code that
+  reads a saved tensor more than `lag` saves after it was saved (outside
+  the pattern above: hidden states kept for a later loss, say) reads an
+  unmapped address, which is a fatal CUDA error. inplace=True asks each
+  spill for the ring's in-place mode (GMLAKE_OFFLOAD_SQE_INPLACE): host
+  memory is mapped at the block while spilled, so such a stray read gets
+  the right bytes over the bus; but each spill then creates and maps host
+  memory of its own (cuMemCreate on a host NUMA node, about 4 GB/s where
+  the copy runs at 50), so it is for debugging or for programs that need
+  it. A larger lag is the cheaper fix when the reads are few ops later.
+
+* Backward. unpack of a spilled (or still spilling) storage submits its
+  fetch, then prefetches for the next `prefetch` spilled storages in
+  backward order (the reverse of spill order), all in one submit (the
+  engine starts fetches before prefetches), and waits for its own
+  completion. Completions are reaped into the records they belong to,
+  keyed by user_data, whatever order they come in; a spill that completes
+  after someone asked for its fetch gets the fetch submitted at once. A
+  fetch that fails (res < 0: no device memory, say) raises OffloadError
+  (a RuntimeError) with the errno and the block stays spilled: nothing is
+  lost, and a later unpack tries again. A tensor that was never spilled
+  comes back as it is.
+
+* Graphs freed without backward. When the last handle of a spilled
+  storage goes (the graph was freed, or backward never reached that
+  node), the tensor may still be referenced elsewhere, so the block is
+  fetched back before the record lets go of it. That costs a transfer
+  only in that case; backward itself drops records as it consumes them.
+
+* Threads. Backward runs unpack on autograd's device threads and handles
+  die wherever the graph is freed: one lock guards the bookkeeping, and a
+  handle dying while the lock is busy (or inside the offloader's own
+  calls) is queued and processed at the end of the call in progress.
+
+Works only with libgmlake as PyTorch's allocator (gmlake.torch.enable());
+one ring per device context, created at the first spill on that device.
+"""
+
+import collections
+import errno
+import itertools
+import threading
+
+from . import offload as _off
+
+MiB = 1 << 20
+
+# Where a storage is, as the bookkeeping knows it.
+PENDING = "pending"      # packed; spills after `lag` more packs
+RESIDENT = "resident"    # on the device and staying there (for now)
+SPILLING = "spilling"    # spill submitted, completion not reaped
+SPILLED = "spilled"      # on the host
+FETCHING = "fetching"    # fetch submitted, completion not reaped
+DROPPED = "dropped"      # no handle left; the record let the tensor go
+MOVING = (SPILLING, SPILLED, FETCHING)
+
+
+def _detach(t):
+    detach = getattr(t, "detach", None)
+    return detach() if detach is not None else t
+
+
+class _Storage:
+    """The bookkeeping of one storage (one libgmlake block)."""
+    __slots__ = ("key", "device", "ptr", "nbytes", "tensor", "refs",
+                 "state", "last_pack", "want", "movable", "error")
+
+    def __init__(self, key, device, ptr, nbytes, tensor):
+        self.key = key
+        self.device = device
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.tensor = tensor     # keeps the block alive while it moves
+        self.refs = 0            # live handles
+        self.state = PENDING
+        self.last_pack = 0
+        self.want = None         # FETCH or PREFETCH once the spill is done
+        self.movable = True
+        self.error = None        # (message, errno) of a failed fetch
+
+
+class Handle:
+    """What pack returns for a tensor it may spill."""
+    __slots__ = ("tensor", "rec", "owner")
+
+    def __init__(self, tensor, rec, owner):
+        self.tensor = tensor
+        self.rec = rec
+        self.owner = owner
+
+    def __del__(self):
+        owner, rec = self.owner, self.rec
+        if owner is not None and rec is not None:
+            owner._release(rec)
+
+
+class Offloader:
+    """The pack/unpack pair and its bookkeeping (see the module docstring).
+
+    lag: packs after a storage's last pack before it is spilled (0 spills
+    at pack time: only for code that never reads a saved tensor again in
+    forward); prefetch: spilled storages fetched ahead in backward
+    (default: lag); inplace: spill in place (see above); min_bytes:
+    smaller storages stay; leaves: also spill leaf tensors (parameters);
+    entries: submission entries of each ring; context: device -> gmlake
+    context (default: gmlake_torch_ctx_get); library: libgmlake to use.
+    """
+
+    def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
+                 leaves=False, entries=256, context=None, library=None):
+        self.configure(lag, prefetch, inplace, min_bytes, leaves)
+        self.entries = entries
+        self.library = library
+        self._context = context
+        self.stats = collections.Counter()
+        self.unknown = {}        # completions of nobody's request
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._deferred = collections.deque()
+        self._storages = {}      # (device, ptr) -> _Storage
+        self._lagq = collections.OrderedDict()   # pending, oldest first
+        self._stack = []         # spilled records, in spill order
+        self._inflight = {}      # user_data -> (_Storage, op)
+        self._rings = {}         # device -> offload.Ring
+        self._dirty = set()      # devices with entries not submitted
+        self._ids = itertools.count(1)
+        self._seq = 0            # packs so far
+
+    def configure(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
+                  leaves=False):
+        if lag < 0 or (prefetch is not None and prefetch < 0):
+            raise ValueError("lag and prefetch must be >= 0")
+        self.lag = int(lag)
+        self.prefetch = int(lag if prefetch is None else prefetch)
+        self.inplace = bool(inplace)
+        self.min_bytes = int(min_bytes)
+        self.leaves = bool(leaves)
+
+    def options(self):
+        return dict(lag=self.lag, prefetch=self.prefetch,
+                    inplace=self.inplace, min_bytes=self.min_bytes,
+                    leaves=self.leaves)
+
+    # ------------------------------------------------------------------
+    # The hooks
+
+    def eligible(self, t):
+        """Whether pack may spill t's storage (cheap checks only)."""
+        dev = getattr(t, "device", None)
+        if dev is None or getattr(dev, "type", None) != "cuda":
+            return False
+        if not self.leaves:
+            base = getattr(t, "_base", None)
+            if getattr(base if base is not None else t, "is_leaf", True):
+                return False
+        st = t.untyped_storage()
+        return st.nbytes() >= max(self.min_bytes, 1) and st.data_ptr() != 0
+
+    def pack(self, t):
+        self.stats["packs"] += 1
+        eligible = self.eligible(t)
+        # Never hold the live tensor: for a saved output its grad_fn owns
+        # the handle, and the cycle would outlive a graph freed without
+        # backward. detach() is an alias of the same storage (no device
+        # memory), and autograd restores the history on unpack.
+        t = _detach(t)
+        if not eligible:
+            self.stats["kept"] += 1
+            return t
+        st = t.untyped_storage()
+        dev = t.device.index if t.device.index is not None else 0
+        key = (dev, st.data_ptr())
+        self._enter()
+        try:
+            self._seq += 1
+            rec = self._storages.get(key)
+            if rec is None:
+                rec = _Storage(key, dev, key[1], st.nbytes(), t)
+                self._storages[key] = rec
+                self.stats["storages"] += 1
+            elif rec.state in MOVING:
+                # Saved again while away: the op saving it reads it next.
+                self.stats["refetches"] += 1
+                self._want(rec, _off.FETCH)
+                self._wait(rec)
+            rec.refs += 1
+            rec.last_pack = self._seq
+            if rec.movable and rec.state in (PENDING, RESIDENT):
+                rec.state = PENDING
+                self._lagq[key] = rec
+                self._lagq.move_to_end(key)
+            self._spill_lagged()
+            self._reap_ready()
+            return Handle(t, rec, self)
+        finally:
+            self._leave()
+
+    def unpack(self, h):
+        if not isinstance(h, Handle):
+            return h
+        rec = h.rec
+        self._enter()
+        try:
+            if self._lagq:          # backward started: keep the rest
+                for r in self._lagq.values():
+                    r.state = RESIDENT
+                self.stats["kept_for_backward"] += len(self._lagq)
+                self._lagq.clear()
+            self._reap_ready()
+            if rec.state in MOVING:
+                self._want(rec, _off.FETCH)
+            if self._stack:
+                self._prefetch(rec)
+            if rec.state in MOVING:
+                self._wait(rec)
+            return h.tensor
+        finally:
+            self._leave()
+
+    # ------------------------------------------------------------------
+    # Whole-offloader operations
+
+    def synchronize(self):
+        """Wait until no request is in flight (and fetch back what lost
+        its last handle while spilled)."""
+        self._enter()
+        try:
+            self._quiesce()
+        finally:
+            self._leave()
+
+    def close(self):
+        """synchronize(), then free the rings."""
+        self.synchronize()
+        with self._lock:
+            rings, self._rings = self._rings, {}
+            for ring in rings.values():
+                ring.exit()
+
+    def where(self, tensor):
+        """The bookkeeping's state of tensor's storage, or None."""
+        key = (tensor.device.index or 0, tensor.untyped_storage().data_ptr())
+        rec = self._storages.get(key)
+        return rec.state if rec else None
+
+    def tracked(self):
+        """How many storages have records."""
+        return len(self._storages)
+
+    def in_flight(self):
+        return len(self._inflight)
+
+    # ------------------------------------------------------------------
+    # Inside: the caller holds the lock (_enter/_leave)
+
+    def _enter(self):
+        self._lock.acquire()
+        self._depth += 1
+
+    def _leave(self):
+        try:
+            if self._depth == 1:
+                self._drain()
+                self._flush()
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+    def _ring(self, dev):
+        ring = self._rings.get(dev)
+        if ring is None:
+            ctx = self._context(dev) if self._context else \
+                _off.torch_context(dev, self.library)
+            ring = _off.Ring(ctx, self.entries, 0, self.library)
+            self._rings[dev] = ring
+        return ring
+
+    def _queue(self, rec, op):
+        ring = self._ring(rec.device)
+        sqe = ring.get_sqe()
+        while sqe is None:          # queue full: hand in, make room
+            ring.submit()
+            sqe = ring.get_sqe()
+            if sqe is None:
+                self._complete(*ring.reap())
+                sqe = ring.get_sqe()
+        uid = next(self._ids)
+        if op == _off.SPILL:
+            ring.prep_spill(sqe, rec.ptr, self.inplace)
+            rec.state = SPILLING
+            self._stack.append(rec)
+        elif op == _off.FETCH:
+            ring.prep_fetch(sqe, rec.ptr)
+            rec.state = FETCHING
+        else:
+            ring.prep_prefetch(sqe, rec.ptr)
+            rec.state = FETCHING
+        ring.set_data(sqe, uid)
+        self._inflight[uid] = (rec, op)
+        self._dirty.add(rec.device)
+        self.stats[{_off.SPILL: "spills", _off.FETCH: "fetches",
+                    _off.PREFETCH: "prefetches"}[op]] += 1
+
+    def _flush(self):
+        while self._dirty:
+            self._rings[self._dirty.pop()].submit()
+
+    def _spill_lagged(self):
+        limit = self._seq - self.lag
+        while self._lagq:
+            rec = next(iter(self._lagq.values()))
+            if rec.last_pack > limit:
+                break
+            del self._lagq[rec.key]
+            self._queue(rec, _off.SPILL)
+
+    def _want(self, rec, op):
+        """Make sure a fetch of rec is (or will be) submitted."""
+        if rec.state == SPILLED:
+            rec.error = None
+            self._queue(rec, op)
+        elif rec.state == SPILLING and rec.want != _off.FETCH:
+            rec.want = op
+
+    def _prefetch(self, current):
+        stack = self._stack
+        while stack and stack[-1].state not in (SPILLING, SPILLED):
+            stack.pop()
+        n = 0
+        for rec in reversed(stack):
+            if n >= self.prefetch:
+                break
+            if rec is current or rec.state == FETCHING:
+                n += rec is not current
+                continue
+            if rec.state == SPILLED and rec.error is None:
+                self._want(rec, _off.PREFETCH)
+                n += 1
+            elif rec.state == SPILLING:
+                self._want(rec, _off.PREFETCH)
+                n += 1
+
+    def _wait(self, rec):
+        """Reap completions until rec is on the device; raise if its
+        fetch failed."""
+        while rec.state != RESIDENT:
+            if rec.error is not None:
+                msg, err = rec.error
+                rec.error = None
+                raise _off.OffloadError(msg, err)
+            if rec.state == SPILLED:
+                self._want(rec, _off.FETCH)
+            ring = self._rings[rec.device]
+            self._flush()
+            ring.submit()
+            self._complete(*ring.reap())
+
+    def _reap_ready(self):
+        for ring in list(self._rings.values()):
+            while True:
+                got = ring.reap(wait=False)
+                if got is None:
+                    break
+                self._complete(*got)
+
+    def _complete(self, uid, res):
+        rec, op = self._inflight.pop(uid, (None, None))
+        if rec is None:
+            self.unknown[uid] = res
+            return
+        if op == _off.SPILL:
+            if res == 0:
+                rec.state = SPILLED
+                self.stats["spilled_bytes"] += rec.nbytes
+                if rec.want is not None:
+                    want, rec.want = rec.want, None
+                    self._queue(rec, want)
+            else:
+                rec.state = RESIDENT
+                rec.want = None
+                self.stats["spill_failures"] += 1
+                self.stats["spill_" + _off.errno_name(res)] += 1
+                if res in (-errno.EOPNOTSUPP, -errno.EINVAL):
+                    rec.movable = False
+        elif res == 0:
+            rec.state = RESIDENT
+            rec.error = None
+        else:
+            rec.state = SPILLED
+            self.stats["fetch_failures"] += 1
+            rec.error = ("gmlake offload: fetching the saved tensor block "
+                         "%#x (%d bytes, device %d) back failed: %s; it "
+                         "stays on the host" % (rec.ptr, rec.nbytes,
+                                                rec.device,
+                                                _off.describe(res)), -res)
+        if rec.refs == 0:
+            self._let_go(rec)
+
+    def _let_go(self, rec):
+        """rec has no handle left: drop it once nothing moves it."""
+        if rec.state in (SPILLING, FETCHING):
+            return                  # again when the completion comes
+        if rec.state == SPILLED and rec.error is None:
+            self.stats["fetched_on_release"] += 1
+            self._queue(rec, _off.FETCH)
+            return
+        if rec.state == SPILLED:
+            self.stats["dropped_spilled"] += 1
+        self._lagq.pop(rec.key, None)
+        if self._storages.get(rec.key) is rec:
+            del self._storages[rec.key]
+        rec.state = DROPPED
+        rec.tensor = None
+        if not self._storages:
+            self._stack.clear()
+
+    def _release(self, rec):
+        """A handle died (Handle.__del__; any thread)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._depth == 0:
+                    self._depth += 1
+                    try:
+                        self._unref(rec)
+                        self._drain()
+                        self._flush()
+                    finally:
+                        self._depth -= 1
+                    return
+            except Exception as e:  # never raise out of __del__
+                self.stats["release_errors"] += 1
+                self.last_release_error = e
+                return
+            finally:
+                self._lock.release()
+        self._deferred.append(rec)
+
+    def _unref(self, rec):
+        rec.refs -= 1
+        if rec.refs == 0:
+            self._let_go(rec)
+
+    def _drain(self):
+        while self._deferred:
+            self._unref(self._deferred.popleft())
+
+    def _quiesce(self):
+        while True:
+            self._drain()
+            self._flush()
+            if not self._inflight:
+                return
+            rec, _ = next(iter(self._inflight.values()))
+            ring = self._rings[rec.device]
+            ring.submit()
+            self._complete(*ring.reap())
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def default_offloader():
+    """The process's Offloader, shared by every offload_activations()."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            import atexit
+            _default = Offloader()
+            atexit.register(_close_default)
+        return _default
+
+
+def _close_default():
+    off = _default
+    if off is not None:
+        try:
+            off.close()
+        except Exception:   # at exit: the library may be going already
+            pass
+
+
+class offload_activations:
+    """Context manager: tensors autograd saves inside it are spilled to
+    host memory by libgmlake and fetched back, at the same address, when
+    backward needs them. See gmlake.activations for the design.
+
+    lag (4): saved tensors packed after a storage before it is spilled;
+    prefetch (lag): spilled storages fetched ahead in backward; inplace
+    (False): spill in place, so that a stray read sees the right bytes;
+    min_bytes (1 MiB): smaller storages stay; leaves (False): spill leaf
+    tensors (parameters, inputs) too; offloader: an Offloader of one's
+    own (default: one per process, shared; the options above are applied
+    to it for the time of the block).
+
+    Needs gmlake.torch.enable() (libgmlake as PyTorch's allocator).
+    """
+
+    def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
+                 leaves=False, offloader=None):
+        self.opts = dict(lag=lag, prefetch=prefetch, inplace=inplace,
+                         min_bytes=min_bytes, leaves=leaves)
+        Offloader.configure(_Check(), **self.opts)   # reject bad values now
+        self.offloader = offloader
+        self._saved = None
+        self._hooks = None
+
+    def __enter__(self):
+        from . import torch as _gtorch
+        if not _gtorch.enabled():
+            raise RuntimeError(
+                "gmlake.torch.offload_activations() needs libgmlake as "
+                "PyTorch's CUDA allocator: call gmlake.torch.enable() at the "
+                "start of the program, before any CUDA tensor is made. Only "
+                "libgmlake blocks can be spilled and fetched back at the "
+                "same address.")
+        import torch
+        off = self.offloader or default_offloader()
+        if off.library is None:
+            off.library = _gtorch.enabled()
+        self.offloader = off
+        self._saved = off.options()
+        off.configure(**self.opts)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(off.pack,
+                                                               off.unpack)
+        try:
+            self._hooks.__enter__()
+        except BaseException:
+            off.configure(**self._saved)
+            raise
+        return off
+
+    def __exit__(self, *exc):
+        off = self.offloader
+        try:
+            self._hooks.__exit__(*exc)
+        finally:
+            off.configure(**self._saved)
+            off._enter()
+            try:
+                off._reap_ready()
+            finally:
+                off._leave()
+        return False
+
+
+class _Check:
+    """A throwaway target for Offloader.configure's checks."""
