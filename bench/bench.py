@@ -47,6 +47,9 @@ WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu",
 SWEEP = {"full": dict(cap_gib=40.0, limit=256, steps=2),
          "quick": dict(cap_gib=0.5, limit=256, steps=1)}
 TIMEOUT = {"full": 480, "quick": 100}
+# Run only when named with --workloads: gpt_offload ran at --quick size on
+# an H200 but did not finish within 220 s at full size (not yet understood).
+OPT_IN = ("gpt_offload",)
 
 
 # ---------------------------------------------------------------------------
@@ -413,7 +416,8 @@ def main(argv=None):
         if a not in benchlib.ALLOCATORS:
             sys.stderr.write("bench.py: unknown allocator %r\n" % a)
             return 2
-    names = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    names = args.workloads.split(",") if args.workloads else \
+        [w for w in WORKLOADS if w not in OPT_IN]
     for n in names:
         if n not in WORKLOADS:
             sys.stderr.write("bench.py: unknown workload %r (known: %s)\n" %
