@@ -15,7 +15,10 @@ print and writes, under --out (default bench/results):
   python3 bench/bench.py --lib BUILD/lib/.libs/libgmlake.so --quick    # smoke
   python3 bench/bench.py --lib ... --sweep      # also the capacity sweep
 
-The definitions of every figure are in benchlib.py.
+The definitions of every figure are in benchlib.py. BENCH_VERBOSE=1
+prints each step's time on stderr; a child still running after
+BENCH_DUMP_AFTER seconds (default: 20 s before its timeout) prints every
+thread's Python stack there.
 """
 
 import argparse
@@ -161,6 +164,10 @@ def run_workload(name, index, args, mem):
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
                 used = max(used, mem.driver_used())
+                if os.environ.get("BENCH_VERBOSE"):
+                    sys.stderr.write("bench: %s %s step %d: %.1f ms\n" % (
+                        args.allocator, name, len(times),
+                        times[-1] * 1000))
         r["ok"] = True
     except Exception as e:  # report, go on with the next workload
         r["oom"] = is_oom(torch, e)
@@ -223,6 +230,12 @@ def run_sweep(args, mem):
 
 
 def child(args):
+    # A child that hangs shows where, on stderr, before the parent's
+    # timeout kills it.
+    import faulthandler
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("BENCH_DUMP_AFTER", TIMEOUT[args.size] - 20)),
+        exit=False)
     if args.allocator == "gmlake":
         import gmlake.torch
         gmlake.torch.enable(args.lib)
