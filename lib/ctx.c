@@ -17,7 +17,7 @@
 #include "shm.h"
 #include "types.h"
 
-static int ctx_enter(gmlake_ctx *ctx)
+int gml_ctx_lock(gmlake_ctx *ctx)
 {
 	int ret;
 
@@ -28,6 +28,18 @@ static int ctx_enter(gmlake_ctx *ctx)
 	return ret;
 }
 
+void gml_ctx_unlock(gmlake_ctx *ctx)
+{
+	ctx->dev.ops->leave(ctx->dev.priv);
+	pthread_mutex_unlock(&ctx->lock);
+}
+
+static int ctx_enter(gmlake_ctx *ctx)
+{
+	return gml_ctx_lock(ctx);
+}
+
+/* Leave a public call; debug builds check every invariant first. */
 static void ctx_leave(gmlake_ctx *ctx)
 {
 #ifdef GML_DEBUG
@@ -35,8 +47,7 @@ static void ctx_leave(gmlake_ctx *ctx)
 		gml_log(GMLAKE_LOG_ERROR, "invariant broken: %s",
 			gmlake_last_error());
 #endif
-	ctx->dev.ops->leave(ctx->dev.priv);
-	pthread_mutex_unlock(&ctx->lock);
+	gml_ctx_unlock(ctx);
 }
 
 static int check_config(const struct gmlake_config *cfg)

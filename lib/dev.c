@@ -14,7 +14,7 @@
 #include "drv.h"
 #include "error.h"
 
-static uint64_t now_ns(void)
+uint64_t gml_now_ns(void)
 {
 	struct timespec ts;
 
@@ -74,7 +74,7 @@ void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err)
  */
 static bool begin(struct gml_dev *dev, int call, uint64_t *t0)
 {
-	*t0 = now_ns();
+	*t0 = gml_now_ns();
 	dev->calls[call]++;
 	if (dev->fault.call != call || dev->calls[call] != dev->fault.nth)
 		return false;
@@ -84,7 +84,7 @@ static bool begin(struct gml_dev *dev, int call, uint64_t *t0)
 
 static int end(struct gml_dev *dev, int call, uint64_t t0, int ret)
 {
-	dev->call_ns[call] += now_ns() - t0;
+	dev->call_ns[call] += gml_now_ns() - t0;
 	if (ret && ret != -EBUSY)
 		dev->call_failures[call]++;
 	return ret;

@@ -149,6 +149,8 @@ int gml_emu_set_host_numa(void *priv, int node);
 /* Emulated device only: host bytes held by mem_create_host handles. */
 int gml_emu_host_used(void *priv, size_t *bytes);
 /* Whether priv belongs to the emulated backend. */
+/* CLOCK_MONOTONIC in nanoseconds, for the call timers and the stats. */
+uint64_t gml_now_ns(void);
 bool gml_dev_is_emu(const struct gml_dev *dev);
 
 #endif

@@ -40,31 +40,6 @@
 #include "error.h"
 #include "offload.h"
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static int lock_ctx(gmlake_ctx *ctx)
-{
-	int ret;
-
-	pthread_mutex_lock(&ctx->lock);
-	ret = ctx->dev.ops->enter(ctx->dev.priv);
-	if (ret)
-		pthread_mutex_unlock(&ctx->lock);
-	return ret;
-}
-
-static void unlock_ctx(gmlake_ctx *ctx)
-{
-	ctx->dev.ops->leave(ctx->dev.priv);
-	pthread_mutex_unlock(&ctx->lock);
-}
-
 /* Move the arena's byte counts into the context's gauges; ctx lock held. */
 static void sync_gauges(gmlake_ctx *ctx)
 {
@@ -182,7 +157,7 @@ static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 {
 	int ret;
 
-	req->t0 = now_ns();
+	req->t0 = gml_now_ns();
 	ret = gml_memcpy(&ctx->dev, dst, src, req->size, kind, cs);
 	if (ret)
 		return ret;
@@ -317,7 +292,7 @@ static void spill_done(gmlake_ctx *ctx, struct gml_block *b, void *host,
 	gml_gauge_add(&ctx->st.spilled_blocks, 1);
 	ctx->st.spills++;
 	ctx->st.d2h_bytes += size;
-	ctx->st.d2h_ns += now_ns() - t0;
+	ctx->st.d2h_ns += gml_now_ns() - t0;
 }
 
 /* The block req names, if it may take part; ctx lock held. */
@@ -336,6 +311,33 @@ static int req_block(gmlake_ctx *ctx, struct gml_off_req *req)
 	return 0;
 }
 
+/*
+ * Lock the context and find req's block. 0 with the lock held when the
+ * block is in state from; otherwise the lock is let go and the result is
+ * 1 when the block already is where the request would put it (done), or
+ * -errno (-EBUSY while it moves).
+ */
+static int req_begin(gmlake_ctx *ctx, struct gml_off_req *req, int from,
+		     int done)
+{
+	int ret;
+
+	ret = gml_ctx_lock(ctx);
+	if (ret)
+		return ret;
+	ret = req_block(ctx, req);
+	if (!ret && req->b->off_state == done)
+		ret = 1;		/* nothing to do */
+	else if (!ret && req->b->off_state != from)
+		ret = gml_set_error(-EBUSY, "offload: block %#lx is moving",
+				    (unsigned long)req->b->ptr);
+	if (ret < 0)
+		ctx->st.offload_failures++;
+	if (ret)
+		gml_ctx_unlock(ctx);
+	return ret;
+}
+
 /* First half of a spill: checks, a host buffer, the copy queued. */
 static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 {
@@ -343,34 +345,22 @@ static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 	struct gml_block *b;
 	int ret;
 
-	ret = lock_ctx(ctx);
+	ret = req_begin(ctx, req, GML_OFF_RESIDENT, GML_OFF_SPILLED);
 	if (ret)
 		return ret;
-	ret = req_block(ctx, req);
-	if (ret)
-		goto out_unlock;
 	b = req->b;
-	if (b->off_state == GML_OFF_SPILLED) {
-		ret = 1;		/* nothing to do */
-		goto out_unlock;
-	}
-	if (b->off_state != GML_OFF_RESIDENT) {
-		ret = gml_set_error(-EBUSY, "offload: block %#lx is moving",
-				    (unsigned long)b->ptr);
-		goto out_unlock;
-	}
 	ret = gml_large_detach(ctx, b, true);
 	if (ret)
 		goto out_unlock;
 	b->off_state = GML_OFF_SPILLING;
 	req->size = b->size;
-	unlock_ctx(ctx);
+	gml_ctx_unlock(ctx);
 
 	/* Pinning may take long: never with the context lock held. */
 	if (!req->inplace)
 		ret = gml_host_alloc(&off->host, req->size, true, &req->host);
 
-	if (lock_ctx(ctx)) {
+	if (gml_ctx_lock(ctx)) {
 		/* Cannot happen once the device opened; keep the block. */
 		b->off_state = GML_OFF_RESIDENT;
 		return -EIO;
@@ -398,7 +388,7 @@ static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 out_unlock:
 	if (ret < 0)
 		ctx->st.offload_failures++;
-	unlock_ctx(ctx);
+	gml_ctx_unlock(ctx);
 	return ret;
 }
 
@@ -500,22 +490,10 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 	struct gml_block *b;
 	int ret;
 
-	ret = lock_ctx(ctx);
+	ret = req_begin(ctx, req, GML_OFF_SPILLED, GML_OFF_RESIDENT);
 	if (ret)
 		return ret;
-	ret = req_block(ctx, req);
-	if (ret)
-		goto out_unlock;
 	b = req->b;
-	if (b->off_state == GML_OFF_RESIDENT) {
-		ret = 1;		/* nothing to do */
-		goto out_unlock;
-	}
-	if (b->off_state != GML_OFF_SPILLED) {
-		ret = gml_set_error(-EBUSY, "offload: block %#lx is moving",
-				    (unsigned long)b->ptr);
-		goto out_unlock;
-	}
 	if (b->inplace_mapped) {
 		ret = gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
 		if (ret)
@@ -553,7 +531,7 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 out_unlock:
 	if (ret < 0)
 		ctx->st.offload_failures++;
-	unlock_ctx(ctx);
+	gml_ctx_unlock(ctx);
 	return ret;
 }
 
@@ -574,7 +552,7 @@ static int fetch_finish(struct gml_offload *off, struct gml_off_req *req)
 	gml_gauge_add(&ctx->st.spilled_blocks, -1);
 	ctx->st.fetches++;
 	ctx->st.h2d_bytes += req->size;
-	ctx->st.h2d_ns += now_ns() - req->t0;
+	ctx->st.h2d_ns += gml_now_ns() - req->t0;
 	lru_touch(ctx, b);
 	sync_gauges(ctx);
 	return 0;
@@ -615,7 +593,7 @@ static void reap(struct gml_offload *off)
 	struct gml_off_req **pp, *req;
 	int ret;
 
-	if (!off->inflight || lock_ctx(ctx))
+	if (!off->inflight || gml_ctx_lock(ctx))
 		return;
 	for (pp = &off->inflight; (req = *pp);) {
 		bool spill = req->op == GMLAKE_OFFLOAD_SPILL;
@@ -629,7 +607,7 @@ static void reap(struct gml_offload *off)
 		sync_gauges(ctx);
 		gml_ring_complete(req, ret);
 	}
-	unlock_ctx(ctx);
+	gml_ctx_unlock(ctx);
 }
 
 /* Requests handed in: spills and fetches first, then prefetches. */
@@ -902,7 +880,7 @@ GML_EXPORT int gmlake_advise(gmlake_ctx *ctx, void *ptr, int advice)
 	    advice != GMLAKE_ADVISE_NOT_OFFLOADABLE)
 		return gml_set_error(-EINVAL, "gmlake_advise: unknown advice %d",
 				     advice);
-	ret = lock_ctx(ctx);
+	ret = gml_ctx_lock(ctx);
 	if (ret)
 		return ret;
 	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
@@ -927,7 +905,7 @@ GML_EXPORT int gmlake_advise(gmlake_ctx *ctx, void *ptr, int advice)
 	b->offloadable = true;
 	lru_touch(ctx, b);
 out_unlock:
-	unlock_ctx(ctx);
+	gml_ctx_unlock(ctx);
 	return ret;
 }
 

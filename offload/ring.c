@@ -83,15 +83,13 @@ GML_EXPORT int gmlake_offload_init(struct gmlake_offload *ring,
 	r->cq_entries = 2 * n;
 	r->flags = flags;
 	r->ctx = ctx;
-	pthread_mutex_lock(&ctx->lock);
-	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	ret = gml_ctx_lock(ctx);
 	if (!ret) {
 		ret = gml_off_get(ctx, &off);
 		if (!ret)
 			off->nrings++;
-		ctx->dev.ops->leave(ctx->dev.priv);
+		gml_ctx_unlock(ctx);
 	}
-	pthread_mutex_unlock(&ctx->lock);
 	if (ret)
 		goto out_free;
 	r->off = off;
