@@ -24,7 +24,8 @@
  *
  * Offload: every thread has a ring of its own on its context and spills
  * blocks to the host (the host budget is small, so some spills find no
- * room: -ENOMEM) and fetches spilled ones back (-ENOMEM when the device is
+ * room: -ENOMEM; a block whose chunks a stitched range in use maps as
+ * well stays: -EBUSY) and fetches spilled ones back (-ENOMEM when the device is
  * full), waiting for each completion; a block is checked after its fetch.
  * A spilled block that is freed, recorded on a stream or handed over is
  * fetched back first and checked (the receiver of a hand-over fetches it
@@ -85,7 +86,7 @@ static atomic_bool failed;
 /* What was done, over all threads. */
 static atomic_uint_fast64_t n_ops, n_alloc, n_free, n_cross, n_record, n_trim,
 	n_oom, n_bytes, n_spill, n_fetch, n_spill_oom, n_fetch_oom, n_unmovable,
-	n_free_spilled;
+	n_free_spilled, n_spill_busy;
 
 static void fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -282,8 +283,8 @@ static void check_where(struct sthread *t, const struct sblock *b)
 		     b->p, st, want);
 }
 
-/* Spill b: 0 (spilled), -ENOMEM (host budget: stays) or -EOPNOTSUPP
- * (a small block). */
+/* Spill b: 0 (spilled), -ENOMEM (host budget: stays), -EBUSY (a stitched
+ * range in use maps its chunks too: stays) or -EOPNOTSUPP (small). */
 static int spill(struct sthread *t, struct sblock *b)
 {
 	int res = offload_one(t, GMLAKE_OFFLOAD_SPILL, b);
@@ -300,6 +301,8 @@ static int spill(struct sthread *t, struct sblock *b)
 		n_spill++;
 	} else if (res == -ENOMEM) {
 		n_spill_oom++;
+	} else if (res == -EBUSY) {
+		n_spill_busy++;		/* a stitched range in use shares it */
 	} else if (res != -EIO) {
 		fail("thread %d: spill %p+%zu: %d", t->id, b->p, b->size, res);
 	}
@@ -764,6 +767,7 @@ int main(int argc, char **argv)
 	       " cross-stream frees, %" PRIu64 " record_stream, %" PRIu64
 	       " trims, %" PRIu64 " out of memory; %" PRIu64 " spills and %"
 	       PRIu64 " fetches, %" PRIu64 " spills over the host budget, %"
+	       PRIu64 " spills of blocks sharing chunks, %"
 	       PRIu64 " fetches with no room, %" PRIu64 " small blocks "
 	       "refused, %" PRIu64 " spilled blocks freed as they were), %"
 	       PRIu64 " MiB checked, in %.1f s: %s\n", threads, scale, iters,
@@ -771,6 +775,7 @@ int main(int argc, char **argv)
 	       (uint64_t)n_alloc, (uint64_t)n_free, (uint64_t)n_cross,
 	       (uint64_t)n_record, (uint64_t)n_trim, (uint64_t)n_oom,
 	       (uint64_t)n_spill, (uint64_t)n_fetch, (uint64_t)n_spill_oom,
+	       (uint64_t)n_spill_busy,
 	       (uint64_t)n_fetch_oom, (uint64_t)n_unmovable,
 	       (uint64_t)n_free_spilled,
 	       (uint64_t)(n_bytes >> 20), secs,

@@ -30,8 +30,9 @@
  * down and set up again. The target tracks every request: submit must
  * take exactly the entries the completion queue has room for, each
  * completion must be one its request allows (0, -ENOMEM from the host
- * budget or a full device, -EBUSY when another request moves the block;
- * any errno under a fault), and a block with nothing in flight must be
+ * budget or a full device, -EBUSY when another request moves the block or,
+ * for a spill, a stitched range in use shares its chunks; any errno under
+ * a fault), and a block with nothing in flight must be
  * resident or spilled as its last completion says. Copies to a block that
  * is not on the device must fail with -EFAULT and never succeed; a block
  * with a request in flight is freed only by an attempt that may say
@@ -845,8 +846,10 @@ static void off_settle(struct fz *f, int i)
 	if (!is_small(f, i) && !b->multi && !b->last_relaxed) {
 		bool spill = b->last_op == GMLAKE_OFFLOAD_SPILL, want;
 
-		if (b->last_res == -EBUSY)
-			fz_fail("%s: -EBUSY on block %p with no other request",
+		/* -EBUSY without another request: a spill of a block whose
+		 * chunks a stitched range in use maps as well. */
+		if (b->last_res == -EBUSY && !spill)
+			fz_fail("%s: fetch of %p: -EBUSY with no other request",
 				f->op, b->p);
 		/* A failed spill leaves the block on the device, a failed
 		 * fetch on the host; an offloadable one may spill anyway. */
