@@ -1182,10 +1182,13 @@ static void attach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t k)
 
 	for (uint32_t i = 0; i < k; i++) {
 		uint32_t p = b->pos + i;
+		gml_va va = v->va + (gml_va)p * ctx->chunk;
 
-		if (v->mapped[p] && !gml_mem_unmap(&ctx->dev, v->va +
-						   (gml_va)p * ctx->chunk,
-						   ctx->chunk)) {
+		/* Twice: a spilled run must stay holes, and the caller
+		 * gives the chunks back. */
+		if (v->mapped[p] &&
+		    (!gml_mem_unmap(&ctx->dev, va, ctx->chunk) ||
+		     !gml_mem_unmap(&ctx->dev, va, ctx->chunk))) {
 			v->mapped[p] = 0;
 			count_mapping(ctx, -1);
 		}

@@ -414,6 +414,9 @@ GML_EXPORT int gmlake_trim(gmlake_ctx *ctx)
 		return ret;
 	process_deferred(ctx, true);
 	ret = gml_release_cached(ctx, true);
+	/* Chunks the driver refused to release before: try again. */
+	if (ctx->nzombies)
+		gml_zombies_reap(ctx);
 	gml_events_trim(ctx);
 	ctx_leave(ctx);
 	return ret;

@@ -249,13 +249,24 @@ static void inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
 			 struct gml_block *b)
 {
 	size_t size = b->alloc_size;
+	bool leak = false;
 
-	if (b->inplace_mapped && !gml_mem_unmap(&ctx->dev, b->ptr, size))
+	/* Each step is tried twice: a driver call failing once must not
+	 * leak the host memory, its mapping and its range for good. */
+	if (b->inplace_mapped && (!gml_mem_unmap(&ctx->dev, b->ptr, size) ||
+				  !gml_mem_unmap(&ctx->dev, b->ptr, size)))
 		b->inplace_mapped = false;
 	if (b->inplace_mapped ||
-	    gml_mem_unmap(&ctx->dev, b->host_va, size) ||
-	    gml_va_free(&ctx->dev, b->host_va, size) ||
+	    (gml_mem_unmap(&ctx->dev, b->host_va, size) &&
+	     gml_mem_unmap(&ctx->dev, b->host_va, size)))
+		leak = true;
+	if (!leak && gml_va_free(&ctx->dev, b->host_va, size) &&
+	    gml_va_free(&ctx->dev, b->host_va, size))
+		leak = true;
+	if (!leak && gml_mem_release(&ctx->dev, b->host_h) &&
 	    gml_mem_release(&ctx->dev, b->host_h))
+		leak = true;
+	if (leak)
 		gml_log(GMLAKE_LOG_WARN, "offload: leaking in-place host "
 			"memory of block %#lx: %s", (unsigned long)b->ptr,
 			gmlake_last_error());

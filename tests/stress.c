@@ -22,8 +22,18 @@
  * the sanitizers). A deterministic PRNG seeds each thread from the round
  * and its number. Exit status: 0 pass, 1 failure, 77 no device.
  *
- * Extension point (spill/fetch): add an operation to stress_ops[] with its
- * weight; op_run() dispatches on it.
+ * Offload: every thread has a ring of its own on its context and spills
+ * blocks to the host (the host budget is small, so some spills find no
+ * room: -ENOMEM; a block whose chunks a stitched range in use maps as
+ * well stays: -EBUSY) and fetches spilled ones back (-ENOMEM when the device is
+ * full), waiting for each completion; a block is checked after its fetch.
+ * A spilled block that is freed, recorded on a stream or handed over is
+ * fetched back first and checked (the receiver of a hand-over fetches it
+ * on its own ring); when the device has no room for it, it is freed as it
+ * is. small blocks must complete with -EOPNOTSUPP.
+ *
+ * Extension point: add an operation to stress_ops[] with its weight;
+ * op_run() dispatches on it.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -42,6 +52,7 @@
 #include <time.h>
 
 #include "gmlake.h"
+#include "gmlake-offload.h"
 #include "ctx.h"
 #include "drv.h"
 
@@ -74,7 +85,8 @@ static atomic_bool failed;
 
 /* What was done, over all threads. */
 static atomic_uint_fast64_t n_ops, n_alloc, n_free, n_cross, n_record, n_trim,
-	n_oom, n_bytes;
+	n_oom, n_bytes, n_spill, n_fetch, n_spill_oom, n_fetch_oom, n_unmovable,
+	n_free_spilled, n_spill_busy;
 
 static void fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -132,6 +144,7 @@ struct sblock {
 	void *p;
 	size_t size;
 	uint64_t cookie;
+	bool spilled;			/* on the host */
 };
 
 /* A context and the hand-over slots of the threads that share it. */
@@ -146,12 +159,15 @@ struct sthread {
 	int id;
 	uint64_t rng;
 	gmlake_stream_t stream;
+	struct gmlake_offload ring;
+	bool ring_live;
 	struct sblock live[STRESS_LIVE];
 	int n;
 	uint8_t *buf;			/* host staging, STRESS_MAX bytes */
 };
 
 #define STRESS_MAX (6 * MiB)
+#define STRESS_SMALL MiB		/* cfg.small_size: smaller ones stay */
 
 /* Small (packed), medium (packed or one chunk), large (stitched). */
 static size_t pick_size(uint64_t *rng)
@@ -217,6 +233,155 @@ static int do_free(struct sthread *t, struct sblock *b)
 	return ret;
 }
 
+/* One request on the thread's ring, waited for: its result. */
+static int offload_one(struct sthread *t, uint8_t op, struct sblock *b)
+{
+	struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(&t->ring);
+	struct gmlake_offload_cqe *cqe;
+	uint64_t tag = (uintptr_t)b->p ^ op;
+	int ret, res;
+
+	if (!sqe) {
+		fail("thread %d: get_sqe: no entry on an idle ring", t->id);
+		return -EIO;
+	}
+	if (op == GMLAKE_OFFLOAD_SPILL)
+		gmlake_offload_prep_spill(sqe, b->p);
+	else
+		gmlake_offload_prep_fetch(sqe, b->p);
+	gmlake_offload_sqe_set_data(sqe, tag);
+	ret = gmlake_offload_submit(&t->ring);
+	if (ret != 1) {
+		fail("thread %d: submit: %d (%s)", t->id, ret,
+		     gmlake_last_error());
+		return -EIO;
+	}
+	ret = gmlake_offload_wait_cqe(&t->ring, &cqe);
+	if (ret) {
+		fail("thread %d: wait_cqe: %d (%s)", t->id, ret,
+		     gmlake_last_error());
+		return -EIO;
+	}
+	res = cqe->res;
+	if (gmlake_offload_cqe_get_data(cqe) != tag) {
+		fail("thread %d: a completion for %#" PRIx64 ", expected %#"
+		     PRIx64, t->id, gmlake_offload_cqe_get_data(cqe), tag);
+		res = -EIO;
+	}
+	gmlake_offload_cqe_seen(&t->ring, cqe);
+	return res;
+}
+
+/* The block's state must be what the thread thinks. */
+static void check_where(struct sthread *t, const struct sblock *b)
+{
+	int st = gmlake_offload_state(t->sc->ctx, b->p);
+	int want = b->spilled ? GMLAKE_BLOCK_SPILLED : GMLAKE_BLOCK_RESIDENT;
+
+	if (st != want)
+		fail("thread %d: block %p is in state %d, expected %d", t->id,
+		     b->p, st, want);
+}
+
+/* Spill b: 0 (spilled), -ENOMEM (host budget: stays), -EBUSY (a stitched
+ * range in use maps its chunks too: stays) or -EOPNOTSUPP (small). */
+static int spill(struct sthread *t, struct sblock *b)
+{
+	int res = offload_one(t, GMLAKE_OFFLOAD_SPILL, b);
+
+	if (b->size < STRESS_SMALL) {
+		if (res != -EOPNOTSUPP)
+			fail("thread %d: spill of small block %p: %d", t->id,
+			     b->p, res);
+		n_unmovable++;
+		return res;
+	}
+	if (res == 0) {
+		b->spilled = true;
+		n_spill++;
+	} else if (res == -ENOMEM) {
+		n_spill_oom++;
+	} else if (res == -EBUSY) {
+		n_spill_busy++;		/* a stitched range in use shares it */
+	} else if (res != -EIO) {
+		fail("thread %d: spill %p+%zu: %d", t->id, b->p, b->size, res);
+	}
+	check_where(t, b);
+	return res;
+}
+
+/* Bring b back to the device (if it is spilled) and check its bytes:
+ * 0, or -ENOMEM when the device has no room for it (still spilled). */
+static int fetch_check(struct sthread *t, struct sblock *b, gmlake_stream_t s)
+{
+	int res;
+
+	if (b->spilled) {
+		res = offload_one(t, GMLAKE_OFFLOAD_FETCH, b);
+		if (res == -ENOMEM) {
+			n_fetch_oom++;
+			check_where(t, b);
+			return res;
+		}
+		if (res) {
+			if (res != -EIO)
+				fail("thread %d: fetch %p+%zu: %d", t->id,
+				     b->p, b->size, res);
+			return -EIO;
+		}
+		b->spilled = false;
+		n_fetch++;
+		check_where(t, b);
+	}
+	return verify(t, b, s);
+}
+
+/* Check and free b; a spilled block is fetched back first, or freed as
+ * it is when the device has no room. */
+static int check_free(struct sthread *t, struct sblock *b, gmlake_stream_t s)
+{
+	int ret = fetch_check(t, b, s);
+
+	if (ret == -ENOMEM)
+		n_free_spilled++;
+	else if (ret)
+		return ret;
+	return do_free(t, b);
+}
+
+static void op_spill(struct sthread *t)
+{
+	int i, k;
+
+	if (!t->n)
+		return;
+	/* A large block on the device if there is one, else any. */
+	i = (int)(rnd(&t->rng) % (uint64_t)t->n);
+	for (k = 0; k < t->n; k++) {
+		struct sblock *b = &t->live[(i + k) % t->n];
+
+		if (!b->spilled && b->size >= STRESS_SMALL)
+			break;
+	}
+	if (k < t->n)
+		i = (i + k) % t->n;
+	if (!t->live[i].spilled)
+		spill(t, &t->live[i]);
+}
+
+static void op_fetch(struct sthread *t)
+{
+	int i, k;
+
+	if (!t->n)
+		return;
+	i = (int)(rnd(&t->rng) % (uint64_t)t->n);
+	for (k = 0; k < t->n && !t->live[(i + k) % t->n].spilled; k++)
+		;
+	if (k < t->n)
+		fetch_check(t, &t->live[(i + k) % t->n], t->stream);
+}
+
 static void op_alloc(struct sthread *t)
 {
 	struct sblock b;
@@ -238,6 +403,7 @@ static void op_alloc(struct sthread *t)
 		return;
 	}
 	n_alloc++;
+	b.spilled = false;
 	if (fill(t, &b, s))
 		return;
 	t->live[t->n++] = b;
@@ -259,8 +425,7 @@ static void op_free(struct sthread *t)
 	if (!t->n)
 		return;
 	b = take(t, (int)(rnd(&t->rng) % (uint64_t)t->n));
-	if (!verify(t, &b, t->stream))
-		do_free(t, &b);
+	check_free(t, &b, t->stream);
 }
 
 /* Used on the default stream as well: record it, then free. */
@@ -272,6 +437,7 @@ static void op_record(struct sthread *t)
 	if (!t->n)
 		return;
 	b = take(t, (int)(rnd(&t->rng) % (uint64_t)t->n));
+	/* Recorded while spilled, then fetched and checked on the stream. */
 	ret = gmlake_record_stream(t->sc->ctx, b.p, NULL);
 	if (ret) {
 		fail("thread %d: record_stream %p: %d (%s)", t->id, b.p, ret,
@@ -279,8 +445,7 @@ static void op_record(struct sthread *t)
 		return;
 	}
 	n_record++;
-	if (!verify(t, &b, NULL))
-		do_free(t, &b);
+	check_free(t, &b, NULL);
 }
 
 /*
@@ -297,7 +462,8 @@ static void op_handover(struct sthread *t)
 
 	if (t->n) {
 		mine = take(t, (int)(rnd(&t->rng) % (uint64_t)t->n));
-		if (verify(t, &mine, t->stream))
+		/* Handed over spilled (as it is) or checked on the device. */
+		if (!mine.spilled && verify(t, &mine, t->stream))
 			return;
 	}
 	pthread_mutex_lock(&sc->lock);
@@ -312,12 +478,17 @@ static void op_handover(struct sthread *t)
 		     gmlake_last_error());
 		return;
 	}
-	if (verify(t, &got, t->stream))
+	/* A spilled block is fetched on this thread's ring before the check;
+	 * with no room on the device it stays spilled. */
+	ret = fetch_check(t, &got, t->stream);
+	if (ret && ret != -ENOMEM)
 		return;
 	if (rnd(&t->rng) % 2 == 0 && t->n < STRESS_LIVE) {
 		t->live[t->n++] = got;
 		return;
 	}
+	if (ret == -ENOMEM)
+		n_free_spilled++;
 	if (!do_free(t, &got))
 		n_cross++;
 }
@@ -338,13 +509,14 @@ struct stress_op {
 	void (*run)(struct sthread *t);
 };
 
-/* Spill and fetch go here, with their weights, when they exist. */
 static const struct stress_op stress_ops[] = {
 	{ "alloc", 46, op_alloc },
 	{ "free", 30, op_free },
 	{ "record_stream", 6, op_record },
 	{ "handover", 16, op_handover },
 	{ "trim", 2, op_trim },
+	{ "spill", 8, op_spill },
+	{ "fetch", 5, op_fetch },
 };
 #define N_OPS (sizeof(stress_ops) / sizeof(stress_ops[0]))
 
@@ -373,6 +545,13 @@ static void *thread_main(void *arg)
 		     gmlake_last_error());
 		return NULL;
 	}
+	ret = gmlake_offload_init(&t->ring, t->sc->ctx, 4, 0);
+	if (ret) {
+		fail("thread %d: offload_init: %d (%s)", t->id, ret,
+		     gmlake_last_error());
+		gmlake_stream_destroy(t->sc->ctx, t->stream);
+		return NULL;
+	}
 	for (k = 0; k < scale * 10 && !atomic_load(&failed); k++) {
 		op_run(t);
 		if (k % 64 == 63 && (ret = gml_ctx_check(t->sc->ctx)))
@@ -382,9 +561,12 @@ static void *thread_main(void *arg)
 	while (t->n) {
 		struct sblock b = take(t, t->n - 1);
 
-		if (!verify(t, &b, t->stream))
-			do_free(t, &b);
+		check_free(t, &b, t->stream);
 	}
+	ret = gmlake_offload_exit(&t->ring);
+	if (ret)
+		fail("thread %d: offload_exit: %d (%s)", t->id, ret,
+		     gmlake_last_error());
 	ret = gmlake_stream_destroy(t->sc->ctx, t->stream);
 	if (ret)
 		fail("thread %d: stream_destroy: %d (%s)", t->id, ret,
@@ -406,6 +588,9 @@ static int sctx_open(struct sctx *sc, size_t capacity)
 	if (ret)
 		return ret;
 	cfg.emu_capacity = capacity;
+	cfg.small_size = STRESS_SMALL;
+	/* Less host memory than the device's: some spills find no room. */
+	cfg.host_limit = capacity / 2;
 	cfg.show_stats = false;
 	return gmlake_ctx_init(&sc->ctx, &cfg);
 }
@@ -417,13 +602,21 @@ static void sctx_drain(struct sctx *sc, uint8_t *buf)
 	struct gmlake_stats st;
 	int ret;
 
+	ret = gmlake_offload_init(&t.ring, sc->ctx, 1, 0);
+	if (ret) {
+		fail("offload_init: %d (%s)", ret, gmlake_last_error());
+		return;
+	}
 	for (int k = 0; k < STRESS_SLOTS; k++) {
 		struct sblock b = sc->slot[k];
 
 		sc->slot[k].p = NULL;
-		if (b.p && !verify(&t, &b, NULL))
-			do_free(&t, &b);
+		if (b.p)
+			check_free(&t, &b, NULL);
 	}
+	ret = gmlake_offload_exit(&t.ring);
+	if (ret)
+		fail("offload_exit: %d (%s)", ret, gmlake_last_error());
 	ret = gml_ctx_check(sc->ctx);
 	if (ret)
 		fail("gml_ctx_check: %d (%s)", ret, gmlake_last_error());
@@ -431,10 +624,13 @@ static void sctx_drain(struct sctx *sc, uint8_t *buf)
 	st.version = GMLAKE_STATS_VERSION;
 	st.size = sizeof(st);
 	ret = gmlake_stats_get(sc->ctx, &st);
-	if (ret || st.active_blocks.current || st.requested_bytes.current)
+	if (ret || st.active_blocks.current || st.requested_bytes.current ||
+	    st.spilled_blocks.current || st.host_bytes.current)
 		fail("after a phase: stats %d, %" PRId64 " blocks, %" PRId64
-		     " bytes live", ret, st.active_blocks.current,
-		     st.requested_bytes.current);
+		     " bytes live, %" PRId64 " blocks and %" PRId64 " bytes on "
+		     "the host", ret, st.active_blocks.current,
+		     st.requested_bytes.current, st.spilled_blocks.current,
+		     st.host_bytes.current);
 }
 
 static void sctx_close(struct sctx *sc)
@@ -569,11 +765,19 @@ int main(int argc, char **argv)
 	printf("stress: %d threads, scale %d, %d rounds: %" PRIu64
 	       " operations (%" PRIu64 " allocs, %" PRIu64 " frees, %" PRIu64
 	       " cross-stream frees, %" PRIu64 " record_stream, %" PRIu64
-	       " trims, %" PRIu64 " out of memory), %" PRIu64
-	       " MiB checked, in %.1f s: %s\n", threads, scale, iters,
+	       " trims, %" PRIu64 " out of memory; %" PRIu64 " spills and %"
+	       PRIu64 " fetches, %" PRIu64 " spills over the host budget, %"
+	       PRIu64 " spills of blocks sharing chunks, %"
+	       PRIu64 " fetches with no room, %" PRIu64 " small blocks "
+	       "refused, %" PRIu64 " spilled blocks freed as they were), %"
+	       PRIu64 " MiB checked, in %.1f s: %s\n", threads, scale, iters,
 	       (uint64_t)n_ops,
 	       (uint64_t)n_alloc, (uint64_t)n_free, (uint64_t)n_cross,
 	       (uint64_t)n_record, (uint64_t)n_trim, (uint64_t)n_oom,
+	       (uint64_t)n_spill, (uint64_t)n_fetch, (uint64_t)n_spill_oom,
+	       (uint64_t)n_spill_busy,
+	       (uint64_t)n_fetch_oom, (uint64_t)n_unmovable,
+	       (uint64_t)n_free_spilled,
 	       (uint64_t)(n_bytes >> 20), secs,
 	       atomic_load(&failed) ? "FAILED" : "ok");
 	return atomic_load(&failed) ? 1 : 0;

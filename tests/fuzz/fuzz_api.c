@@ -18,29 +18,84 @@
  * freed and trimmed, and the device must hold nothing: no chunk, mapping
  * or device byte; LeakSanitizer checks host memory.
  *
- * Adding an operation (spill and fetch, when the offload manager lands):
- * write op_NAME(struct fz *f, struct fz_in *in) and put it in a free slot
- * of fz_ops[]; slots keep their numbers so that saved inputs keep meaning.
+ * The offload manager (slots "offload submit" and "offload reap"): the
+ * first of them sets up a ring on the context (1 to 8 entries, in place or
+ * not; the host budget cfg.host_limit and a device limit cfg.device_limit,
+ * both small against the capacity, are chosen then, so the context header
+ * keeps its bytes). Spills, fetches and prefetches of live blocks (small
+ * ones must complete with -EOPNOTSUPP), requests on freed, interior or host
+ * pointers, NULL and unknown opcodes, NOPs, batches up to a full
+ * submission queue, peeks and waits for completions, gmlake_advise and
+ * allocations that spill offloadable blocks automatically, the ring torn
+ * down and set up again. The target tracks every request: submit must
+ * take exactly the entries the completion queue has room for, each
+ * completion must be one its request allows (0, -ENOMEM from the host
+ * budget or a full device, -EBUSY when another request moves the block or,
+ * for a spill, a stitched range in use shares its chunks; any errno under
+ * a fault), and a block with nothing in flight must be
+ * resident or spilled as its last completion says. Copies to a block that
+ * is not on the device must fail with -EFAULT and never succeed; a block
+ * with a request in flight is freed only by an attempt that may say
+ * -EBUSY (the block stays) or 0 (its requests then end with -EINVAL or
+ * their result). At the end every completion is reaped, every spilled
+ * block is fetched back and its bytes checked.
+ *
+ * Adding an operation: write op_NAME(struct fz *f, struct fz_in *in) and
+ * put it in a free slot of fz_ops[] (none is left: give an existing slot
+ * sub-operations instead, as the offload slots do); slots keep their
+ * numbers so that saved inputs keep meaning.
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdbool.h>
 
 #include "fuzz.h"
 #include "gmlake.h"
+#include "gmlake-offload.h"
 #include "ctx.h"
 #include "drv.h"
+#include "types.h"
 
 #define FZ_BLOCKS  64
 #define FZ_STREAMS 5	/* the default stream and up to 4 created */
 #define FZ_FREED   16	/* recently freed pointers, for double frees */
 #define FZ_MAX_OPS 512
+#define FZ_REQS    32	/* offload requests not yet reaped: 8 + 2 * 8 */
 
 struct fz_blk {
 	void *p;
 	size_t size;
 	uint64_t seed;
 	int s;		/* stream index it is used on */
+	/* Offload: */
+	int npend;	/* requests naming it, not yet reaped */
+	bool multi;	/* more than one of them at once since npend was 0 */
+	bool spilled;	/* on the host (exact while npend is 0 and it is
+			   not offloadable; offloadable ones may spill) */
+	bool offloadable;
+	uint8_t last_op;	/* the last request to complete, and how */
+	int last_res;
+	bool last_relaxed;
+};
+
+/* What a request names. */
+enum fz_req_kind {
+	FZ_REQ_BLOCK,	/* a live block (small: -EOPNOTSUPP) */
+	FZ_REQ_BAD,	/* no live block's start: -EINVAL */
+	FZ_REQ_NOP,	/* 0 */
+	FZ_REQ_INVAL,	/* NULL address or unknown opcode: -EINVAL */
+};
+
+struct fz_req {
+	uint64_t tag;
+	void *p;
+	uint8_t op;
+	int kind;
+	bool small;
+	bool submitted;
+	bool relaxed;	/* a fault was armed while it was in flight */
+	bool freed;	/* its block was freed while it was in flight */
 };
 
 struct fz {
@@ -56,6 +111,14 @@ struct fz {
 	uint64_t seeds;
 	bool relaxed;	/* a fault is armed: any call may fail */
 	const char *op;	/* the operation running, for messages */
+	/* Offload: */
+	bool ring_live;
+	struct gmlake_offload ring;
+	unsigned entries;	/* the ring's, rounded up */
+	bool off_setup;		/* limits chosen, manager started */
+	struct fz_req req[FZ_REQS];
+	int nreq;
+	uint64_t tags;
 };
 
 /* ---------------------------------------------------------------------- */
@@ -147,11 +210,45 @@ static bool is_live_start(struct fz *f, const void *p)
 	return false;
 }
 
-/* Read [off, off+len) of block i back and compare with its pattern. */
-static void verify(struct fz *f, int i, size_t off, size_t len, int s)
+/*
+ * A copy on block i returned ret: true when that is -EFAULT and allowed
+ * because the block is not on the device (spilled, moving, or spilled
+ * automatically, being offloadable).
+ */
+static bool not_on_device(struct fz *f, int i, int ret)
+{
+	struct fz_blk *b = &f->blk[i];
+	int st;
+
+	if (ret != -EFAULT)
+		return false;
+	if (b->npend)
+		return true;
+	if (!b->spilled && !b->offloadable)
+		return false;	/* the caller's expect() fails */
+	st = gmlake_offload_state(f->ctx, b->p);
+	if (st != GMLAKE_BLOCK_SPILLED)
+		fz_fail("%s: a copy on block %p said -EFAULT, its state is %d",
+			f->op, b->p, st);
+	b->spilled = true;
+	return true;
+}
+
+/* A copy on block i worked: it must have been on the device. */
+static void on_device(struct fz *f, int i)
+{
+	if (f->blk[i].spilled && !f->blk[i].npend)
+		fz_fail("%s: a copy on spilled block %p worked", f->op,
+			f->blk[i].p);
+}
+
+/* Read [off, off+len) of block i back and compare with its pattern;
+ * false when the block is not on the device (see not_on_device). */
+static bool verify(struct fz *f, int i, size_t off, size_t len, int s)
 {
 	struct fz_blk *b = &f->blk[i];
 	uint8_t *buf = malloc(len ? len : 1), *want = malloc(len ? len : 1);
+	bool done = false;
 	int ret;
 
 	if (!buf || !want)
@@ -159,12 +256,20 @@ static void verify(struct fz *f, int i, size_t off, size_t len, int s)
 	memset(buf, 0xa5, len);
 	ret = gmlake_memcpy_dtoh(f->ctx, buf, (uint8_t *)b->p + off, len,
 				 stream_of(f, s));
+	if (not_on_device(f, i, ret))
+		goto out;
 	expect(f, "gmlake_memcpy_dtoh", ret, 0);
 	/* A fault fires once: the second read must work. */
-	if (ret && gmlake_memcpy_dtoh(f->ctx, buf, (uint8_t *)b->p + off, len,
-				      stream_of(f, s)))
-		fz_fail("%s: the read failed twice: %s", f->op,
-			gmlake_last_error());
+	if (ret) {
+		ret = gmlake_memcpy_dtoh(f->ctx, buf, (uint8_t *)b->p + off,
+					 len, stream_of(f, s));
+		if (not_on_device(f, i, ret))
+			goto out;
+		if (ret)
+			fz_fail("%s: the read failed twice: %s", f->op,
+				gmlake_last_error());
+	}
+	on_device(f, i);
 	pat_fill(want, off, len, b->seed);
 	if (memcmp(buf, want, len)) {
 		size_t k = 0;
@@ -174,11 +279,15 @@ static void verify(struct fz *f, int i, size_t off, size_t len, int s)
 		fz_fail("%s: block %p (%zu bytes) corrupt at offset %zu",
 			f->op, b->p, b->size, off + k);
 	}
+	done = true;
+out:
 	free(want);
 	free(buf);
+	return done;
 }
 
-/* Write block i's pattern over [off, off+len). 0 or the copy's error. */
+/* Write block i's pattern over [off, off+len). 0 or the copy's error;
+ * 0 as well when the block is not on the device. */
 static int write_pattern(struct fz *f, int i, size_t off, size_t len, int s)
 {
 	struct fz_blk *b = &f->blk[i];
@@ -190,7 +299,13 @@ static int write_pattern(struct fz *f, int i, size_t off, size_t len, int s)
 	pat_fill(buf, off, len, b->seed);
 	ret = gmlake_memcpy_htod(f->ctx, (uint8_t *)b->p + off, buf, len,
 				 stream_of(f, s));
-	expect(f, "gmlake_memcpy_htod", ret, 0);
+	if (not_on_device(f, i, ret)) {
+		ret = 0;
+	} else {
+		expect(f, "gmlake_memcpy_htod", ret, 0);
+		if (!ret)
+			on_device(f, i);
+	}
 	free(buf);
 	return ret;
 }
@@ -278,6 +393,7 @@ static void op_alloc(struct fz *f, struct fz_in *in)
 		fz_fail("gmlake_block_size(%p): %d, %zu bytes, asked %zu", p,
 			ret, got, size);
 	b = &f->blk[f->n++];
+	memset(b, 0, sizeof(*b));
 	b->p = p;
 	b->size = size;
 	b->seed = ++f->seeds;
@@ -289,14 +405,17 @@ static void op_alloc(struct fz *f, struct fz_in *in)
 			gmlake_last_error());
 }
 
-static void op_free(struct fz *f, struct fz_in *in)
-{
-	int i = pick_block(f, in), ret;
-	size_t sz;
+static void off_free_busy(struct fz *f, struct fz_in *in, int i);
+static void off_fetch_sync(struct fz *f, int i);
 
-	if (i < 0)
-		return;
-	verify(f, i, 0, f->blk[i].size, f->blk[i].s);
+/* Check block i's bytes (when it is on the device) and free it. */
+static void free_block(struct fz *f, int i)
+{
+	size_t sz;
+	int ret;
+
+	if (!f->blk[i].spilled)
+		verify(f, i, 0, f->blk[i].size, f->blk[i].s);
 	ret = gmlake_free(f->ctx, f->blk[i].p);
 	check(f);
 	expect(f, "gmlake_free", ret, 0);
@@ -311,6 +430,23 @@ static void op_free(struct fz *f, struct fz_in *in)
 			f->blk[i].p);
 	if (ret)
 		forget_block(f, i);
+}
+
+/* A block with requests in flight is freed only by off_free_busy; a
+ * spilled one is freed as it is, or fetched back and checked first. */
+static void op_free(struct fz *f, struct fz_in *in)
+{
+	int i = pick_block(f, in);
+
+	if (i < 0)
+		return;
+	if (f->blk[i].npend) {
+		off_free_busy(f, in, i);
+		return;
+	}
+	if (f->blk[i].spilled && fz_u8(in) & 1)
+		off_fetch_sync(f, i);
+	free_block(f, i);
 }
 
 /* Pointers that are no live block's start: each free must say -EINVAL. */
@@ -537,6 +673,713 @@ static void op_fault(struct fz *f, struct fz_in *in)
 	uint64_t nth = 1 + fz_pick(in, 8);
 
 	gml_dev_fail_nth(f->dev, kind, nth, fz_u8(in) & 1 ? EIO : ENOMEM);
+	/* The engine thread may meet it while it runs these. */
+	for (int k = 0; k < f->nreq; k++)
+		f->req[k].relaxed = true;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Offload: a ring on the context, and a model of its requests.           */
+
+static int find_block(struct fz *f, const void *p)
+{
+	for (int i = 0; i < f->n; i++)
+		if (f->blk[i].p == p)
+			return i;
+	return -1;
+}
+
+static bool is_small(struct fz *f, int i)
+{
+	return f->blk[i].size < f->small;
+}
+
+/* Spilled blocks first, when there are any: they are what fetches want. */
+static int pick_spilled(struct fz *f, struct fz_in *in)
+{
+	int idx[FZ_BLOCKS], n = 0;
+
+	for (int i = 0; i < f->n; i++)
+		if (f->blk[i].spilled)
+			idx[n++] = i;
+	if (!n)
+		return pick_block(f, in);
+	return idx[fz_pick(in, (unsigned)n)];
+}
+
+/*
+ * The first offload operation chooses the host budget (none, a quarter,
+ * half or all of the device's capacity, or four times it) and a device
+ * limit (none, or 7/8, 3/4, 5/8 of the capacity) before the manager
+ * starts, the way gmlake_torch's memory fraction sets the limit of a
+ * running context; then the ring: 1 to 8 entries, in place or not.
+ */
+static bool off_ring(struct fz *f, struct fz_in *in)
+{
+	unsigned entries, flags;
+	int ret;
+
+	if (f->ring_live)
+		return true;
+	if (!f->off_setup) {
+		unsigned h = fz_pick(in, 5), d = fz_pick(in, 4);
+		size_t host = h == 0 ? 0 : h == 4 ? 4 * f->capacity :
+			      f->capacity >> (3 - h);
+
+		pthread_mutex_lock(&f->ctx->lock);
+		f->ctx->cfg.host_limit = host;
+		f->ctx->cfg.device_limit = d ? f->capacity - d * f->capacity / 8
+					     : 0;
+		pthread_mutex_unlock(&f->ctx->lock);
+		f->off_setup = true;
+	}
+	entries = 1u << fz_pick(in, 4);
+	flags = fz_u8(in) % 4 == 0 ? GMLAKE_OFFLOAD_INPLACE : 0;
+	ret = gmlake_offload_init(&f->ring, f->ctx, entries, flags);
+	check(f);
+	expect(f, "gmlake_offload_init", ret, 0);
+	if (ret)
+		return false;
+	f->ring_live = true;
+	f->entries = entries;
+	return true;
+}
+
+static int off_count(struct fz *f, bool submitted)
+{
+	int n = 0;
+
+	for (int k = 0; k < f->nreq; k++)
+		n += f->req[k].submitted == submitted;
+	return n;
+}
+
+/* A submission entry: NULL exactly when the submission queue is full. */
+static struct gmlake_offload_sqe *off_sqe(struct fz *f)
+{
+	struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(&f->ring);
+	int queued = off_count(f, false);
+
+	check(f);
+	if (!sqe != (queued == (int)f->entries))
+		fz_fail("%s: get_sqe gave %p with %d of %u entries queued",
+			f->op, (void *)sqe, queued, f->entries);
+	if (sqe && f->nreq == FZ_REQS)
+		fz_fail("%s: more than %d requests", f->op, FZ_REQS);
+	return sqe;
+}
+
+static struct fz_req *off_prep(struct fz *f, struct gmlake_offload_sqe *sqe,
+			       uint8_t op, void *p, int kind, bool inplace)
+{
+	struct fz_req *r = &f->req[f->nreq++];
+
+	memset(r, 0, sizeof(*r));
+	r->tag = ++f->tags;
+	r->p = p;
+	r->op = op;
+	r->kind = kind;
+	r->relaxed = f->relaxed;
+	switch (op) {
+	case GMLAKE_OFFLOAD_SPILL:
+		gmlake_offload_prep_spill(sqe, p);
+		break;
+	case GMLAKE_OFFLOAD_FETCH:
+		gmlake_offload_prep_fetch(sqe, p);
+		break;
+	case GMLAKE_OFFLOAD_PREFETCH:
+		gmlake_offload_prep_prefetch(sqe, p);
+		break;
+	default:
+		sqe->opcode = op;
+		sqe->addr = (uint64_t)(uintptr_t)p;
+		break;
+	}
+	if (inplace)
+		sqe->flags |= GMLAKE_OFFLOAD_SQE_INPLACE;
+	gmlake_offload_sqe_set_data(sqe, r->tag);
+	if (kind == FZ_REQ_BLOCK) {
+		int i = find_block(f, p);
+
+		r->small = is_small(f, i);
+		if (f->blk[i].npend++)
+			f->blk[i].multi = true;
+	}
+	return r;
+}
+
+/* Submit: it must take exactly the entries the completion queue has
+ * room for, or say -EBUSY when it has none. */
+static int off_submit(struct fz *f)
+{
+	int queued = off_count(f, false), busy = off_count(f, true);
+	int room = 2 * (int)f->entries - busy, want, ret;
+
+	want = queued < room ? queued : room;
+	ret = gmlake_offload_submit(&f->ring);
+	check(f);
+	if (queued && !want)
+		expect(f, "gmlake_offload_submit (completion queue full)", ret,
+		       -EBUSY);
+	else
+		expect(f, "gmlake_offload_submit", ret, want);
+	for (int k = 0, n = ret; k < f->nreq && n > 0; k++) {
+		if (f->req[k].submitted)
+			continue;
+		f->req[k].submitted = true;
+		n--;
+	}
+	return ret;
+}
+
+/* Block i has nothing in flight any more: where is it? */
+static void off_settle(struct fz *f, int i)
+{
+	struct fz_blk *b = &f->blk[i];
+	int st = gmlake_offload_state(f->ctx, b->p);
+
+	if (st != GMLAKE_BLOCK_RESIDENT && st != GMLAKE_BLOCK_SPILLED)
+		fz_fail("%s: block %p is in state %d with nothing in flight",
+			f->op, b->p, st);
+	if (is_small(f, i) && st != GMLAKE_BLOCK_RESIDENT)
+		fz_fail("%s: small block %p in state %d", f->op, b->p, st);
+	if (!is_small(f, i) && !b->multi && !b->last_relaxed) {
+		bool spill = b->last_op == GMLAKE_OFFLOAD_SPILL, want;
+
+		/* -EBUSY without another request: a spill of a block whose
+		 * chunks a stitched range in use maps as well. */
+		if (b->last_res == -EBUSY && !spill)
+			fz_fail("%s: fetch of %p: -EBUSY with no other request",
+				f->op, b->p);
+		/* A failed spill leaves the block on the device, a failed
+		 * fetch on the host; an offloadable one may spill anyway. */
+		want = spill == (b->last_res == 0);
+		if (want != (st == GMLAKE_BLOCK_SPILLED) &&
+		    !(b->offloadable && st == GMLAKE_BLOCK_SPILLED))
+			fz_fail("%s: block %p is in state %d after a %s that "
+				"said %d", f->op, b->p, st, spill ? "spill" :
+				"fetch", b->last_res);
+	}
+	b->spilled = st == GMLAKE_BLOCK_SPILLED;
+	b->multi = false;
+	b->last_relaxed = false;
+}
+
+static const char *op_name(uint8_t op)
+{
+	switch (op) {
+	case GMLAKE_OFFLOAD_NOP: return "nop";
+	case GMLAKE_OFFLOAD_SPILL: return "spill";
+	case GMLAKE_OFFLOAD_FETCH: return "fetch";
+	case GMLAKE_OFFLOAD_PREFETCH: return "prefetch";
+	default: return "unknown opcode";
+	}
+}
+
+/* Request k completed with res: one its request allows? */
+static void off_complete(struct fz *f, int k, int res)
+{
+	struct fz_req r = f->req[k];
+	bool ok;
+
+	memmove(&f->req[k], &f->req[k + 1],
+		(size_t)(f->nreq - k - 1) * sizeof(f->req[0]));
+	f->nreq--;
+	switch (r.kind) {
+	case FZ_REQ_NOP:
+		ok = res == 0;
+		break;
+	case FZ_REQ_BAD:
+	case FZ_REQ_INVAL:
+		ok = res == -EINVAL;
+		break;
+	default:
+		if (r.small)
+			ok = res == -EOPNOTSUPP;
+		else
+			ok = res == 0 || res == -ENOMEM || res == -EBUSY;
+		ok |= r.freed && res == -EINVAL;
+		break;
+	}
+	if (res > 0 || res <= -4096 || (!ok && !(r.relaxed && res < 0)))
+		fz_fail("%s: %s of %p (request %d%s%s) completed with %d",
+			f->op, op_name(r.op), r.p, r.kind,
+			r.freed ? ", block freed" : "",
+			r.relaxed ? ", under a fault" : "", res);
+	if (r.kind == FZ_REQ_BLOCK && !r.freed) {
+		int i = find_block(f, r.p);
+
+		if (i < 0)
+			fz_fail("%s: a request's block %p is gone", f->op, r.p);
+		f->blk[i].last_op = r.op;
+		f->blk[i].last_res = res;
+		f->blk[i].last_relaxed |= r.relaxed;
+		if (!--f->blk[i].npend)
+			off_settle(f, i);
+	}
+}
+
+/* Reap one completion (wait: block for it); false when there was none. */
+static bool off_reap_one(struct fz *f, bool wait)
+{
+	struct gmlake_offload_cqe *cqe = NULL;
+	int busy = off_count(f, true), ret, res;
+	uint64_t tag;
+
+	ret = wait ? gmlake_offload_wait_cqe(&f->ring, &cqe) :
+		     gmlake_offload_peek_cqe(&f->ring, &cqe);
+	check(f);
+	if (ret == -EAGAIN) {
+		if (wait && busy)
+			fz_fail("%s: wait_cqe: -EAGAIN with %d requests "
+				"submitted", f->op, busy);
+		return false;
+	}
+	if (ret || !cqe)
+		fz_fail("%s: %s_cqe: %d (%s)", f->op, wait ? "wait" : "peek",
+			ret, gmlake_last_error());
+	tag = gmlake_offload_cqe_get_data(cqe);
+	res = cqe->res;
+	if (cqe->flags)
+		fz_fail("%s: completion flags %#x", f->op, cqe->flags);
+	gmlake_offload_cqe_seen(&f->ring, cqe);
+	check(f);
+	for (int k = 0; k < f->nreq; k++) {
+		if (f->req[k].tag != tag)
+			continue;
+		if (!f->req[k].submitted)
+			fz_fail("%s: a completion for request %" PRIu64
+				" not submitted", f->op, tag);
+		off_complete(f, k, res);
+		return true;
+	}
+	fz_fail("%s: a completion for unknown request %" PRIu64, f->op, tag);
+}
+
+/* Submit and reap until request tag is done. */
+static void off_wait_for(struct fz *f, uint64_t tag)
+{
+	for (;;) {
+		int k = 0;
+
+		while (k < f->nreq && f->req[k].tag != tag)
+			k++;
+		if (k == f->nreq)
+			return;
+		if (!f->req[k].submitted && off_submit(f) > 0)
+			continue;
+		off_reap_one(f, true);
+	}
+}
+
+/* Everything submitted and reaped. */
+static void off_drain(struct fz *f)
+{
+	while (f->nreq)
+		off_wait_for(f, f->req[0].tag);
+}
+
+/* Spill, fetch or prefetch of a live block (small: -EOPNOTSUPP); the
+ * entry is submitted at once, or left for a later submit. */
+static void off_block_req(struct fz *f, struct fz_in *in, uint8_t op)
+{
+	int i = op == GMLAKE_OFFLOAD_SPILL ? pick_block(f, in) :
+					     pick_spilled(f, in);
+	bool inplace = fz_u8(in) % 4 == 0, now = fz_u8(in) % 4 != 0;
+	struct gmlake_offload_sqe *sqe;
+
+	if (i < 0)
+		return;
+	sqe = off_sqe(f);
+	if (sqe)
+		off_prep(f, sqe, op, f->blk[i].p, FZ_REQ_BLOCK,
+			 inplace && op == GMLAKE_OFFLOAD_SPILL);
+	if (now || !sqe)
+		off_submit(f);
+}
+
+/* Entries that must fail (or, NOP, do nothing), each waited for at once:
+ * a freed pointer may not be handed out again while it is in flight. */
+static void off_bad_req(struct fz *f, struct fz_in *in)
+{
+	unsigned k = fz_pick(in, 6);
+	uint32_t v = fz_u32(in);
+	int i = pick_block(f, in), kind = FZ_REQ_BAD;
+	uint8_t op = (uint8_t)(1 + fz_pick(in, 3));
+	struct gmlake_offload_sqe *sqe;
+	void *p;
+
+	switch (k) {
+	case 0:
+		if (!f->nfreed)
+			return;
+		p = f->freed[v % (f->nfreed < FZ_FREED ? f->nfreed : FZ_FREED)];
+		break;
+	case 1:
+		if (i < 0 || f->blk[i].size < 2)
+			return;
+		p = (uint8_t *)f->blk[i].p + 1 + v % (f->blk[i].size - 1);
+		break;
+	case 2:
+		p = &f->tags;		/* host memory */
+		break;
+	case 3:
+		p = NULL;
+		kind = FZ_REQ_INVAL;
+		break;
+	case 4:
+		p = i >= 0 ? f->blk[i].p : NULL;
+		op = GMLAKE_OFFLOAD_NOP;
+		kind = FZ_REQ_NOP;
+		break;
+	default:
+		p = i >= 0 ? f->blk[i].p : &f->tags;
+		op = (uint8_t)(GMLAKE_OFFLOAD_PREFETCH + 1 + v % 250);
+		kind = FZ_REQ_INVAL;
+		break;
+	}
+	if (kind == FZ_REQ_BAD && is_live_start(f, p))
+		return;
+	sqe = off_sqe(f);
+	if (!sqe) {
+		off_submit(f);
+		return;
+	}
+	off_wait_for(f, off_prep(f, sqe, op, p, kind, false)->tag);
+}
+
+/* Up to a full submission queue of requests on live blocks, one submit. */
+static void off_batch(struct fz *f, struct fz_in *in)
+{
+	unsigned n = 1 + fz_pick(in, 2 * f->entries);
+
+	for (unsigned k = 0; k < n && f->n; k++) {
+		int i = pick_block(f, in);
+		uint8_t op = (uint8_t)(1 + fz_pick(in, 3));
+		struct gmlake_offload_sqe *sqe = off_sqe(f);
+
+		if (!sqe)
+			break;
+		off_prep(f, sqe, op, f->blk[i].p, FZ_REQ_BLOCK, false);
+	}
+	off_submit(f);
+}
+
+static void off_advise(struct fz *f, struct fz_in *in)
+{
+	int i = pick_block(f, in), ret, local = 0;
+	unsigned k = fz_pick(in, 4);
+
+	if (k == 3 || i < 0) {
+		expect(f, "gmlake_advise(bad advice)",
+		       i >= 0 ? gmlake_advise(f->ctx, f->blk[i].p, 7) : -EINVAL,
+		       -EINVAL);
+		expect(f, "gmlake_advise(host pointer)",
+		       gmlake_advise(f->ctx, &local, GMLAKE_ADVISE_OFFLOADABLE),
+		       -EINVAL);
+		expect(f, "gmlake_advise(NULL)",
+		       gmlake_advise(f->ctx, NULL, GMLAKE_ADVISE_OFFLOADABLE),
+		       -EINVAL);
+		check(f);
+		return;
+	}
+	if (k < 2) {
+		ret = gmlake_advise(f->ctx, f->blk[i].p,
+				    GMLAKE_ADVISE_OFFLOADABLE);
+		check(f);
+		expect(f, "gmlake_advise(offloadable)", ret,
+		       is_small(f, i) ? -EOPNOTSUPP : 0);
+		if (!ret)
+			f->blk[i].offloadable = true;
+		return;
+	}
+	ret = gmlake_advise(f->ctx, f->blk[i].p, GMLAKE_ADVISE_NOT_OFFLOADABLE);
+	check(f);
+	expect(f, "gmlake_advise(not offloadable)", ret, 0);
+	if (ret)
+		return;
+	/* Nothing spills it behind our back now: learn where it is. */
+	f->blk[i].offloadable = false;
+	if (!f->blk[i].npend) {
+		int st = gmlake_offload_state(f->ctx, f->blk[i].p);
+
+		if (f->blk[i].spilled && st != GMLAKE_BLOCK_SPILLED)
+			fz_fail("%s: spilled block %p in state %d", f->op,
+				f->blk[i].p, st);
+		f->blk[i].spilled = st == GMLAKE_BLOCK_SPILLED;
+	}
+}
+
+/* Offloadable blocks, then an allocation that may spill them. */
+static void off_pressure(struct fz *f, struct fz_in *in)
+{
+	for (int i = 0; i < f->n; i++) {
+		int ret;
+
+		if (is_small(f, i) || !(fz_u8(in) & 1))
+			continue;
+		ret = gmlake_advise(f->ctx, f->blk[i].p,
+				    GMLAKE_ADVISE_OFFLOADABLE);
+		check(f);
+		expect(f, "gmlake_advise(offloadable)", ret, 0);
+		f->blk[i].offloadable |= ret == 0;
+	}
+	op_alloc(f, in);
+}
+
+/* A block's state against the model; the spilled counters. */
+static void off_state(struct fz *f, struct fz_in *in)
+{
+	int i = pick_block(f, in), local = 0, st, spilled = 0;
+	struct gmlake_stats stats;
+	bool exact = !f->nreq;
+
+	expect(f, "gmlake_offload_state(host pointer)",
+	       gmlake_offload_state(f->ctx, &local), -EINVAL);
+	expect(f, "gmlake_offload_state(NULL ctx)",
+	       gmlake_offload_state(NULL, &local), -EINVAL);
+	if (i >= 0) {
+		struct fz_blk *b = &f->blk[i];
+
+		st = gmlake_offload_state(f->ctx, b->p);
+		if (st < GMLAKE_BLOCK_RESIDENT || st > GMLAKE_BLOCK_FETCHING)
+			fz_fail("%s: gmlake_offload_state(%p): %d", f->op,
+				b->p, st);
+		if (!b->npend) {
+			bool sp = st == GMLAKE_BLOCK_SPILLED;
+
+			if (st != GMLAKE_BLOCK_RESIDENT && !sp)
+				fz_fail("%s: block %p in state %d with nothing "
+					"in flight", f->op, b->p, st);
+			if (sp != b->spilled && !(sp && b->offloadable))
+				fz_fail("%s: block %p in state %d, spilled %d",
+					f->op, b->p, st, b->spilled);
+			b->spilled = sp;
+		}
+	}
+	for (int k = 0; k < f->n; k++) {
+		exact &= !f->blk[k].offloadable;
+		spilled += f->blk[k].spilled;
+	}
+	memset(&stats, 0, sizeof(stats));
+	stats.version = GMLAKE_STATS_VERSION;
+	stats.size = sizeof(stats);
+	if (gmlake_stats_get(f->ctx, &stats))
+		fz_fail("gmlake_stats_get: %s", gmlake_last_error());
+	if (exact && stats.spilled_blocks.current != spilled)
+		fz_fail("%s: stats: %" PRId64 " blocks spilled, expected %d",
+			f->op, stats.spilled_blocks.current, spilled);
+	check(f);
+}
+
+/* Everything reaped, the ring torn down (twice: the second must fail),
+ * bad set-ups refused, and a new ring. */
+static void off_reinit(struct fz *f, struct fz_in *in)
+{
+	int ret;
+
+	off_drain(f);
+	ret = gmlake_offload_exit(&f->ring);
+	check(f);
+	expect(f, "gmlake_offload_exit", ret, 0);
+	if (ret)
+		return;
+	f->ring_live = false;
+	expect(f, "gmlake_offload_exit(again)",
+	       gmlake_offload_exit(&f->ring), -EINVAL);
+	if (gmlake_offload_get_sqe(&f->ring))
+		fz_fail("%s: get_sqe on a ring that was torn down", f->op);
+	expect(f, "gmlake_offload_submit(torn down)",
+	       gmlake_offload_submit(&f->ring), -EINVAL);
+	expect(f, "gmlake_offload_init(0 entries)",
+	       gmlake_offload_init(&f->ring, f->ctx, 0, 0), -EINVAL);
+	expect(f, "gmlake_offload_init(4097 entries)",
+	       gmlake_offload_init(&f->ring, f->ctx, 4097, 0), -EINVAL);
+	expect(f, "gmlake_offload_init(bad flags)",
+	       gmlake_offload_init(&f->ring, f->ctx, 4, 1u << 7), -EINVAL);
+	expect(f, "gmlake_offload_init(NULL ctx)",
+	       gmlake_offload_init(&f->ring, NULL, 4, 0), -EINVAL);
+	check(f);
+	off_ring(f, in);
+}
+
+/* Free block i while requests on it are in flight (or leave it): -EBUSY
+ * keeps it; 0 ends it, and its requests are reaped at once, before the
+ * address can be handed out again. */
+static void off_free_busy(struct fz *f, struct fz_in *in, int i)
+{
+	void *p = f->blk[i].p;
+	size_t sz = 0;
+	int ret;
+
+	if (fz_u8(in) & 1)
+		return;
+	ret = gmlake_free(f->ctx, p);
+	check(f);
+	if (ret == -EBUSY || (ret && f->relaxed)) {
+		if (ret != -EBUSY)
+			failure_ok(f, "gmlake_free", ret);
+		ret = gmlake_block_size(f->ctx, p, &sz);
+		if (ret == 0 && sz != f->blk[i].size)
+			fz_fail("block %p changed size after a failed free", p);
+		if (ret == 0)
+			return;
+	} else if (ret) {
+		fz_fail("%s: gmlake_free of a block in flight: %d (%s)", f->op,
+			ret, gmlake_last_error());
+	}
+	for (int k = 0; k < f->nreq; k++)
+		if (f->req[k].kind == FZ_REQ_BLOCK && f->req[k].p == p)
+			f->req[k].freed = true;
+	forget_block(f, i);
+	for (int k = 0; k < f->nreq;) {
+		if (f->req[k].freed) {
+			off_wait_for(f, f->req[k].tag);
+			k = 0;
+		} else {
+			k++;
+		}
+	}
+}
+
+/* Fetch block i back and wait for it (its completion updates it). */
+static void off_fetch_sync(struct fz *f, int i)
+{
+	struct gmlake_offload_sqe *sqe;
+
+	while (!(sqe = off_sqe(f))) {
+		/* The queue is full of entries that found no room. */
+		if (off_submit(f) <= 0)
+			off_reap_one(f, true);
+	}
+	off_wait_for(f, off_prep(f, sqe, GMLAKE_OFFLOAD_FETCH, f->blk[i].p,
+				 FZ_REQ_BLOCK, false)->tag);
+}
+
+/* Slot "offload submit". */
+static void op_off_submit(struct fz *f, struct fz_in *in)
+{
+	unsigned what = fz_pick(in, 8);
+
+	if (!off_ring(f, in))
+		return;
+	switch (what) {
+	case 0:
+	case 1:
+	case 2:
+		off_block_req(f, in, GMLAKE_OFFLOAD_SPILL);
+		break;
+	case 3:
+		off_block_req(f, in, fz_u8(in) & 1 ? GMLAKE_OFFLOAD_FETCH :
+				     GMLAKE_OFFLOAD_PREFETCH);
+		break;
+	case 4:
+		off_bad_req(f, in);
+		break;
+	case 5:
+		off_advise(f, in);
+		break;
+	case 6:
+		off_batch(f, in);
+		break;
+	default:
+		off_pressure(f, in);
+		break;
+	}
+}
+
+/* Slot "offload reap". */
+static void op_off_reap(struct fz *f, struct fz_in *in)
+{
+	unsigned what = fz_pick(in, 8), n;
+
+	if (!off_ring(f, in))
+		return;
+	switch (what) {
+	case 0:
+	case 1:
+		off_block_req(f, in, GMLAKE_OFFLOAD_FETCH);
+		break;
+	case 2:
+		off_block_req(f, in, GMLAKE_OFFLOAD_PREFETCH);
+		break;
+	case 3:
+	case 4:
+		n = 1 + fz_pick(in, 4);
+		while (n-- && off_reap_one(f, false))
+			;
+		break;
+	case 5:
+		off_drain(f);
+		break;
+	case 6:
+		off_state(f, in);
+		break;
+	default:
+		off_reinit(f, in);
+		break;
+	}
+}
+
+/* The end: nothing in flight, nothing offloadable, no device limit; the
+ * blocks on the device are checked and freed, then each spilled block is
+ * fetched back, checked and freed. */
+static void off_end(struct fz *f)
+{
+	if (!f->off_setup)
+		return;
+	if (f->ring_live)
+		off_drain(f);
+	for (int i = 0; i < f->n; i++) {
+		int st;
+
+		expect(f, "gmlake_advise(not offloadable)",
+		       gmlake_advise(f->ctx, f->blk[i].p,
+				     GMLAKE_ADVISE_NOT_OFFLOADABLE), 0);
+		f->blk[i].offloadable = false;
+		st = gmlake_offload_state(f->ctx, f->blk[i].p);
+		if (st != GMLAKE_BLOCK_SPILLED && st != GMLAKE_BLOCK_RESIDENT)
+			fz_fail("%s: block %p in state %d", f->op, f->blk[i].p,
+				st);
+		f->blk[i].spilled = st == GMLAKE_BLOCK_SPILLED;
+	}
+	check(f);
+	pthread_mutex_lock(&f->ctx->lock);
+	f->ctx->cfg.device_limit = 0;
+	pthread_mutex_unlock(&f->ctx->lock);
+	for (int i = f->n - 1; i >= 0; i--) {
+		if (f->blk[i].spilled)
+			continue;
+		if (!verify(f, i, 0, f->blk[i].size, f->blk[i].s))
+			fz_fail("%s: block %p is not on the device", f->op,
+				f->blk[i].p);
+		expect(f, "gmlake_free", gmlake_free(f->ctx, f->blk[i].p), 0);
+		forget_block(f, i);
+		check(f);
+	}
+	if (f->n && !f->ring_live) {
+		expect(f, "gmlake_offload_init",
+		       gmlake_offload_init(&f->ring, f->ctx, 4, 0), 0);
+		f->ring_live = true;
+		f->entries = 4;
+	}
+	while (f->n) {
+		off_fetch_sync(f, 0);
+		if (f->blk[0].spilled)
+			fz_fail("%s: block %p (%zu bytes) cannot be fetched "
+				"back: %d", f->op, f->blk[0].p, f->blk[0].size,
+				f->blk[0].last_res);
+		if (!verify(f, 0, 0, f->blk[0].size, f->blk[0].s))
+			fz_fail("%s: block %p is not on the device after its "
+				"fetch", f->op, f->blk[0].p);
+		expect(f, "gmlake_free", gmlake_free(f->ctx, f->blk[0].p), 0);
+		forget_block(f, 0);
+		check(f);
+	}
+	if (f->ring_live)
+		expect(f, "gmlake_offload_exit", gmlake_offload_exit(&f->ring),
+		       0);
+	f->ring_live = false;
 }
 
 struct fz_op {
@@ -560,8 +1403,8 @@ static const struct fz_op fz_ops[] = {
 	{ "stats", op_stats },
 	{ "fault", op_fault },
 	{ "alloc", op_alloc },
-	{ "spill (free slot: offload manager)", NULL },
-	{ "fetch (free slot: offload manager)", NULL },
+	{ "offload submit", op_off_submit },
+	{ "offload reap", op_off_reap },
 };
 #define FZ_NOPS (sizeof(fz_ops) / sizeof(fz_ops[0]))
 
@@ -605,6 +1448,7 @@ static void close_ctx(struct fz *f)
 	gml_dev_fail_nth(f->dev, -1, 0, 0);
 	f->relaxed = false;
 	f->op = "the end";
+	off_end(f);
 	while (f->n) {
 		verify(f, 0, 0, f->blk[0].size, f->blk[0].s);
 		expect(f, "gmlake_free", gmlake_free(f->ctx, f->blk[0].p), 0);
