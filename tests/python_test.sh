@@ -25,6 +25,18 @@ else
 	echo "note: $lib not built (--disable-shared?); library tests skip"
 	unset GMLAKE_LIBRARY
 fi
+# A library built with AddressSanitizer (configure --enable-sanitizer) needs
+# the ASan runtime loaded first, before python3's own libraries; Python's
+# interpreter keeps memory to the end, so leak reports are off here.
+if [ -n "${GMLAKE_LIBRARY:-}" ]; then
+	asan=$(ldd "$GMLAKE_LIBRARY" 2>/dev/null |
+		awk '$1 ~ /^libasan\.so/ { print $3 }')
+	if [ -n "$asan" ]; then
+		LD_PRELOAD="$asan${LD_PRELOAD:+ $LD_PRELOAD}"
+		ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+		export LD_PRELOAD ASAN_OPTIONS
+	fi
+fi
 GMLAKE_STATS_LAYOUT="$top_builddir/tests/stats_layout"
 GMLAKE_OFFLOAD_LAYOUT="$top_builddir/tests/offload_layout"
 GMLAKE_EMU_CAPACITY=512M
