@@ -7,7 +7,8 @@
 # man/SYMBOL.3 exists (a one-line ".so man3/OTHER.3" alias counts, and its
 # target is checked instead) and has the sections NAME, SYNOPSIS,
 # DESCRIPTION, RETURN VALUE and ERRORS. When the shared library has been
-# built, its dynamic symbol table must match the map both ways.
+# built, its dynamic symbol table must match the map both ways. gmlake(7)'s
+# EXAMPLES must be examples/example.c.
 #
 # Environment: srcdir (default: the directory above this script),
 # top_builddir (default: .). Exit 0 when all pass, 1 otherwise; the last
@@ -98,6 +99,19 @@ while read -r sym; do
 	fi
 	passed=$((passed + 1))
 done <"$tmp/map"
+
+# gmlake(7)'s EXAMPLES shows examples/example.c (tabs expanded, groff's
+# escapes for '-' and '\\'): the two must not drift apart.
+sed -n '/^\.SH EXAMPLES/,/^\.SH SEE ALSO/p' "$mandir/gmlake.7" |
+	sed -n '/^\.EX/,/^\.EE/p' | sed '1d;$d' |
+	sed 's/\\-/-/g; s/\\e/\\/g' >"$tmp/example.7"
+expand "$srcdir/examples/example.c" >"$tmp/example.c"
+if cmp -s "$tmp/example.7" "$tmp/example.c"; then
+	passed=$((passed + 1))
+else
+	fail "gmlake.7: EXAMPLES is not examples/example.c; diff:"
+	diff "$tmp/example.7" "$tmp/example.c" | head -20
+fi
 
 # Cross-check with what the built library really exports.
 if [ -f "$lib" ]; then
