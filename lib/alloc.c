@@ -3,7 +3,8 @@
  * Large blocks: chunks, views and the allocation policy.
  *
  * A request of n chunks is served, in order, by
- *   1. best fit among free runs of segments (split; no driver call),
+ *   1. first fit among free runs of segments: the oldest segment, the
+ *      lowest position (split; no driver call),
  *   2. best fit among free runs of cached stitched views (no driver call),
  *   3. repair of a cached stitched view: remap only its positions whose
  *      chunks are taken, when that costs well under a new stitch,
@@ -15,8 +16,14 @@
  *
  * Step 2 is what keeps steady-state training off the driver: a stitched
  * view built in one step is found again in the next, whole or in part,
- * because it takes part in best fit like any segment. Views that leave the
- * cache are unmapped only once the stream work that used them completed.
+ * because it takes part in best fit like any segment. Step 1's order is
+ * what keeps the views whole: each step's activations fill the oldest
+ * chunks from the bottom, in the same places whatever the batch's shape,
+ * so the chunks that stitched views hold above them are free again when
+ * the next step's large blocks come (best fit there scattered them over the
+ * small free runs the views are made of, and each new shape repaired the
+ * views). Views that leave the cache are unmapped only once the stream
+ * work that used them completed.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -186,6 +193,62 @@ static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 	}
 	if (found.view && (!best->view || found.len < best->len))
 		*best = found;
+}
+
+/*
+ * First usable run of at least n positions in segment v, lowest position
+ * first, into *found. Every usable run lies inside one free run.
+ */
+static void view_first_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+			   int stream, struct run *found)
+{
+	memset(found, 0, sizeof(*found));
+	if (v->maxfree == GML_RUN_UNKNOWN && !view_runs(v)) {
+		v->maxfree = GML_RUN_UNKNOWN;
+		return;		/* no host memory: skip v this time */
+	}
+	if (v->maxfree < n)
+		return;
+	for (uint32_t k = 0; k < v->nruns; k++) {
+		const struct gml_free_run *r = &v->runs[k];
+		uint32_t start = r->pos, len = 0;
+
+		if (r->len < n || (found->view && r->pos > found->pos))
+			continue;
+		if (ctx->nstreams == 1) {
+			*found = (struct run){ v, r->pos, r->len };
+			continue;
+		}
+		for (uint32_t i = r->pos; i < r->pos + r->len; i++) {
+			if (!usable(ctx, v->chunks[i], stream)) {
+				len = 0;
+				continue;
+			}
+			if (!len++)
+				start = i;
+			if (len == n)
+				break;
+		}
+		if (len == n && (!found->view || start < found->pos))
+			*found = (struct run){ v, start, r->len };
+	}
+}
+
+/* Step 1: the oldest segment with a usable run of n, its lowest one. */
+static bool first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
+		      struct run *first)
+{
+	struct run found;
+
+	memset(first, 0, sizeof(*first));
+	for (struct gml_view *v = ctx->segs; v; v = v->next) {
+		if (v->n < n)
+			continue;
+		view_first_fit(ctx, v, n, stream, &found);
+		if (found.view && (!first->view || v->seq < first->view->seq))
+			*first = found;
+	}
+	return first->view != NULL;
 }
 
 static bool best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
@@ -372,6 +435,7 @@ static int seg_create(gmlake_ctx *ctx, uint32_t n, struct gml_view **out)
 	ret = view_map(ctx, v);
 	if (ret)
 		goto out_discard;
+	v->seq = ++ctx->seg_seq;
 	list_add(&ctx->segs, v);
 	ctx->st.grows++;
 	*out = v;
@@ -500,7 +564,7 @@ static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
 /*
  * A new stitched view of n chunks: the free runs, smallest first, and a new
  * segment for the shortfall. Stitching maps no new physical memory. Small
- * runs go first so that large free runs stay whole for best fit: taking
+ * runs go first so that large free runs stay whole for step 1: taking
  * the largest first made big views overlap the segments that hold other
  * big blocks, and each step repaired them.
  */
@@ -761,7 +825,7 @@ static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
 	struct run r;
 	int ret;
 
-	if (best_fit(ctx, ctx->segs, n, stream, &r)) {
+	if (first_fit(ctx, n, stream, &r)) {
 		ctx->st.fits++;
 	} else if (best_fit(ctx, ctx->stitched, n, stream, &r)) {
 		ctx->st.stitch_reuses++;

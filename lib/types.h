@@ -85,6 +85,7 @@ struct gml_view {
 	uint32_t holes;			/* stitched: positions emptied by a
 					   spill (offload/) */
 	uint64_t last_use;		/* LRU clock of stitched views */
+	uint64_t seq;			/* segments: creation order */
 	struct gml_guard *guards;	/* last free per stream, for unmap */
 	uint32_t nguards;
 	struct gml_view *prev, *next;	/* ctx->segs or ctx->stitched */
@@ -166,6 +167,7 @@ struct gmlake_ctx {
 	struct gml_view *dying;		/* evicted, waiting for guards */
 	uint32_t nstitched;
 	uint64_t clock;
+	uint64_t seg_seq;		/* segments made so far */
 
 	gmlake_stream_t *created;	/* by gmlake_stream_create */
 	int ncreated, cap_created;

@@ -16,11 +16,9 @@ top_builddir=${top_builddir:-.}
 replay=$top_builddir/tools/gmlake-replay
 max_frag=${REPLAY_MAX_FRAG_PCT:-2.5}
 max_driver=${REPLAY_MAX_DRIVER_PCT:-1.0}
-# Traces that do not meet the driver goal yet, as name:ceiling. The ceiling
-# still fails the test on a regression; README says where each one stands.
-# recompute: the logits-sized blocks (780-1160 chunks) change shape between
-# steps, and the repairs of their stitched ranges cost about 1.7%.
-known_gaps=${REPLAY_KNOWN_GAPS:-recompute:2.0}
+# Traces that do not meet the driver goal yet, as name:ceiling (none now;
+# a ceiling still fails the test on a regression).
+known_gaps=${REPLAY_KNOWN_GAPS:-}
 
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
