@@ -50,6 +50,28 @@ static void list_add(struct gml_view **head, struct gml_view *v)
 	*head = v;
 }
 
+/* The newest segment: stitching and repairs take chunks from the top. */
+static struct gml_view *list_last(struct gml_view *head)
+{
+	while (head && head->next)
+		head = head->next;
+	return head;
+}
+
+/* At the end: segments stay in creation order, oldest first. */
+static void list_append(struct gml_view **head, struct gml_view *v)
+{
+	struct gml_view **link = head, *prev = NULL;
+
+	while (*link) {
+		prev = *link;
+		link = &prev->next;
+	}
+	v->prev = prev;
+	v->next = NULL;
+	*link = v;
+}
+
 static void list_del(struct gml_view **head, struct gml_view *v)
 {
 	if (v->prev)
@@ -234,21 +256,21 @@ static void view_first_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 	}
 }
 
-/* Step 1: the oldest segment with a usable run of n, its lowest one. */
+/*
+ * Step 1: the oldest segment with a usable run of n, its lowest one
+ * (ctx->segs is in creation order).
+ */
 static bool first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
 		      struct run *first)
 {
-	struct run found;
-
-	memset(first, 0, sizeof(*first));
 	for (struct gml_view *v = ctx->segs; v; v = v->next) {
 		if (v->n < n)
 			continue;
-		view_first_fit(ctx, v, n, stream, &found);
-		if (found.view && (!first->view || v->seq < first->view->seq))
-			*first = found;
+		view_first_fit(ctx, v, n, stream, first);
+		if (first->view)
+			return true;
 	}
-	return first->view != NULL;
+	return false;
 }
 
 static bool best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
@@ -435,8 +457,7 @@ static int seg_create(gmlake_ctx *ctx, uint32_t n, struct gml_view **out)
 	ret = view_map(ctx, v);
 	if (ret)
 		goto out_discard;
-	v->seq = ++ctx->seg_seq;
-	list_add(&ctx->segs, v);
+	list_append(&ctx->segs, v);
 	ctx->st.grows++;
 	*out = v;
 	return 0;
@@ -528,7 +549,7 @@ static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
 	size_t count = 0, cap = 0;
 
 	*nfree = 0;
-	for (struct gml_view *v = ctx->segs; v; v = v->next) {
+	for (struct gml_view *v = list_last(ctx->segs); v; v = v->prev) {
 		uint32_t start = 0, len = 0;
 
 		for (uint32_t i = 0; i <= v->n; i++) {
@@ -667,7 +688,8 @@ static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
 	uint32_t got = 0;
 
 	for (int pass = 0; pass < 2; pass++)
-		for (struct gml_view *s = ctx->segs; s && got < want; s = s->next)
+		for (struct gml_view *s = list_last(ctx->segs); s && got < want;
+		     s = s->prev)
 			for (uint32_t i = 0; i < s->n && got < want; i++) {
 				struct gml_chunk *c = s->chunks[i];
 

@@ -85,7 +85,6 @@ struct gml_view {
 	uint32_t holes;			/* stitched: positions emptied by a
 					   spill (offload/) */
 	uint64_t last_use;		/* LRU clock of stitched views */
-	uint64_t seq;			/* segments: creation order */
 	struct gml_guard *guards;	/* last free per stream, for unmap */
 	uint32_t nguards;
 	struct gml_view *prev, *next;	/* ctx->segs or ctx->stitched */
@@ -162,12 +161,11 @@ struct gmlake_ctx {
 	size_t dev_total;		/* device memory, for absurd sizes */
 	uint32_t chunk_shift;
 
-	struct gml_view *segs;		/* list of segments */
+	struct gml_view *segs;		/* segments, oldest first */
 	struct gml_view *stitched;	/* cached stitched views */
 	struct gml_view *dying;		/* evicted, waiting for guards */
 	uint32_t nstitched;
 	uint64_t clock;
-	uint64_t seg_seq;		/* segments made so far */
 
 	gmlake_stream_t *created;	/* by gmlake_stream_create */
 	int ncreated, cap_created;
