@@ -27,13 +27,14 @@ else
 fi
 # A library built with AddressSanitizer (configure --enable-sanitizer) needs
 # the ASan runtime loaded first, before python3's own libraries; Python's
-# interpreter keeps memory to the end, so leak reports are off here.
+# interpreter keeps memory to the end, so leak reports are off here (last,
+# so that it overrides the caller's ASAN_OPTIONS).
 if [ -n "${GMLAKE_LIBRARY:-}" ]; then
 	asan=$(ldd "$GMLAKE_LIBRARY" 2>/dev/null |
 		awk '$1 ~ /^libasan\.so/ { print $3 }')
 	if [ -n "$asan" ]; then
 		LD_PRELOAD="$asan${LD_PRELOAD:+ $LD_PRELOAD}"
-		ASAN_OPTIONS="detect_leaks=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+		ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
 		export LD_PRELOAD ASAN_OPTIONS
 	fi
 fi
