@@ -1034,22 +1034,46 @@ static int emu_event_destroy(void *priv, gml_event h)
 	return 0;
 }
 
+/*
+ * A new item of kind about event h for stream sh, with dev->lock taken
+ * and *s set; NULL with the lock let go and *err set when the memory, the
+ * event or the stream is missing.
+ */
+static struct emu_item *emu_item_for(struct emu_dev *dev, int kind,
+				     gml_event h, gmlake_stream_t sh,
+				     const char *op, struct emu_stream **s,
+				     int *err)
+{
+	struct emu_item *it = calloc(1, sizeof(*it));
+
+	if (!it) {
+		*err = gml_set_error(-ENOMEM, "emu: %s: out of host memory",
+				     op);
+		return NULL;
+	}
+	it->kind = kind;
+	pthread_mutex_lock(&dev->lock);
+	it->ev = emu_event_get(dev, h, op);
+	*s = emu_stream_get(dev, sh, op);
+	if (!it->ev || !*s) {
+		pthread_mutex_unlock(&dev->lock);
+		free(it);
+		*err = -EINVAL;
+		return NULL;
+	}
+	return it;
+}
+
 static int emu_event_record(void *priv, gml_event h, gmlake_stream_t sh)
 {
 	struct emu_dev *dev = priv;
-	struct emu_item *it = calloc(1, sizeof(*it));
+	struct emu_item *it;
 	struct emu_stream *s;
-	int ret = -EINVAL;
+	int ret;
 
+	it = emu_item_for(dev, EMU_ITEM_MARK, h, sh, "event_record", &s, &ret);
 	if (!it)
-		return gml_set_error(-ENOMEM,
-			"emu: event_record: out of host memory");
-	it->kind = EMU_ITEM_MARK;
-	pthread_mutex_lock(&dev->lock);
-	it->ev = emu_event_get(dev, h, "event_record");
-	s = emu_stream_get(dev, sh, "event_record");
-	if (!it->ev || !s)
-		goto out_unlock;
+		return ret;
 	/*
 	 * An idle stream reaches the marker at once, as an idle GPU does:
 	 * completing it here keeps runs without device work deterministic.
@@ -1073,18 +1097,15 @@ static int emu_event_record(void *priv, gml_event h, gmlake_stream_t sh)
 	it->ev->refs++;
 	pthread_mutex_unlock(&dev->ev_lock);
 	ret = emu_enqueue(s, it);
-	if (ret)
-		goto out_unrecord;
-	pthread_mutex_unlock(&dev->lock);
-	return 0;
-
-out_unrecord:
+	if (!ret) {
+		pthread_mutex_unlock(&dev->lock);
+		return 0;
+	}
 	/* Records happen under dev->lock only, so no later one exists. */
 	pthread_mutex_lock(&dev->ev_lock);
 	it->ev->rec_gen--;
 	it->ev->refs--;
 	pthread_mutex_unlock(&dev->ev_lock);
-out_unlock:
 	pthread_mutex_unlock(&dev->lock);
 	free(it);
 	return ret;
@@ -1203,34 +1224,25 @@ out_unlock:
 static int emu_stream_wait(void *priv, gmlake_stream_t sh, gml_event h)
 {
 	struct emu_dev *dev = priv;
-	struct emu_item *it = calloc(1, sizeof(*it));
+	struct emu_item *it;
 	struct emu_stream *s;
-	int ret = -EINVAL;
+	int ret;
 
+	it = emu_item_for(dev, EMU_ITEM_WAIT, h, sh, "stream_wait", &s, &ret);
 	if (!it)
-		return gml_set_error(-ENOMEM,
-			"emu: stream_wait: out of host memory");
-	it->kind = EMU_ITEM_WAIT;
-	pthread_mutex_lock(&dev->lock);
-	it->ev = emu_event_get(dev, h, "stream_wait");
-	s = emu_stream_get(dev, sh, "stream_wait");
-	if (!it->ev || !s)
-		goto out_unlock;
+		return ret;
 	pthread_mutex_lock(&dev->ev_lock);
 	it->gen = it->ev->rec_gen;
 	it->ev->refs++;
 	pthread_mutex_unlock(&dev->ev_lock);
 	ret = emu_enqueue(s, it);
-	if (ret) {
-		pthread_mutex_lock(&dev->ev_lock);
-		it->ev->refs--;
-		pthread_mutex_unlock(&dev->ev_lock);
-		goto out_unlock;
+	if (!ret) {
+		pthread_mutex_unlock(&dev->lock);
+		return 0;
 	}
-	pthread_mutex_unlock(&dev->lock);
-	return 0;
-
-out_unlock:
+	pthread_mutex_lock(&dev->ev_lock);
+	it->ev->refs--;
+	pthread_mutex_unlock(&dev->ev_lock);
 	pthread_mutex_unlock(&dev->lock);
 	free(it);
 	return ret;
