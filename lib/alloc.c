@@ -85,7 +85,7 @@ static void list_del(struct gml_view **head, struct gml_view *v)
 
 /*
  * A chunk changed owner or mapping: the longest free run of every view
- * that maps it must be found again. Best fit skips views whose known
+ * that maps it must be found again. The fits skip views whose known
  * longest run is too short, which keeps allocation from scanning every
  * chunk of every segment.
  */
@@ -150,6 +150,18 @@ static bool view_runs(struct gml_view *v)
 }
 
 /*
+ * Whether v's free runs are known (found again after a change) and the
+ * longest holds n. Without host memory to list them v is skipped this
+ * time, its runs still unknown.
+ */
+static bool view_may_fit(struct gml_view *v, uint32_t n)
+{
+	if (v->maxfree == GML_RUN_UNKNOWN && !view_runs(v))
+		return false;
+	return v->maxfree >= n;
+}
+
+/*
  * Smallest usable run of at least n positions inside the free run r of v,
  * lowest position first, into *found.
  */
@@ -189,11 +201,7 @@ static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 	struct run found = { 0 };
 	uint32_t lo = 0, hi;
 
-	if (v->maxfree == GML_RUN_UNKNOWN && !view_runs(v)) {
-		v->maxfree = GML_RUN_UNKNOWN;
-		return;		/* no host memory: skip v this time */
-	}
-	if (v->maxfree < n)
+	if (!view_may_fit(v, n))
 		return;
 	hi = v->nruns;
 	while (lo < hi) {
@@ -225,11 +233,7 @@ static void view_first_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			   int stream, struct run *found)
 {
 	memset(found, 0, sizeof(*found));
-	if (v->maxfree == GML_RUN_UNKNOWN && !view_runs(v)) {
-		v->maxfree = GML_RUN_UNKNOWN;
-		return;		/* no host memory: skip v this time */
-	}
-	if (v->maxfree < n)
+	if (!view_may_fit(v, n))
 		return;
 	for (uint32_t k = 0; k < v->nruns; k++) {
 		const struct gml_free_run *r = &v->runs[k];
