@@ -106,6 +106,10 @@ START_TEST(test_defaults)
 	ck_assert_uint_eq(cfg.stitch_min, 2 * TH_MiB);
 	ck_assert_int_eq(cfg.log_level, GMLAKE_LOG_WARN);
 	ck_assert(!cfg.show_stats);
+	ck_assert(cfg.publish);
+	ck_assert_uint_eq(cfg.device_limit, 0);
+	ck_assert_uint_eq(cfg.host_limit, 16 * TH_GiB);
+	ck_assert_int_eq(cfg.offload_engine, GMLAKE_OFFLOAD_ENGINE_NONE);
 	for (i = 0; i < 8; i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
 	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
@@ -126,6 +130,9 @@ static const struct size_opt {
 	  offsetof(struct gmlake_config, emu_capacity) },
 	{ "GMLAKE_EMU_GRANULARITY",
 	  offsetof(struct gmlake_config, emu_granularity) },
+	{ "GMLAKE_DEVICE_LIMIT",
+	  offsetof(struct gmlake_config, device_limit) },
+	{ "GMLAKE_HOST_LIMIT", offsetof(struct gmlake_config, host_limit) },
 };
 #define N_SIZE_OPTS ((int)(sizeof(size_opts) / sizeof(size_opts[0])))
 
@@ -324,6 +331,56 @@ START_TEST(test_show_stats)
 		ck_assert_msg(!cfg.show_stats, "GMLAKE_SHOW_STATS='%s'",
 			      bad[j]);
 		expect_warning(err, "GMLAKE_SHOW_STATS", bad[j]);
+	}
+}
+END_TEST
+
+START_TEST(test_publish)
+{
+	struct gmlake_config cfg;
+
+	expect_quiet(init_with("GMLAKE_PUBLISH", "off", &cfg),
+		     "GMLAKE_PUBLISH", "off");
+	ck_assert(!cfg.publish);
+	expect_quiet(init_with("GMLAKE_PUBLISH", "1", &cfg),
+		     "GMLAKE_PUBLISH", "1");
+	ck_assert(cfg.publish);
+	expect_warning(init_with("GMLAKE_PUBLISH", "sometimes", &cfg),
+		       "GMLAKE_PUBLISH", "sometimes");
+	ck_assert(cfg.publish);		/* the default stays */
+}
+END_TEST
+
+START_TEST(test_offload_engine)
+{
+	static const struct {
+		const char *s;
+		int v;
+	} good[] = {
+		{ "auto", GMLAKE_OFFLOAD_ENGINE_NONE },
+		{ "uring", GMLAKE_OFFLOAD_ENGINE_URING },
+		{ "io_uring", GMLAKE_OFFLOAD_ENGINE_URING },
+		{ "THREAD", GMLAKE_OFFLOAD_ENGINE_THREAD },
+	};
+	static const char *const bad[] = { "epoll", "1", "", "threads" };
+	struct gmlake_config cfg;
+	unsigned j;
+
+	for (j = 0; j < sizeof(good) / sizeof(good[0]); j++) {
+		char *err = init_with("GMLAKE_OFFLOAD_ENGINE", good[j].s, &cfg);
+
+		ck_assert_msg(cfg.offload_engine == good[j].v,
+			      "GMLAKE_OFFLOAD_ENGINE=%s gives %d", good[j].s,
+			      cfg.offload_engine);
+		expect_quiet(err, "GMLAKE_OFFLOAD_ENGINE", good[j].s);
+	}
+	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
+		char *err = init_with("GMLAKE_OFFLOAD_ENGINE", bad[j], &cfg);
+
+		ck_assert_msg(cfg.offload_engine == GMLAKE_OFFLOAD_ENGINE_NONE,
+			      "GMLAKE_OFFLOAD_ENGINE='%s' gives %d", bad[j],
+			      cfg.offload_engine);
+		expect_warning(err, "GMLAKE_OFFLOAD_ENGINE", bad[j]);
 	}
 }
 END_TEST
@@ -762,6 +819,8 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_backend);
 	tcase_add_test(tc, test_log_level);
 	tcase_add_test(tc, test_show_stats);
+	tcase_add_test(tc, test_publish);
+	tcase_add_test(tc, test_offload_engine);
 	tcase_add_test(tc, test_several);
 	suite_add_tcase(s, tc);
 
