@@ -47,8 +47,10 @@ STEPS = {"full": {"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
                    "gpt_save_on_cpu": 4, "gpt_offload": 4, "generate": 4}}
 WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu",
              "gpt_offload", "generate")
-SWEEP = {"full": dict(cap_gib=40.0, limit=256, steps=2),
-         "quick": dict(cap_gib=0.5, limit=256, steps=1)}
+# Capacity sweep: per workload, the memory cap; each trial is one round of
+# its sequence lengths at one batch (workloads.build_sweep).
+SWEEP = {"full": dict(caps_gib={"gpt_ckpt": 24.0, "lora": 12.0}, limit=256),
+         "quick": dict(caps_gib={"gpt_ckpt": 0.5, "lora": 0.5}, limit=64)}
 TIMEOUT = {"full": 480, "quick": 100}
 # Run only when named with --workloads: gpt_offload ran at --quick size on
 # an H200 but did not finish within 220 s at full size (not yet understood).
@@ -188,28 +190,37 @@ def run_workload(name, index, args, mem):
     return r
 
 
-def run_sweep(args, mem):
+def run_sweep(name, args, mem):
+    """The largest batch of workload `name` that fits under its cap."""
     import torch
     import workloads
     cfg = SWEEP[args.size]
     total = torch.cuda.get_device_properties(mem.device).total_memory
-    cap = min(int(cfg["cap_gib"] * benchlib.GiB), total)
+    cap = min(int(cfg["caps_gib"][name] * benchlib.GiB), total)
     # The same call for every allocator; libgmlake gets it through its
     # memory-fraction hook.
     torch.cuda.set_per_process_memory_fraction(cap / total, mem.device)
-    s = dict(allocator=args.allocator, cap_bytes=cap, trials=[],
-             limit=cfg["limit"], steps=cfg["steps"])
-    state = workloads.build_sweep(args.size, args.seed)
+    s = dict(workload=name, allocator=args.allocator, cap_bytes=cap,
+             trials=[], limit=cfg["limit"])
+    mem.reset()
+    state = None
+    try:
+        with guard(args.allocator):
+            state = workloads.build_sweep(name, args.size, args.seed)
+    except Exception as e:
+        s["error"] = "building %s: %s: %s" % (name, type(e).__name__,
+                                              str(e)[:1000])
+        return s
     s["seq"] = state["seq"]
     while True:
         b = benchlib.next_batch(s["trials"], cfg["limit"])
         if b is None:
             break
         fits = True
+        t0 = time.perf_counter()
         try:
             with guard(args.allocator):
-                for _ in range(cfg["steps"]):
-                    state["step"](b)
+                state["step"](b)
                 torch.cuda.synchronize()
         except Exception as e:
             if not is_oom(torch, e):
@@ -217,15 +228,22 @@ def run_sweep(args, mem):
                                                     str(e)[:1000])
                 break
             fits = False
+        # Every trial starts from an empty cache, as a fresh run would.
         state["reset"]()
-        gc.collect()
+        mem.reset()
         s["trials"].append((b, fits))
+        if os.environ.get("BENCH_VERBOSE"):
+            sys.stderr.write("bench: %s sweep %s batch %d: %s, %.1f s\n" % (
+                args.allocator, name, b, "fits" if fits else "out of memory",
+                time.perf_counter() - t0))
         if not cuda_ok(torch):
             s["cuda_broken"] = True
             break
     s["best"], s["failed"] = benchlib.sweep_summary(s["trials"])
     alloc, reserved, _ = mem.peaks()
     s.update(peak_allocated=alloc, peak_reserved=reserved)
+    del state
+    torch.cuda.set_per_process_memory_fraction(1.0, mem.device)
     return s
 
 
@@ -252,7 +270,11 @@ def child(args):
                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
                                                 "")))
     if args.child == "sweep":
-        emit("sweep", run_sweep(args, mem))
+        for name in args.workloads.split(","):
+            s = run_sweep(name, args, mem)
+            emit("sweep", s)
+            if s.get("cuda_broken"):
+                return 3
         return 0
     for item in args.workloads.split(","):
         index, name = item.split(":")
@@ -439,22 +461,22 @@ def main(argv=None):
     start = time.time()
     meta = dict(command=shown_command(sys.argv),
                 mode=args.size, library=shown_path(args.lib),
-                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                sweep_workload="gpt_plain (batch varies, sequence %s)" %
-                ("1024" if args.size == "full" else "512"),
-                sweep_steps=SWEEP[args.size]["steps"])
+                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
     notes, results, sweeps = [], [], []
     if not args.only_sweep:
         for a in allocators:
             results += run_allocator(args, a, names, meta, notes)
     if args.sweep or args.only_sweep:
+        todo = [n for n in SWEEP[args.size]["caps_gib"]
+                if not args.workloads or n in names]
         for a in allocators:
-            rc, out = run_child(args, a, "sweep", [])
+            rc, out = run_child(args, a, "sweep",
+                                ["--workloads", ",".join(todo)])
             got = [r for r in out if r["kind"] == "sweep"]
-            if got:
-                sweeps.append(got[0])
-            else:
-                notes.append("%s sweep: the child exited with %s" % (a, rc))
+            sweeps += got
+            if len(got) < len(todo):
+                notes.append("%s sweep: the child exited with %s after %d "
+                             "of %d workloads" % (a, rc, len(got), len(todo)))
     for r in results:
         if r.get("error"):
             notes.append("%s, %s: %s" % (benchlib.ALLOCATOR_NAMES.get(

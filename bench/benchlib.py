@@ -193,15 +193,18 @@ def offload_table(results):
     return markdown_table(OFFLOAD_HEADER, out)
 
 
-SWEEP_HEADER = ["allocator", "memory cap GiB", "largest batch that fits",
+SWEEP_HEADER = ["workload", "allocator", "memory cap GiB",
+                "sequence lengths", "largest batch that fits",
                 "first batch that failed", "trials"]
 
 
 def sweep_table(sweeps):
     rows = []
     for s in sweeps:
-        rows.append([ALLOCATOR_NAMES.get(s["allocator"], s["allocator"]),
+        rows.append([s.get("workload", "?"),
+                     ALLOCATOR_NAMES.get(s["allocator"], s["allocator"]),
                      _cell(gib(s.get("cap_bytes"))),
+                     " ".join(str(t) for t in s.get("seq") or []) or "?",
                      s.get("best") if s.get("best") is not None else "none",
                      s.get("failed") if s.get("failed") is not None else
                      "none up to the limit",
@@ -267,12 +270,14 @@ def results_markdown(meta, results, sweeps):
                   offload]
     if sweeps:
         parts += ["\n## Capacity sweep\n",
-                  "Workload %s: the largest batch that runs %d training "
-                  "steps under a fixed memory cap (PyTorch: "
+                  "The largest batch under a fixed memory cap (PyTorch: "
                   "torch.cuda.set_per_process_memory_fraction; libgmlake: "
-                  "the same call, through its memory-fraction hook).\n" % (
-                      meta.get("sweep_workload", "?"),
-                      meta.get("sweep_steps", 0)),
+                  "the same call, through its memory-fraction hook). A "
+                  "batch fits when one training step at each of the "
+                  "sequence lengths, in the order shown, runs without "
+                  "running out of memory; every trial starts from an "
+                  "emptied cache. The batch doubles from 1 until a trial "
+                  "fails, then bisects.\n",
                   sweep_table(sweeps)]
     notes = meta.get("notes") or []
     if notes:

@@ -220,9 +220,11 @@ def gpt_workload(size, how, rng):
     else:
         shapes = None
 
-    def step():
-        b, t = shapes.next() if shapes else (s["plain_b"], s["plain_t"])
+    def train(b, t):
         _train_step(model, opt, vocab, b, t, how)
+
+    def step():
+        train(*(shapes.next() if shapes else (s["plain_b"], s["plain_t"])))
     notes = {"ckpt": "GPT, activation checkpointing, variable batch and "
                      "sequence length",
              "plain": "GPT, no checkpointing, fixed shapes",
@@ -241,8 +243,9 @@ def gpt_workload(size, how, rng):
         def stats():
             off.synchronize()
             return {k: v - before.get(k, 0) for k, v in off.stats.items()}
-    return dict(step=step, note=notes[how], keep=(model, opt),
-                warmup=len(shapes) if shapes else 1, stats=stats)
+    return dict(step=step, train=train, note=notes[how], keep=(model, opt),
+                warmup=len(shapes) if shapes else 1, stats=stats,
+                seq_range=s["ckpt_t"] if how == "ckpt" else None)
 
 
 def _hf_lora(m):
@@ -311,15 +314,17 @@ def lora_workload(size, rng):
     s = SHAPES[size]
     shapes = _cycle(rng, s["lora_b"], s["lora_t"])
 
-    def step():
-        b, t = shapes.next()
+    def train(b, t):
         idx = torch.randint(0, m["vocab"], (b, t), device="cuda")
         loss_of(idx).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return dict(step=step, note="LoRA fine-tuning, gradient checkpointing, "
-                "variable shapes: " + how, keep=(model, opt),
-                warmup=len(shapes))
+
+    def step():
+        train(*shapes.next())
+    return dict(step=step, train=train, note="LoRA fine-tuning, gradient "
+                "checkpointing, variable shapes: " + how, keep=(model, opt),
+                warmup=len(shapes), seq_range=s["lora_t"])
 
 
 def generate_workload(size, rng):
@@ -363,17 +368,28 @@ def build(name, size, seed):
                      (name, ", ".join(WORKLOADS)))
 
 
-def build_sweep(size, seed):
-    """GPT without checkpointing at a fixed sequence length; the step takes
-    the batch size."""
-    torch.manual_seed(seed)
-    model, vocab = _gpt(size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    t = SHAPES[size]["sweep_t"]
+def build_sweep(name, size, seed):
+    """The workload `name` (one with variable sequence lengths) for the
+    capacity sweep: step(b) trains one step at batch b for each of
+    SHAPE_COUNT sequence lengths drawn once from the workload's range, in
+    one seeded order, the same for every batch and allocator; reset()
+    drops what a failed step left behind."""
+    state = build(name, size, seed)
+    if not state.get("seq_range"):
+        raise ValueError("%s has no variable sequence length to sweep" % name)
+    rng = random.Random(seed + 1)
+    lengths = []
+    while len(lengths) < SHAPE_COUNT:
+        t = _rng_int(rng, state["seq_range"])
+        if t not in lengths:
+            lengths.append(t)
+    train, opt = state["train"], state["keep"][1]
 
     def step(b):
-        _train_step(model, opt, vocab, b, t, "plain")
+        for t in lengths:
+            train(b, t)
 
     def reset():
         opt.zero_grad(set_to_none=True)
-    return dict(step=step, reset=reset, seq=t, keep=(model, opt))
+    return dict(step=step, reset=reset, seq=lengths, keep=state["keep"],
+                note=state["note"])

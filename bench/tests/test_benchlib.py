@@ -145,14 +145,15 @@ class TestTables(unittest.TestCase):
         meta = dict(command="python3 bench/bench.py --quick", gpu="GPU X",
                     gpu_bytes=80 * G, torch="2.11", cuda="13.0",
                     library="/x/libgmlake.so", date="today", mode="quick",
-                    sweep_workload="gpt_plain", sweep_steps=2,
                     notes=["a note"])
-        sweeps = [dict(allocator="gmlake", cap_bytes=8 * G, best=12,
-                       failed=13, trials=[(1, True)] * 7)]
+        sweeps = [dict(workload="lora", allocator="gmlake", cap_bytes=8 * G,
+                       seq=[512, 96], best=12, failed=13,
+                       trials=[(1, True)] * 7)]
         text = benchlib.results_markdown(meta, self.RESULTS, sweeps)
         self.assertIn("Command: `python3 bench/bench.py --quick`", text)
         self.assertIn("GPU: GPU X (80.00 GiB); PyTorch 2.11", text)
-        self.assertIn("| libgmlake | 8.00 | 12 | 13 | 7 |", text)
+        self.assertIn("| lora | libgmlake | 8.00 | 512 96 | 12 | 13 | 7 |",
+                      text)
         self.assertIn("- a note", text)
         self.assertIn("fragmentation* = 1 - peak allocated / peak reserved",
                       text)

@@ -1,0 +1,167 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * vmm_probe: what CUDA's virtual-memory calls cost, and whether they scale
+ * with threads. The offload engine's fetch maps chunks and grants access;
+ * its spill unmaps them: this says how far a second thread can take that.
+ *
+ *   cc -O2 bench/vmm_probe.c -I<cuda>/include -L<cuda>/lib64/stubs \
+ *      -lcuda -lpthread -o vmm_probe && ./vmm_probe [CHUNKS]
+ *
+ * Each thread owns CHUNKS (default 256) physical 2 MiB chunks and a
+ * virtual range of its own; one round maps every chunk, grants access
+ * (one call per chunk, or one call for the whole range), unmaps them.
+ * Prints microseconds per chunk for each call, and the aggregate rate.
+ */
+#include <cuda.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define ROUNDS 4
+
+static CUdevice dev;
+static CUcontext cuctx;
+static size_t gran;
+static int nchunks = 256;
+static int whole_range;
+
+struct worker {
+	pthread_t t;
+	CUdeviceptr va;
+	CUmemGenericAllocationHandle *h;
+	double map_s, access_s, unmap_s;
+	int err;
+};
+
+static double now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+#define CK(call) do { CUresult r_ = (call); if (r_ != CUDA_SUCCESS) { \
+	const char *s_ = "?"; cuGetErrorString(r_, &s_); \
+	fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, s_); \
+	return 1; } } while (0)
+
+static int setup(struct worker *w)
+{
+	CUmemAllocationProp prop = {
+		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+	};
+
+	CK(cuCtxSetCurrent(cuctx));
+	w->h = calloc((size_t)nchunks, sizeof(*w->h));
+	if (!w->h)
+		return 1;
+	CK(cuMemAddressReserve(&w->va, (size_t)nchunks * gran, 0, 0, 0));
+	for (int i = 0; i < nchunks; i++)
+		CK(cuMemCreate(&w->h[i], gran, &prop, 0));
+	return 0;
+}
+
+static int rounds(struct worker *w)
+{
+	CUmemAccessDesc acc = {
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+	};
+	double t;
+
+	CK(cuCtxSetCurrent(cuctx));
+	for (int r = 0; r < ROUNDS; r++) {
+		t = now();
+		for (int i = 0; i < nchunks; i++)
+			CK(cuMemMap(w->va + (size_t)i * gran, gran, 0, w->h[i], 0));
+		w->map_s += now() - t;
+		t = now();
+		if (whole_range)
+			CK(cuMemSetAccess(w->va, (size_t)nchunks * gran, &acc, 1));
+		else
+			for (int i = 0; i < nchunks; i++)
+				CK(cuMemSetAccess(w->va + (size_t)i * gran, gran,
+						  &acc, 1));
+		w->access_s += now() - t;
+		t = now();
+		for (int i = 0; i < nchunks; i++)
+			CK(cuMemUnmap(w->va + (size_t)i * gran, gran));
+		w->unmap_s += now() - t;
+	}
+	return 0;
+}
+
+static void *run(void *arg)
+{
+	struct worker *w = arg;
+
+	w->err = rounds(w);
+	return NULL;
+}
+
+static int measure(int nthreads)
+{
+	struct worker w[16] = { 0 };
+	double t0, wall, per = (double)ROUNDS * nchunks;
+	double map = 0, access = 0, unmap = 0;
+
+	for (int i = 0; i < nthreads; i++)
+		if (setup(&w[i]))
+			return 1;
+	t0 = now();
+	for (int i = 0; i < nthreads; i++)
+		pthread_create(&w[i].t, NULL, run, &w[i]);
+	for (int i = 0; i < nthreads; i++) {
+		pthread_join(w[i].t, NULL);
+		if (w[i].err)
+			return 1;
+		map += w[i].map_s;
+		access += w[i].access_s;
+		unmap += w[i].unmap_s;
+	}
+	wall = now() - t0;
+	/* Per-chunk costs as each thread saw them; the aggregate is chunks
+	 * mapped, granted and unmapped per second over all threads. */
+	printf("%-6s %7d %9.1f %9.1f %9.1f %12.0f\n",
+	       whole_range ? "range" : "chunk", nthreads,
+	       map / nthreads / per * 1e6, access / nthreads / per * 1e6,
+	       unmap / nthreads / per * 1e6, nthreads * per / wall);
+	for (int i = 0; i < nthreads; i++) {
+		for (int c = 0; c < nchunks; c++)
+			CK(cuMemRelease(w[i].h[c]));
+		CK(cuMemAddressFree(w[i].va, (size_t)nchunks * gran));
+		free(w[i].h);
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	CUmemAllocationProp prop = {
+		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+	};
+	static const int threads[] = { 1, 2, 4, 8 };
+
+	if (argc > 1)
+		nchunks = atoi(argv[1]);
+	if (nchunks < 1)
+		return 2;
+	CK(cuInit(0));
+	CK(cuDeviceGet(&dev, 0));
+	CK(cuDevicePrimaryCtxRetain(&cuctx, dev));
+	CK(cuMemGetAllocationGranularity(&gran, &prop,
+					 CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+	printf("chunk %zu KiB, %d chunks per thread, %d rounds\n",
+	       gran >> 10, nchunks, ROUNDS);
+	printf("%-6s %7s %9s %9s %9s %12s\n", "access", "threads", "map_us",
+	       "access_us", "unmap_us", "chunks/s");
+	for (whole_range = 0; whole_range < 2; whole_range++)
+		for (size_t i = 0; i < sizeof(threads) / sizeof(*threads); i++)
+			if (measure(threads[i]))
+				return 1;
+	return 0;
+}
