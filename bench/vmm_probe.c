@@ -5,12 +5,14 @@
  * its spill unmaps them: this says how far a second thread can take that.
  *
  *   cc -O2 bench/vmm_probe.c -I<cuda>/include -L<cuda>/lib64/stubs \
- *      -lcuda -lpthread -o vmm_probe && ./vmm_probe [CHUNKS]
+ *      -lcuda -lpthread -o vmm_probe && ./vmm_probe [MiB]
  *
- * Each thread owns CHUNKS (default 256) physical 2 MiB chunks and a
- * virtual range of its own; one round maps every chunk, grants access
- * (one call per chunk, or one call for the whole range), unmaps them.
- * Prints microseconds per chunk for each call, and the aggregate rate.
+ * Each thread owns MiB (default 256) of physical memory as chunks of the
+ * granularity, 4x and 16x it, and a virtual range of its own; one round
+ * maps every chunk, grants access (one call per chunk, or one call for
+ * the whole range), unmaps them. Prints microseconds per 2 MiB for each
+ * call (so chunk sizes compare), and the aggregate rate in GB/s mapped,
+ * granted and unmapped.
  */
 #include <cuda.h>
 #include <pthread.h>
@@ -22,8 +24,8 @@
 
 static CUdevice dev;
 static CUcontext cuctx;
-static size_t gran;
-static int nchunks = 256;
+static size_t gran, csize;
+static int nchunks;
 static int whole_range;
 
 struct worker {
@@ -58,9 +60,9 @@ static int setup(struct worker *w)
 	w->h = calloc((size_t)nchunks, sizeof(*w->h));
 	if (!w->h)
 		return 1;
-	CK(cuMemAddressReserve(&w->va, (size_t)nchunks * gran, 0, 0, 0));
+	CK(cuMemAddressReserve(&w->va, (size_t)nchunks * csize, 0, 0, 0));
 	for (int i = 0; i < nchunks; i++)
-		CK(cuMemCreate(&w->h[i], gran, &prop, 0));
+		CK(cuMemCreate(&w->h[i], csize, &prop, 0));
 	return 0;
 }
 
@@ -76,19 +78,21 @@ static int rounds(struct worker *w)
 	for (int r = 0; r < ROUNDS; r++) {
 		t = now();
 		for (int i = 0; i < nchunks; i++)
-			CK(cuMemMap(w->va + (size_t)i * gran, gran, 0, w->h[i], 0));
+			CK(cuMemMap(w->va + (size_t)i * csize, csize, 0,
+				    w->h[i], 0));
 		w->map_s += now() - t;
 		t = now();
 		if (whole_range)
-			CK(cuMemSetAccess(w->va, (size_t)nchunks * gran, &acc, 1));
+			CK(cuMemSetAccess(w->va, (size_t)nchunks * csize, &acc,
+					  1));
 		else
 			for (int i = 0; i < nchunks; i++)
-				CK(cuMemSetAccess(w->va + (size_t)i * gran, gran,
-						  &acc, 1));
+				CK(cuMemSetAccess(w->va + (size_t)i * csize,
+						  csize, &acc, 1));
 		w->access_s += now() - t;
 		t = now();
 		for (int i = 0; i < nchunks; i++)
-			CK(cuMemUnmap(w->va + (size_t)i * gran, gran));
+			CK(cuMemUnmap(w->va + (size_t)i * csize, csize));
 		w->unmap_s += now() - t;
 	}
 	return 0;
@@ -105,7 +109,8 @@ static void *run(void *arg)
 static int measure(int nthreads)
 {
 	struct worker w[16] = { 0 };
-	double t0, wall, per = (double)ROUNDS * nchunks;
+	/* per 2 MiB moved, whatever the chunk size */
+	double t0, wall, per = (double)ROUNDS * nchunks * csize / (2 << 20);
 	double map = 0, access = 0, unmap = 0;
 
 	for (int i = 0; i < nthreads; i++)
@@ -125,14 +130,15 @@ static int measure(int nthreads)
 	wall = now() - t0;
 	/* Per-chunk costs as each thread saw them; the aggregate is chunks
 	 * mapped, granted and unmapped per second over all threads. */
-	printf("%-6s %7d %9.1f %9.1f %9.1f %12.0f\n",
+	printf("%8zu %-6s %7d %9.1f %9.1f %9.1f %9.1f\n", csize >> 20,
 	       whole_range ? "range" : "chunk", nthreads,
 	       map / nthreads / per * 1e6, access / nthreads / per * 1e6,
-	       unmap / nthreads / per * 1e6, nthreads * per / wall);
+	       unmap / nthreads / per * 1e6,
+	       nthreads * per * (2 << 20) / wall / 1e9);
 	for (int i = 0; i < nthreads; i++) {
 		for (int c = 0; c < nchunks; c++)
 			CK(cuMemRelease(w[i].h[c]));
-		CK(cuMemAddressFree(w[i].va, (size_t)nchunks * gran));
+		CK(cuMemAddressFree(w[i].va, (size_t)nchunks * csize));
 		free(w[i].h);
 	}
 	return 0;
@@ -144,24 +150,31 @@ int main(int argc, char **argv)
 		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
 		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
 	};
-	static const int threads[] = { 1, 2, 4, 8 };
+	static const int threads[] = { 1, 2, 4 };
+	static const int mult[] = { 1, 4, 16 };
+	size_t total = (size_t)256 << 20;
 
 	if (argc > 1)
-		nchunks = atoi(argv[1]);
-	if (nchunks < 1)
-		return 2;
+		total = strtoull(argv[1], NULL, 10) << 20;
 	CK(cuInit(0));
 	CK(cuDeviceGet(&dev, 0));
 	CK(cuDevicePrimaryCtxRetain(&cuctx, dev));
 	CK(cuMemGetAllocationGranularity(&gran, &prop,
 					 CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-	printf("chunk %zu KiB, %d chunks per thread, %d rounds\n",
-	       gran >> 10, nchunks, ROUNDS);
-	printf("%-6s %7s %9s %9s %9s %12s\n", "access", "threads", "map_us",
-	       "access_us", "unmap_us", "chunks/s");
-	for (whole_range = 0; whole_range < 2; whole_range++)
-		for (size_t i = 0; i < sizeof(threads) / sizeof(*threads); i++)
-			if (measure(threads[i]))
-				return 1;
+	printf("%zu MiB per thread, %d rounds; us per 2 MiB\n", total >> 20,
+	       ROUNDS);
+	printf("%8s %-6s %7s %9s %9s %9s %9s\n", "chunkMiB", "access",
+	       "threads", "map", "access", "unmap", "GB/s");
+	for (size_t m = 0; m < sizeof(mult) / sizeof(*mult); m++) {
+		csize = gran * (size_t)mult[m];
+		nchunks = (int)(total / csize);
+		if (nchunks < 1)
+			return 2;
+		for (whole_range = 0; whole_range < 2; whole_range++)
+			for (size_t i = 0; i < sizeof(threads) / sizeof(*threads);
+			     i++)
+				if (measure(threads[i]))
+					return 1;
+	}
 	return 0;
 }

@@ -29,8 +29,11 @@
 #	files to ${GML_GPU_OUT:-/tmp}: gpu-summary.log (machine, timings, results;
 #	its last line is "N passed, M failed, K skipped"), gpu-tests.log (every
 #	step's output, in order), gpu-replay-{cuda,emu}.json, gpu-offload.txt
-#	(tools/offload_bench on the GPU) and gpu-top.txt (gmlake-top watching
-#	a live process). Exit 1 if any step failed.
+#	(tools/offload_bench on the GPU), gpu-vmm.txt (bench/vmm_probe: the
+#	driver's mapping calls, per chunk and per thread) and gpu-top.txt (gmlake-top watching
+#	a live process). It also checks that activation offload under
+#	PyTorch gives a plain run's gradients (python/tests/
+#	gpu_offload_check.py). Exit 1 if any step failed.
 #
 # Environment for run: CK_DEFAULT_TIMEOUT (default 120 s per test case),
 # GML_STEP_TIMEOUT (default 300 s per program), GML_GPU_OUT (log folder).
@@ -108,6 +111,16 @@ do_build() {
 		-Wl,--no-whole-archive -Wl,--version-script="$src/lib/libgmlake.map" \
 		-Wl,-z,defs $(sed -n 's/^\(LIBS\|LIBURING_LIBS\|NUMA_LIBS\) = //p' \
 			"$build/Makefile") -ldl -lpthread
+
+	# The driver-cost probe links the toolkit's stub libcuda (the real
+	# one is the GPU machine's); skipped where there is no toolkit.
+	local cuda_dir
+	cuda_dir=$(sed -n 's/^CUDA_DIR = //p' "$build/Makefile")
+	rm -f "$build/vmm_probe"
+	if [ -n "$cuda_dir" ] && [ -f "$cuda_dir/lib64/stubs/libcuda.so" ]; then
+		${CC:-gcc} -O2 -Wall -o "$build/vmm_probe" "$src/bench/vmm_probe.c" \
+			-I"$cuda_dir/include" -L"$cuda_dir/lib64/stubs" -lcuda -lpthread
+	fi
 
 	rm -rf "$build/runtime-libs"
 	mkdir -p "$build/runtime-libs"
@@ -218,10 +231,22 @@ do_run() {
 			"${traces[@]}"
 	done
 
+	# PyTorch with offload_activations(): same gradients as a plain run.
+	echo "== activation offload under PyTorch (cuda)"
+	step "gpu_offload_check (cuda)" \
+		env GMLAKE_LIBRARY="$root/$build/libgmlake.so" \
+		GMLAKE_BACKEND=cuda python3 python/tests/gpu_offload_check.py
+
 	echo "== offload bandwidth (cuda)"
 	step "offload_bench (cuda)" \
 		sh -c '"$@" | tee "$0"' "$out/gpu-offload.txt" \
 		env GMLAKE_BACKEND=cuda "$build/tools/offload_bench"
+
+	if [ -x "$build/vmm_probe" ]; then
+		echo "== driver mapping costs (cuda)"
+		step "vmm_probe (cuda)" \
+			sh -c '"$@" | tee "$0"' "$out/gpu-vmm.txt" "$build/vmm_probe"
+	fi
 
 	# gmlake-top against a live process on the GPU, with NVML.
 	echo "== gmlake-top (cuda)"

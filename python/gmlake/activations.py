@@ -44,31 +44,40 @@ Design, and why:
   block is ever freed while it moves (gmlake_free of a moving block fails
   with -EBUSY, and PyTorch's free would log and leak it).
 
-* Lag. pack runs when the op that saves the tensor is being recorded: for
-  an input, before its kernel is even queued; and forward often reads a
-  saved output again a few ops later (a residual add, the next layer). A
-  spill orders itself only after the stream work queued before the engine
-  started it, so spilling at pack time would unmap memory a later kernel
-  still reads. A storage is therefore spilled only once `lag` more saved
-  tensors were packed after its last pack (default 4); packing a storage
-  again restarts its lag. Storages still waiting when backward starts
-  (the first unpack) are not spilled at all: they are the first ones
-  backward needs, and a round trip would only cost time. Leaving the
-  context spills nothing more either, and does not wait: spills in flight
-  complete on their own and are reaped at the next pack or unpack (or by
-  synchronize()).
+* When to spill. pack runs when the op that saves the tensor is being
+  recorded: for an input, before its kernel is even queued; and forward
+  often reads a saved tensor again later (a residual add, the next
+  layer). A spill orders itself only after the stream work queued before
+  the engine started it, so spilling a storage some tensor of the program
+  still refers to would unmap memory a later kernel reads (a fatal CUDA
+  error). A storage is therefore spilled only when nothing but the
+  offloader refers to it any more: PyTorch counts the tensors on each
+  storage (torch._C._storage_Use_Count; the offloader calibrates what one
+  tensor adds once, on the CPU), and a storage whose count is the
+  offloader's own aliases is one no kernel can be queued on again. The
+  check runs at every pack for the storages waiting, oldest first, and
+  also waits for `lag` more saved tensors to be packed after a storage's
+  last pack (default 4: the newest saved tensors are the first ones
+  backward needs). Storages still waiting when backward starts (the first
+  unpack) are not spilled at all: a round trip would only cost time.
+  Leaving the context spills nothing more either, and does not wait:
+  spills in flight complete on their own and are reaped at the next pack
+  or unpack (or by synchronize()). With a PyTorch that cannot count
+  (users=None), the lag is all there is: then code that reads a saved
+  tensor more than `lag` saves later faults, and in-place mode or a larger
+  lag is the way out.
 
 * In place. inplace=False (the default) spills into the pinned arena:
-  full-speed copies, no pinning on the hot path. The price: code that
-  reads a saved tensor more than `lag` saves after it was saved (outside
-  the pattern above: hidden states kept for a later loss, say) reads an
-  unmapped address, which is a fatal CUDA error. inplace=True asks each
-  spill for the ring's in-place mode (GMLAKE_OFFLOAD_SQE_INPLACE): host
-  memory is mapped at the block while spilled, so such a stray read gets
-  the right bytes over the bus; but each spill then creates and maps host
-  memory of its own (cuMemCreate on a host NUMA node, about 4 GB/s where
-  the copy runs at 50), so it is for debugging or for programs that need
-  it. A larger lag is the cheaper fix when the reads are few ops later.
+  full-speed copies, no pinning on the hot path; the block's range is
+  unmapped while spilled, so a read of it faults. Counting users rules
+  that out for tensors; what it cannot see is a raw address kept outside
+  them (an extension holding data_ptr(), or a PyTorch without the count).
+  inplace=True asks each spill for the ring's in-place mode
+  (GMLAKE_OFFLOAD_SQE_INPLACE): host memory is mapped at the block while
+  spilled, so such a stray read gets the right bytes over the bus; but
+  each spill then creates and maps host memory of its own (cuMemCreate on
+  a host NUMA node, about 4 GB/s where the copy runs at 50), so it is for
+  debugging or for programs that need it.
 
 * Backward. unpack of a spilled (or still spilling) storage submits its
   fetch, then prefetches for the next `prefetch` spilled storages in
@@ -121,6 +130,31 @@ def _detach(t):
     return detach() if detach is not None else t
 
 
+def torch_users():
+    """A function telling how many tensors refer to a tensor's storage,
+    from PyTorch's storage use count, or None when this PyTorch cannot
+    tell. What one tensor adds to the count, and what the lookup itself
+    adds, are measured once here rather than assumed."""
+    try:
+        import torch
+        count = torch._C._storage_Use_Count
+        a = torch.empty(1)
+        one = count(a.untyped_storage()._cdata)
+        b = a.detach()
+        two = count(a.untyped_storage()._cdata)
+        del b
+    except Exception:  # no torch, or one without the count
+        return None
+    per = two - one
+    if per < 1 or one < per:
+        return None
+    base = one - per
+
+    def users(t):
+        return (count(t.untyped_storage()._cdata) - base) // per
+    return users
+
+
 class _Storage:
     """The bookkeeping of one storage (one libgmlake block)."""
     __slots__ = ("key", "device", "ptr", "nbytes", "tensor", "refs",
@@ -164,12 +198,17 @@ class Offloader:
     (default: lag); inplace: spill in place (see above); min_bytes:
     smaller storages stay; leaves: also spill leaf tensors (parameters);
     entries: submission entries of each ring; context: device -> gmlake
-    context (default: gmlake_torch_ctx_get); library: libgmlake to use.
+    context (default: gmlake_torch_ctx_get); library: libgmlake to use;
+    users: tensor -> how many tensors refer to its storage ("torch":
+    torch_users(), looked up at the first pack; None: do not count, spill
+    by lag alone).
     """
 
     def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
-                 leaves=False, entries=256, context=None, library=None):
+                 leaves=False, entries=256, context=None, library=None,
+                 users="torch"):
         self.configure(lag, prefetch, inplace, min_bytes, leaves)
+        self.users = users
         self.entries = entries
         self.library = library
         self._context = context
@@ -236,7 +275,9 @@ class Offloader:
             self._seq += 1
             rec = self._storages.get(key)
             if rec is None:
-                rec = _Storage(key, dev, key[1], st.nbytes(), t)
+                # An alias of its own: the record then holds exactly one
+                # tensor besides one per live handle (see _in_use).
+                rec = _Storage(key, dev, key[1], st.nbytes(), _detach(t))
                 self._storages[key] = rec
                 self.stats["storages"] += 1
             elif rec.state in MOVING:
@@ -368,12 +409,27 @@ class Offloader:
 
     def _spill_lagged(self):
         limit = self._seq - self.lag
-        while self._lagq:
-            rec = next(iter(self._lagq.values()))
+        if self.users == "torch":
+            self.users = torch_users()
+        if self.users is not None:
+            self._drain()
+            if self._deferred:      # a handle is dying: counts are off
+                return
+        for rec in list(self._lagq.values()):
             if rec.last_pack > limit:
                 break
+            if self._in_use(rec):
+                self.stats["waits_for_users"] += 1
+                continue
             del self._lagq[rec.key]
             self._queue(rec, _off.SPILL)
+
+    def _in_use(self, rec):
+        """Whether a tensor other than the offloader's aliases (the
+        record's and one per live handle) refers to rec's storage."""
+        if self.users is None:
+            return False
+        return self.users(rec.tensor) > rec.refs + 1
 
     def _want(self, rec, op):
         """Make sure a fetch of rec is (or will be) submitted."""

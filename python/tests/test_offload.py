@@ -338,6 +338,21 @@ class FakeTensor:
                           base=self)
 
 
+class CountedTensor(FakeTensor):
+    """A fake tensor whose storage counts the tensors on it, as PyTorch's
+    storage use count does; detach makes a new alias."""
+
+    def __init__(self, storage, device=3):
+        super().__init__(storage, device)
+        storage.users = getattr(storage, "users", 0) + 1
+
+    def __del__(self):
+        self._storage.users -= 1
+
+    def detach(self):
+        return CountedTensor(self._storage, self.device.index)
+
+
 class TestHooks(EmuCase):
     """Offloader.pack/unpack against the library (device 3's context)."""
 
@@ -346,7 +361,7 @@ class TestHooks(EmuCase):
     def setUp(self):
         self.blocks = []
         self.off = activations.Offloader(lag=2, library=self.lib,
-                                         entries=8)
+                                         entries=8, users=None)
         self.ctx = None
 
     def tearDown(self):
@@ -401,6 +416,40 @@ class TestHooks(EmuCase):
         del hs, h
         gc.collect()
         self.assertEqual(self.off.tracked(), 0)
+
+    def test_spills_only_what_nobody_else_holds(self):
+        self.off.configure(lag=0)
+        self.off.users = lambda t: t.untyped_storage().users
+
+        def counted(size, seed):
+            t = self.tensor(size, seed)
+            c = CountedTensor(t.untyped_storage(), self.DEVICE)
+            c.digest = t.digest
+            return c
+        a, b, c = (counted((2 + i) * MiB, 60 + i) for i in range(3))
+        digests = [x.digest for x in (a, b, c)]
+        storages = [x.untyped_storage() for x in (a, b, c)]
+        ha = self.off.pack(a)       # forward still holds a: it stays
+        self.assertEqual(self.off.where(a), activations.PENDING)
+        hb = self.off.pack(b)
+        del b                       # forward is done with b
+        hc = self.off.pack(c)       # b goes now; a and c stay
+        self.assertEqual(self.off.stats["spills"], 1)
+        self.off.synchronize()
+        self.assertEqual(self.state(ha.tensor), offload.RESIDENT)
+        self.assertEqual(self.state(hb.tensor), offload.SPILLED)
+        self.assertEqual(self.state(hc.tensor), offload.RESIDENT)
+        self.assertGreater(self.off.stats["waits_for_users"], 0)
+        del a
+        self.off.pack(counted(2 * MiB, 70))     # a goes, c stays (held)
+        self.off.synchronize()
+        self.assertEqual(self.state(ha.tensor), offload.SPILLED)
+        self.assertEqual(self.state(hc.tensor), offload.RESIDENT)
+        for h, d, st in zip((hc, hb, ha), reversed(digests),
+                            reversed(storages)):
+            self.off.unpack(h)
+            self.assertEqual(self.digest(self.ctx, st.data_ptr(),
+                                         st.nbytes()), d)
 
     def test_prefetch_order(self):
         self.off.configure(lag=1, prefetch=2)
