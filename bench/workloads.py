@@ -26,11 +26,13 @@ SHAPES = {
     "full": dict(ckpt_b=(4, 16), ckpt_t=(256, 2048), plain_b=8,
                  plain_t=1024, offload_b=(4, 8), offload_t=(256, 1024),
                  lora_b=(2, 8), lora_t=(256, 2048), gen_b=(1, 16),
-                 gen_t=(64, 1024), gen_new=(16, 64), sweep_t=1024),
+                 gen_t=(64, 1024), gen_new=(16, 64),
+                 sweep_t=dict(gpt_ckpt=(256, 1024), lora=(128, 512))),
     "quick": dict(ckpt_b=(2, 4), ckpt_t=(32, 128), plain_b=4, plain_t=64,
                   offload_b=(2, 4), offload_t=(32, 128), lora_b=(1, 4),
                   lora_t=(32, 128), gen_b=(1, 4), gen_t=(16, 64),
-                  gen_new=(4, 8), sweep_t=512),
+                  gen_new=(4, 8),
+                  sweep_t=dict(gpt_ckpt=(32, 128), lora=(32, 128))),
 }
 # Distinct shapes of a variable-shape workload (its warm-up round).
 SHAPE_COUNT = 4
@@ -244,8 +246,7 @@ def gpt_workload(size, how, rng):
             off.synchronize()
             return {k: v - before.get(k, 0) for k, v in off.stats.items()}
     return dict(step=step, train=train, note=notes[how], keep=(model, opt),
-                warmup=len(shapes) if shapes else 1, stats=stats,
-                seq_range=s["ckpt_t"] if how == "ckpt" else None)
+                warmup=len(shapes) if shapes else 1, stats=stats)
 
 
 def _hf_lora(m):
@@ -324,7 +325,7 @@ def lora_workload(size, rng):
         train(*shapes.next())
     return dict(step=step, train=train, note="LoRA fine-tuning, gradient "
                 "checkpointing, variable shapes: " + how, keep=(model, opt),
-                warmup=len(shapes), seq_range=s["lora_t"])
+                warmup=len(shapes))
 
 
 def generate_workload(size, rng):
@@ -369,18 +370,21 @@ def build(name, size, seed):
 
 
 def build_sweep(name, size, seed):
-    """The workload `name` (one with variable sequence lengths) for the
-    capacity sweep: step(b) trains one step at batch b for each of
-    SHAPE_COUNT sequence lengths drawn once from the workload's range, in
-    one seeded order, the same for every batch and allocator; reset()
-    drops what a failed step left behind."""
+    """The workload `name` for the capacity sweep: step(b) trains one step
+    at batch b for each of SHAPE_COUNT sequence lengths drawn once from
+    SHAPES[size]["sweep_t"][name] (shorter than the workload's own, so
+    that one more batch is a small step in memory), in one seeded order,
+    the same for every batch and allocator; reset() drops what a failed
+    step left behind."""
+    ranges = SHAPES[size]["sweep_t"]
+    if name not in ranges:
+        raise ValueError("no capacity sweep for %s (only %s)" %
+                         (name, ", ".join(sorted(ranges))))
     state = build(name, size, seed)
-    if not state.get("seq_range"):
-        raise ValueError("%s has no variable sequence length to sweep" % name)
     rng = random.Random(seed + 1)
     lengths = []
     while len(lengths) < SHAPE_COUNT:
-        t = _rng_int(rng, state["seq_range"])
+        t = _rng_int(rng, ranges[name])
         if t not in lengths:
             lengths.append(t)
     train, opt = state["train"], state["keep"][1]
