@@ -43,7 +43,7 @@ MARK = "BENCH-RESULT "
 # Measured steps of each workload, after its warm-up round (one step per
 # distinct shape, workloads.SHAPE_COUNT, or one step at fixed shapes).
 STEPS = {"full": {"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
-                  "gpt_save_on_cpu": 8, "gpt_offload": 8, "generate": 8},
+                  "gpt_save_on_cpu": 12, "gpt_offload": 12, "generate": 16},
          "quick": {"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4,
                    "gpt_save_on_cpu": 4, "gpt_offload": 4, "generate": 4}}
 # gpt_offload last: a child that fails there has done the rest.
@@ -51,7 +51,7 @@ WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu",
              "generate", "gpt_offload")
 # Capacity sweep: per workload, the memory cap; each trial is one round of
 # its sequence lengths at one batch (workloads.build_sweep).
-SWEEP = {"full": dict(caps_gib={"gpt_ckpt": 24.0, "lora": 12.0}, limit=256),
+SWEEP = {"full": dict(caps_gib={"gpt_ckpt": 24.0, "lora": 12.0}, limit=1024),
          "quick": dict(caps_gib={"gpt_ckpt": 0.5, "lora": 0.5}, limit=64)}
 # Seconds a child may run (BENCH_CHILD_TIMEOUT overrides).
 TIMEOUT = {"full": 480, "quick": 100}

@@ -27,7 +27,7 @@ SHAPES = {
                  plain_t=1024, offload_b=(4, 8), offload_t=(256, 1024),
                  lora_b=(2, 8), lora_t=(256, 2048), gen_b=(1, 16),
                  gen_t=(64, 1024), gen_new=(16, 64),
-                 sweep_t=dict(gpt_ckpt=(256, 1024), lora=(128, 512))),
+                 sweep_t=dict(gpt_ckpt=(64, 256), lora=(64, 256))),
     "quick": dict(ckpt_b=(2, 4), ckpt_t=(32, 128), plain_b=4, plain_t=64,
                   offload_b=(2, 4), offload_t=(32, 128), lora_b=(1, 4),
                   lora_t=(32, 128), gen_b=(1, 4), gen_t=(16, 64),
