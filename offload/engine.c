@@ -506,6 +506,15 @@ static int spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
 		if (ret)
 			ret = gml_stream_sync(&ctx->dev, off->d2h);
 		gml_event_destroy(&ctx->dev, req.done);
+		if (ret) {
+			/* The copy may still write the buffer: never reuse it. */
+			gml_log(GMLAKE_LOG_ERROR, "offload: leaking %zu bytes of "
+				"the host arena: the copy of block %#lx failed or "
+				"cannot be waited for: %s", req.size,
+				(unsigned long)b->ptr, gmlake_last_error());
+			req.host = NULL;
+			ctx->st.offload_failures++;
+		}
 	}
 	if (!ret)
 		ret = gml_large_detach(ctx, b, false);
