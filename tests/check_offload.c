@@ -452,7 +452,7 @@ END_TEST
 
 /*
  * After a sticky error (an illegal address in a user kernel, say) every
- * event query and stream sync of the context fails, so the engine can
+ * event query and sync of the context fails, so the engine can
  * never learn how its copy ended. The fault hooks of lib/dev.c fail one
  * call of one kind, once; this needs two kinds, every time. So the test
  * wraps the emulated backend's operation table, as check_fault does for
@@ -481,6 +481,17 @@ static int sticky_event_query(void *priv, gml_event e)
 	return sticky_real->event_query(priv, e);
 }
 
+static int sticky_event_sync(void *priv, gml_event e)
+{
+	int mode = atomic_load(&sticky_mode);
+
+	if (mode == STICKY_DRAIN)
+		sticky_real->event_sync(priv, e);
+	if (mode != STICKY_OFF)
+		return gml_set_error(-EIO, "event_sync: sticky device error");
+	return sticky_real->event_sync(priv, e);
+}
+
 static int sticky_stream_sync(void *priv, gmlake_stream_t s)
 {
 	int mode = atomic_load(&sticky_mode);
@@ -502,6 +513,7 @@ static gmlake_ctx *sticky_ctx(size_t capacity, size_t host_limit)
 	sticky_ops = *dev->ops;
 	sticky_ops.event_query = sticky_event_query;
 	sticky_ops.stream_sync = sticky_stream_sync;
+	sticky_ops.event_sync = sticky_event_sync;
 	atomic_store(&sticky_mode, STICKY_OFF);
 	atomic_store(&sticky_queries, 0);
 	dev->ops = &sticky_ops;
@@ -809,6 +821,62 @@ START_TEST(test_auto_oom)
 	th_free(ctx, b);
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.host_bytes.current, 0);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * The allocation path's own spill (gml_off_reclaim) on a device gone bad:
+ * the allocation fails, the block stays resident with its bytes, and the
+ * host buffer its copy may still write stays taken.
+ */
+START_TEST(test_sticky_auto)
+{
+	gmlake_ctx *ctx = sticky_ctx(24 * TH_MiB, 64 * TH_MiB);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	void *a = th_alloc(ctx, 10 * TH_MiB, NULL);
+	void *b = th_alloc(ctx, 10 * TH_MiB, NULL);
+	void *c = NULL;
+	int ret;
+
+	th_fill_ok(ctx, a, 10 * TH_MiB, 84, NULL);
+	th_fill_ok(ctx, b, 10 * TH_MiB, 85, NULL);
+	TH_OK(ctx, gmlake_advise(ctx, b, GMLAKE_ADVISE_OFFLOADABLE));
+	th_stats(ctx, &st0);
+	atomic_store(&sticky_mode, STICKY_NOW);
+	ck_assert_int_lt(gmlake_alloc(ctx, &c, 8 * TH_MiB, NULL), 0);
+	atomic_store(&sticky_mode, STICKY_OFF);
+	ck_assert_int_eq(gmlake_offload_state(ctx, b), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.auto_spills, st0.auto_spills);
+	ck_assert_uint_eq(st.offload_failures, st0.offload_failures + 1);
+	ck_assert_int_ge(st.host_bytes.current,
+			 st0.host_bytes.current + (int64_t)(10 * TH_MiB));
+	th_verify_ok(ctx, a, 10 * TH_MiB, 84, NULL);
+	th_verify_ok(ctx, b, 10 * TH_MiB, 85, NULL);
+	/*
+	 * Healthy again: an allocation spills b. The leaked buffer took
+	 * room in the arena, and the allocation path spills only into free
+	 * pinned memory: it may fail until the engine, woken by it, has
+	 * pinned more.
+	 */
+	for (int ms = 0; (ret = gmlake_alloc(ctx, &c, 8 * TH_MiB, NULL)) ==
+	     -ENOMEM; ms++) {
+		ck_assert_msg(ms < 10000, "the arena never grew: %s",
+			      gmlake_last_error());
+		usleep(1000);
+	}
+	ck_assert_int_eq(ret, 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, b), GMLAKE_BLOCK_SPILLED);
+	th_free(ctx, c);
+	ring_init(&ring, ctx, 2);
+	ck_assert_int_eq(fetch(&ring, b), 0);
+	th_verify_ok(ctx, b, 10 * TH_MiB, 85, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, a);
+	th_free(ctx, b);
 	th_destroy(ctx);
 }
 END_TEST
@@ -1152,6 +1220,7 @@ static Suite *offload_suite(void)
 	tc = th_tcase(s, "Auto");
 	tcase_add_test(tc, test_auto_device_limit);
 	tcase_add_test(tc, test_auto_oom);
+	tcase_add_test(tc, test_sticky_auto);
 
 	tc = th_tcase(s, "Stress");
 	tcase_add_loop_test(tc, test_stress, 0, 2);
