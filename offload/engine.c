@@ -333,6 +333,18 @@ static void spill_done(gmlake_ctx *ctx, struct gml_block *b, void *host,
 	ctx->st.d2h_ns += gml_now_ns() - t0;
 }
 
+/* A copy whose fate is unknown may still write req's host buffer: never
+ * give it back to the arena. */
+static void leak_host(struct gml_off_req *req, struct gml_block *b)
+{
+	if (!req->host)
+		return;
+	gml_log(GMLAKE_LOG_ERROR, "offload: leaking %zu bytes of the host "
+		"arena: the copy of block %#lx may still write them",
+		req->size, (unsigned long)b->ptr);
+	req->host = NULL;
+}
+
 /* The block req names, if it may take part; ctx lock held. */
 static int req_block(gmlake_ctx *ctx, struct gml_off_req *req)
 {
@@ -466,11 +478,7 @@ static int spill_fail(struct gml_offload *off, struct gml_off_req *req,
 	struct gml_block *b = req->b;
 
 	b->off_state = GML_OFF_RESIDENT;
-	if (req->host)
-		gml_log(GMLAKE_LOG_ERROR, "offload: leaking %zu bytes of the "
-			"host arena: the copy of block %#lx may still write "
-			"them", req->size, (unsigned long)b->ptr);
-	req->host = NULL;
+	leak_host(req, b);
 	if (b->inplace)
 		inplace_leak(b);
 	ctx->st.offload_failures++;
@@ -507,12 +515,11 @@ static int spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
 			ret = gml_stream_sync(&ctx->dev, off->d2h);
 		gml_event_destroy(&ctx->dev, req.done);
 		if (ret) {
-			/* The copy may still write the buffer: never reuse it. */
-			gml_log(GMLAKE_LOG_ERROR, "offload: leaking %zu bytes of "
-				"the host arena: the copy of block %#lx failed or "
-				"cannot be waited for: %s", req.size,
-				(unsigned long)b->ptr, gmlake_last_error());
-			req.host = NULL;
+			gml_log(GMLAKE_LOG_ERROR, "offload: the automatic "
+				"spill of block %#lx failed or cannot be "
+				"waited for: %s", (unsigned long)b->ptr,
+				gmlake_last_error());
+			leak_host(&req, b);
 			ctx->st.offload_failures++;
 		}
 	}
