@@ -183,23 +183,34 @@ static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 	return ret;
 }
 
-/* Whether req's copy finished; ctx lock held. Errors count as finished
- * once the copy stream drained. */
-static bool copy_done(gmlake_ctx *ctx, struct gml_off_req *req,
-		      gmlake_stream_t cs)
+/*
+ * Whether req's copy finished; ctx lock held. 0: not yet; 1: done; -errno:
+ * neither its event nor its stream answers (a sticky device error, say),
+ * so the copy may have run in full, in part or not at all. An event that
+ * fails while the stream drains is fine: the copy ran to its end.
+ */
+static int copy_done(gmlake_ctx *ctx, struct gml_off_req *req,
+		     gmlake_stream_t cs)
 {
 	int ret;
 
 	if (!req->has_done)
-		return true;
+		return 1;
 	ret = gml_event_query(&ctx->dev, req->done);
 	if (ret == -EBUSY)
-		return false;
-	if (ret && gml_stream_sync(&ctx->dev, cs))
-		return false;
+		return 0;
+	if (ret)
+		ret = gml_stream_sync(&ctx->dev, cs);
 	gml_event_destroy(&ctx->dev, req->done);
 	req->has_done = false;
-	return true;
+	if (!ret)
+		return 1;
+	/* Once: the request completes with the error, it is not polled. */
+	gml_log(GMLAKE_LOG_ERROR, "offload: the %s copy of block %#lx failed "
+		"or cannot be waited for: %s",
+		req->op == GMLAKE_OFFLOAD_SPILL ? "spill" : "fetch",
+		(unsigned long)req->ptr, gmlake_last_error());
+	return ret < 0 ? ret : -EIO;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -289,6 +300,22 @@ static void inplace_map(gmlake_ctx *ctx, struct gml_block *b)
 	b->inplace_mapped = true;
 }
 
+/*
+ * A copy whose fate is unknown may still write b's in-place host memory:
+ * forget it rather than give it back (it stays charged against the host
+ * limit). ctx lock held.
+ */
+static void inplace_leak(struct gml_block *b)
+{
+	gml_log(GMLAKE_LOG_ERROR, "offload: leaking %zu bytes of in-place "
+		"host memory of block %#lx: a copy may still write them",
+		b->alloc_size, (unsigned long)b->ptr);
+	b->inplace = false;
+	b->inplace_mapped = false;
+	b->host_h = 0;
+	b->host_va = 0;
+}
+
 /* ---------------------------------------------------------------------- */
 /* Spill                                                                   */
 
@@ -304,6 +331,18 @@ static void spill_done(gmlake_ctx *ctx, struct gml_block *b, void *host,
 	ctx->st.spills++;
 	ctx->st.d2h_bytes += size;
 	ctx->st.d2h_ns += gml_now_ns() - t0;
+}
+
+/* A copy whose fate is unknown may still write req's host buffer: never
+ * give it back to the arena. */
+static void leak_host(struct gml_off_req *req, struct gml_block *b)
+{
+	if (!req->host)
+		return;
+	gml_log(GMLAKE_LOG_ERROR, "offload: leaking %zu bytes of the host "
+		"arena: the copy of block %#lx may still write them",
+		req->size, (unsigned long)b->ptr);
+	req->host = NULL;
 }
 
 /* The block req names, if it may take part; ctx lock held. */
@@ -428,6 +467,25 @@ static int spill_finish(struct gml_offload *off, struct gml_off_req *req)
 }
 
 /*
+ * The copy failed or nobody can tell: the block stays on the device, as it
+ * was before the spill (its chunks never left), and the host side the copy
+ * may still write is leaked, never reused. ctx lock held.
+ */
+static int spill_fail(struct gml_offload *off, struct gml_off_req *req,
+		      int err)
+{
+	gmlake_ctx *ctx = off->ctx;
+	struct gml_block *b = req->b;
+
+	b->off_state = GML_OFF_RESIDENT;
+	leak_host(req, b);
+	if (b->inplace)
+		inplace_leak(b);
+	ctx->st.offload_failures++;
+	return err;
+}
+
+/*
  * Spill b now, in this thread, from the arena's free space only: the
  * allocation path under pressure. ctx lock held. 0 or -errno, b intact.
  */
@@ -456,6 +514,14 @@ static int spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
 		if (ret)
 			ret = gml_stream_sync(&ctx->dev, off->d2h);
 		gml_event_destroy(&ctx->dev, req.done);
+		if (ret) {
+			gml_log(GMLAKE_LOG_ERROR, "offload: the automatic "
+				"spill of block %#lx failed or cannot be "
+				"waited for: %s", (unsigned long)b->ptr,
+				gmlake_last_error());
+			leak_host(&req, b);
+			ctx->st.offload_failures++;
+		}
 	}
 	if (!ret)
 		ret = gml_large_detach(ctx, b, false);
@@ -495,6 +561,22 @@ bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep)
 /* ---------------------------------------------------------------------- */
 /* Fetch                                                                   */
 
+/*
+ * No fetch after all: b is spilled again with its host copy, which the
+ * copy only read, and the chunks it took go back. ctx lock held.
+ */
+static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
+{
+	if (gml_large_detach(ctx, b, false)) {
+		/* The chunks stay; the bytes on the host are still right. */
+		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx holds chunks "
+			"it could not fill", (unsigned long)b->ptr);
+	}
+	b->off_state = GML_OFF_SPILLED;
+	if (b->inplace)
+		inplace_map(ctx, b);
+}
+
 static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 {
 	gmlake_ctx *ctx = off->ctx;
@@ -529,16 +611,8 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 	else if (!ret)
 		ret = queue_copy(ctx, off, req, off->h2d, (void *)b->ptr,
 				 b->host, GML_COPY_HTOD, true);
-	if (ret && gml_large_detach(ctx, b, false)) {
-		/* The chunks stay; the bytes on the host are still right. */
-		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx holds chunks "
-			"it could not fill", (unsigned long)b->ptr);
-	}
-	if (ret) {
-		b->off_state = GML_OFF_SPILLED;
-		if (b->inplace)
-			inplace_map(ctx, b);
-	}
+	if (ret)
+		fetch_undo(ctx, b);
 out_unlock:
 	if (ret < 0)
 		ctx->st.offload_failures++;
@@ -567,6 +641,18 @@ static int fetch_finish(struct gml_offload *off, struct gml_off_req *req)
 	lru_touch(ctx, b);
 	sync_gauges(ctx);
 	return 0;
+}
+
+/* The copy failed or nobody can tell: never free the host copy, the only
+ * one known good. ctx lock held. */
+static int fetch_fail(struct gml_offload *off, struct gml_off_req *req,
+		      int err)
+{
+	gmlake_ctx *ctx = off->ctx;
+
+	fetch_undo(ctx, req->b);
+	ctx->st.offload_failures++;
+	return err;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -602,19 +688,25 @@ static void reap(struct gml_offload *off)
 {
 	gmlake_ctx *ctx = off->ctx;
 	struct gml_off_req **pp, *req;
-	int ret;
+	int ret, done;
 
 	if (!off->inflight || gml_ctx_lock(ctx))
 		return;
 	for (pp = &off->inflight; (req = *pp);) {
 		bool spill = req->op == GMLAKE_OFFLOAD_SPILL;
 
-		if (!copy_done(ctx, req, spill ? off->d2h : off->h2d)) {
+		done = copy_done(ctx, req, spill ? off->d2h : off->h2d);
+		if (!done) {
 			pp = &req->next;
 			continue;
 		}
 		*pp = req->next;
-		ret = spill ? spill_finish(off, req) : fetch_finish(off, req);
+		if (done < 0)
+			ret = spill ? spill_fail(off, req, done) :
+				      fetch_fail(off, req, done);
+		else
+			ret = spill ? spill_finish(off, req) :
+				      fetch_finish(off, req);
 		sync_gauges(ctx);
 		gml_ring_complete(req, ret);
 	}

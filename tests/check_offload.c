@@ -3,10 +3,11 @@
  * The offload manager (offload/): spill and fetch through the rings, with
  * stable addresses, the host budget, device memory running out during a
  * fetch, fault injection on every driver call a spill or fetch makes, a
- * random workload under memory pressure, automatic offload, and calls
- * from several threads. Every block's bytes are checked against its
- * pattern after each round trip, and the allocator's invariants after
- * each operation.
+ * sticky device error under a copy in flight (the request must complete,
+ * not hang, and lose nothing), a random workload under memory pressure,
+ * automatic offload, and calls from several threads. Every block's bytes
+ * are checked against its pattern after each round trip, and the
+ * allocator's invariants after each operation.
  *
  * Run with the argument "thread" (tests/check_offload_thread.sh) it
  * expects the plain thread engine (GMLAKE_OFFLOAD_ENGINE=thread);
@@ -17,7 +18,9 @@
 #endif
 
 #include <pthread.h>
+#include <stdatomic.h>
 
+#include "error.h"
 #include "gmlake-offload.h"
 #include "helpers.h"
 #include "types.h"
@@ -444,6 +447,280 @@ START_TEST(test_faults)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* A sticky device error while a copy is in flight                        */
+
+/*
+ * After a sticky error (an illegal address in a user kernel, say) every
+ * event query and sync of the context fails, so the engine can
+ * never learn how its copy ended. The fault hooks of lib/dev.c fail one
+ * call of one kind, once; this needs two kinds, every time. So the test
+ * wraps the emulated backend's operation table, as check_fault does for
+ * stream create. The wrapper goes in before the engine thread starts
+ * (ring_init) and stays: the engine reads dev->ops without a lock.
+ *
+ * A dead CUDA context runs nothing more; the emulated device still runs
+ * what is queued. STICKY_NOW fails at once and leaves a copy held back by
+ * th_hold truly in flight: fine for a spill, whose copy only reads the
+ * block and writes a buffer the engine must leak. STICKY_DRAIN lets the
+ * stream drain before failing: a fetch's copy must not land in chunks
+ * the engine gave back after the failure.
+ */
+enum { STICKY_OFF, STICKY_NOW, STICKY_DRAIN };
+
+static const struct gml_drv_ops *sticky_real;
+static struct gml_drv_ops sticky_ops;
+static atomic_int sticky_mode;
+static atomic_int sticky_queries;	/* event queries seen, failed or not */
+
+static int sticky_event_query(void *priv, gml_event e)
+{
+	atomic_fetch_add(&sticky_queries, 1);
+	if (atomic_load(&sticky_mode) != STICKY_OFF)
+		return gml_set_error(-EIO, "event_query: sticky device error");
+	return sticky_real->event_query(priv, e);
+}
+
+static int sticky_event_sync(void *priv, gml_event e)
+{
+	int mode = atomic_load(&sticky_mode);
+
+	if (mode == STICKY_DRAIN)
+		sticky_real->event_sync(priv, e);
+	if (mode != STICKY_OFF)
+		return gml_set_error(-EIO, "event_sync: sticky device error");
+	return sticky_real->event_sync(priv, e);
+}
+
+static int sticky_stream_sync(void *priv, gmlake_stream_t s)
+{
+	int mode = atomic_load(&sticky_mode);
+
+	if (mode == STICKY_DRAIN)
+		sticky_real->stream_sync(priv, s);
+	if (mode != STICKY_OFF)
+		return gml_set_error(-EIO, "stream_sync: sticky device error");
+	return sticky_real->stream_sync(priv, s);
+}
+
+/* off_ctx() with the wrapper installed, healthy for now. */
+static gmlake_ctx *sticky_ctx(size_t capacity, size_t host_limit)
+{
+	gmlake_ctx *ctx = off_ctx(capacity, host_limit, 0);
+	struct gml_dev *dev = th_dev(ctx);
+
+	sticky_real = dev->ops;
+	sticky_ops = *dev->ops;
+	sticky_ops.event_query = sticky_event_query;
+	sticky_ops.stream_sync = sticky_stream_sync;
+	sticky_ops.event_sync = sticky_event_sync;
+	atomic_store(&sticky_mode, STICKY_OFF);
+	atomic_store(&sticky_queries, 0);
+	dev->ops = &sticky_ops;
+	return ctx;
+}
+
+static void submit_one(struct gmlake_offload *ring, int op, void *p)
+{
+	struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
+
+	ck_assert_ptr_nonnull(sqe);
+	if (op == GMLAKE_OFFLOAD_SPILL)
+		gmlake_offload_prep_spill(sqe, p);
+	else
+		gmlake_offload_prep_fetch(sqe, p);
+	gmlake_offload_sqe_set_data(sqe, (uintptr_t)p);
+	ck_assert_int_eq(gmlake_offload_submit(ring), 1);
+}
+
+/* The one completion's res, within 10 s: a hang fails, it does not wait
+ * for check's timeout. */
+static int reap_bounded(struct gmlake_offload *ring, void *p)
+{
+	struct gmlake_offload_cqe *cqe;
+	int res;
+
+	for (int ms = 0; gmlake_offload_peek_cqe(ring, &cqe); ms++) {
+		ck_assert_msg(ms < 10000, "no completion in 10 s: the engine "
+			      "hangs on a failed copy");
+		usleep(1000);
+	}
+	ck_assert_uint_eq(gmlake_offload_cqe_get_data(cqe), (uintptr_t)p);
+	res = cqe->res;
+	gmlake_offload_cqe_seen(ring, cqe);
+	return res;
+}
+
+/*
+ * A spill whose copy is in flight when the device goes bad: the completion
+ * comes with -EIO, the block is resident with its bytes, its host buffer
+ * stays taken (the copy may still write it), and the failure is counted.
+ * _i: bit 0 in place, bit 1 a stitched block.
+ */
+START_TEST(test_sticky_spill)
+{
+	gmlake_ctx *ctx = sticky_ctx(32 * TH_MiB, 32 * TH_MiB);
+	bool inplace = _i & 1, stitched = _i & 2;
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	size_t size = 6 * TH_MiB - 4096;
+	void *p, *hole = NULL, *keep = NULL;
+	gmlake_stream_t s = th_stream(ctx);
+	int queries;
+
+	if (stitched) {
+		hole = th_alloc(ctx, 2 * TH_MiB, NULL);
+		keep = th_alloc(ctx, 2 * TH_MiB, NULL);
+		th_free(ctx, hole);
+	}
+	p = th_alloc(ctx, size, s);
+	th_fill_ok(ctx, p, size, 81, s);
+	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 4, inplace ?
+					     GMLAKE_OFFLOAD_INPLACE : 0), 0);
+	th_stats(ctx, &st0);
+
+	/* The spill's copy waits for the block's stream: hold it there
+	 * until the engine has polled the copy, so it is in flight. */
+	th_hold(ctx, s, true);
+	queries = atomic_load(&sticky_queries);
+	submit_one(&ring, GMLAKE_OFFLOAD_SPILL, p);
+	for (int ms = 0; atomic_load(&sticky_queries) == queries; ms++) {
+		ck_assert_msg(ms < 10000, "the engine never polled the copy");
+		usleep(1000);
+	}
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLING);
+	atomic_store(&sticky_mode, STICKY_NOW);
+	ck_assert_int_eq(reap_bounded(&ring, p), -EIO);
+	atomic_store(&sticky_mode, STICKY_OFF);
+
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.offload_failures, st0.offload_failures + 1);
+	ck_assert_uint_eq(st.spills, st0.spills);
+	ck_assert_int_eq(st.spilled_blocks.current, 0);
+	ck_assert_int_eq(st.spilled_bytes.current, 0);
+	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
+	/* Leaked, not given back: nothing may reuse what the copy writes. */
+	ck_assert_int_ge(st.host_bytes.current,
+			 st0.host_bytes.current + (int64_t)size);
+
+	/* The copy still runs, into the leaked buffer; the block is as it
+	 * was, and the machinery still works. */
+	th_hold(ctx, s, false);
+	th_verify_ok(ctx, p, size, 81, s);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, p, size, 81, s);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	if (keep)
+		th_free(ctx, keep);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * A fetch whose copy is in flight when the device goes bad: the completion
+ * comes with -EIO, the block is spilled again with its host copy (never
+ * freed: the only good one), its chunks went back, and a later fetch
+ * brings the same bytes. _i: bit 0 in place, bit 1 a stitched block.
+ */
+START_TEST(test_sticky_fetch)
+{
+	gmlake_ctx *ctx = sticky_ctx(32 * TH_MiB, 32 * TH_MiB);
+	bool inplace = _i & 1, stitched = _i & 2;
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	size_t size = 6 * TH_MiB - 4096;
+	void *p, *hole = NULL, *keep = NULL;
+	int queries;
+
+	if (stitched) {
+		hole = th_alloc(ctx, 2 * TH_MiB, NULL);
+		keep = th_alloc(ctx, 2 * TH_MiB, NULL);
+		th_free(ctx, hole);
+	}
+	p = th_alloc(ctx, size, NULL);
+	th_fill_ok(ctx, p, size, 82, NULL);
+	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 4, inplace ?
+					     GMLAKE_OFFLOAD_INPLACE : 0), 0);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	th_stats(ctx, &st0);
+
+	queries = atomic_load(&sticky_queries);
+	atomic_store(&sticky_mode, STICKY_DRAIN);
+	submit_one(&ring, GMLAKE_OFFLOAD_FETCH, p);
+	ck_assert_int_eq(reap_bounded(&ring, p), -EIO);
+	atomic_store(&sticky_mode, STICKY_OFF);
+	/* It failed in the engine's poll of the copy, not before. */
+	ck_assert_int_gt(atomic_load(&sticky_queries), queries);
+
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.offload_failures, st0.offload_failures + 1);
+	ck_assert_uint_eq(st.fetches, st0.fetches);
+	ck_assert_int_eq(st.spilled_blocks.current, 1);
+	ck_assert_int_eq(st.spilled_bytes.current, (int64_t)size);
+	ck_assert_int_eq(st.host_bytes.current, st0.host_bytes.current);
+	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
+	if (inplace)	/* mapped again at the block, bytes and all */
+		ck_assert_uint_eq(th_pattern_diff(p, size, 82), SIZE_MAX);
+
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, p, size, 82, NULL);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.spilled_blocks.current, 0);
+	ck_assert_int_eq(st.host_bytes.current, 0);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	if (keep)
+		th_free(ctx, keep);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * The poll of a copy fails once but the copy stream drains: the copy ran
+ * to its end, so the spill and the fetch complete normally, uncounted.
+ */
+START_TEST(test_query_fails_stream_drains)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
+	struct gml_dev *dev = th_dev(ctx);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	size_t size = 6 * TH_MiB;
+	void *p = th_alloc(ctx, size, NULL);
+
+	th_fill_ok(ctx, p, size, 83, NULL);
+	ring_init(&ring, ctx, 4);
+	th_stats(ctx, &st0);
+	/* Nothing else queries events meanwhile: the engine's poll fails. */
+	gml_dev_fail_nth(dev, GMLAKE_CALL_event_query, 1, EIO);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
+	gml_dev_fail_nth(dev, GMLAKE_CALL_event_query, 1, EIO);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.call_failures[GMLAKE_CALL_event_query],
+			  st0.call_failures[GMLAKE_CALL_event_query] + 2);
+	ck_assert_uint_eq(st.offload_failures, st0.offload_failures);
+	ck_assert_uint_eq(st.spills, st0.spills + 1);
+	ck_assert_uint_eq(st.fetches, st0.fetches + 1);
+	th_verify_ok(ctx, p, size, 83, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* The arena cannot grow (pinning fails): a clean -errno, block intact. */
 START_TEST(test_pin_failure)
 {
@@ -544,6 +821,62 @@ START_TEST(test_auto_oom)
 	th_free(ctx, b);
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.host_bytes.current, 0);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * The allocation path's own spill (gml_off_reclaim) on a device gone bad:
+ * the allocation fails, the block stays resident with its bytes, and the
+ * host buffer its copy may still write stays taken.
+ */
+START_TEST(test_sticky_auto)
+{
+	gmlake_ctx *ctx = sticky_ctx(24 * TH_MiB, 64 * TH_MiB);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	void *a = th_alloc(ctx, 10 * TH_MiB, NULL);
+	void *b = th_alloc(ctx, 10 * TH_MiB, NULL);
+	void *c = NULL;
+	int ret;
+
+	th_fill_ok(ctx, a, 10 * TH_MiB, 84, NULL);
+	th_fill_ok(ctx, b, 10 * TH_MiB, 85, NULL);
+	TH_OK(ctx, gmlake_advise(ctx, b, GMLAKE_ADVISE_OFFLOADABLE));
+	th_stats(ctx, &st0);
+	atomic_store(&sticky_mode, STICKY_NOW);
+	ck_assert_int_lt(gmlake_alloc(ctx, &c, 8 * TH_MiB, NULL), 0);
+	atomic_store(&sticky_mode, STICKY_OFF);
+	ck_assert_int_eq(gmlake_offload_state(ctx, b), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.auto_spills, st0.auto_spills);
+	ck_assert_uint_eq(st.offload_failures, st0.offload_failures + 1);
+	ck_assert_int_ge(st.host_bytes.current,
+			 st0.host_bytes.current + (int64_t)(10 * TH_MiB));
+	th_verify_ok(ctx, a, 10 * TH_MiB, 84, NULL);
+	th_verify_ok(ctx, b, 10 * TH_MiB, 85, NULL);
+	/*
+	 * Healthy again: an allocation spills b. The leaked buffer took
+	 * room in the arena, and the allocation path spills only into free
+	 * pinned memory: it may fail until the engine, woken by it, has
+	 * pinned more.
+	 */
+	for (int ms = 0; (ret = gmlake_alloc(ctx, &c, 8 * TH_MiB, NULL)) ==
+	     -ENOMEM; ms++) {
+		ck_assert_msg(ms < 10000, "the arena never grew: %s",
+			      gmlake_last_error());
+		usleep(1000);
+	}
+	ck_assert_int_eq(ret, 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, b), GMLAKE_BLOCK_SPILLED);
+	th_free(ctx, c);
+	ring_init(&ring, ctx, 2);
+	ck_assert_int_eq(fetch(&ring, b), 0);
+	th_verify_ok(ctx, b, 10 * TH_MiB, 85, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, a);
+	th_free(ctx, b);
 	th_destroy(ctx);
 }
 END_TEST
@@ -877,6 +1210,9 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_host_budget);
 	tcase_add_test(tc, test_fetch_oom);
 	tcase_add_test(tc, test_pin_failure);
+	tcase_add_loop_test(tc, test_sticky_spill, 0, 4);
+	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
+	tcase_add_test(tc, test_query_fails_stream_drains);
 	tcase_add_loop_test(tc, test_faults, 0,
 			    2 * (int)(sizeof(fault_calls) /
 				      sizeof(fault_calls[0])));
@@ -884,6 +1220,7 @@ static Suite *offload_suite(void)
 	tc = th_tcase(s, "Auto");
 	tcase_add_test(tc, test_auto_device_limit);
 	tcase_add_test(tc, test_auto_oom);
+	tcase_add_test(tc, test_sticky_auto);
 
 	tc = th_tcase(s, "Stress");
 	tcase_add_loop_test(tc, test_stress, 0, 2);

@@ -12,12 +12,24 @@
  * pins the host arena. GB/s is 1e9 bytes per second of wall time, from
  * submit to the last completion, mapping and unmapping included.
  *
- *   tools/offload_bench [-s MAX_MiB] [-t TOTAL_MiB] [-i ITER] [-q]
+ * The bytes are checked, always outside the timed region: each block is
+ * filled with a pattern of its index and the round before the round's
+ * first spill, read back after the round's last fetch and compared; any
+ * difference names the block and offset, and the exit status is 1. By
+ * default only the warm-up round (never timed) is checked: per size,
+ * TOTAL written and read back once more and the pattern made and compared
+ * on the CPU, where the rounds move TOTAL across the bus 4 * (ITER + 1)
+ * times. That costs little and catches a fetch that maps the wrong chunks
+ * or copies the wrong bytes. -v checks every round, twice: after the
+ * fetch of all blocks, then, filled anew, after the mixed spill and fetch.
+ *
+ *   tools/offload_bench [-s MAX_MiB] [-t TOTAL_MiB] [-i ITER] [-v] [-q]
  *
  * The backend comes from GMLAKE_BACKEND (cuda by default); on the
  * emulated device the figures only show that it runs.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +47,60 @@ static double now(void)
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Word w of the pattern of block idx in round (and phase) r. */
+static uint64_t pattern(int idx, int r, size_t w)
+{
+	uint64_t seed = (uint64_t)r << 32 | (uint32_t)idx;
+	uint64_t z = seed * 0x9e3779b97f4a7c15ull + w;
+
+	z = (z ^ (z >> 31)) * 0xbf58476d1ce4e5b9ull;
+	return z ^ (z >> 29);
+}
+
+/* Fill blocks [0, n) with their pattern of round r; buf: size bytes. */
+static int fill(gmlake_ctx *ctx, void **p, int n, size_t size, int r,
+		uint64_t *buf)
+{
+	int ret;
+
+	for (int i = 0; i < n; i++) {
+		for (size_t w = 0; w < size / 8; w++)
+			buf[w] = pattern(i, r, w);
+		ret = gmlake_memcpy_htod(ctx, p[i], buf, size, NULL);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
+/* Read blocks [0, n) back and compare: 0, 1 when any differs (each one
+ * reported), or -errno. */
+static int verify(gmlake_ctx *ctx, void **p, int n, size_t size, int r,
+		  uint64_t *buf)
+{
+	int bad = 0, ret;
+
+	for (int i = 0; i < n; i++) {
+		ret = gmlake_memcpy_dtoh(ctx, buf, p[i], size, NULL);
+		if (ret)
+			return ret;
+		for (size_t w = 0; w < size / 8; w++) {
+			uint64_t want = pattern(i, r, w);
+
+			if (buf[w] == want)
+				continue;
+			fprintf(stderr, "offload_bench: block %d of %zu MiB, "
+				"round %d%s: offset %zu holds %#018" PRIx64
+				", not %#018" PRIx64 "\n", i, size / MiB,
+				r / 2, r % 2 ? " (mixed)" : "", w * 8, buf[w],
+				want);
+			bad = 1;
+			break;
+		}
+	}
+	return bad;
 }
 
 /* Submit op on blocks [from, to) with op2 on [to, end), reap all. */
@@ -80,11 +146,17 @@ static int run(struct gmlake_offload *ring, void **p, int from, int to,
 	return ret;
 }
 
+/*
+ * 0, -errno, or 1 when a block came back wrong. Round it fills its
+ * blocks with pattern 2 * it (and, with every, 2 * it + 1 in its
+ * second half); every: check each round, not only the warm-up.
+ */
 static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
-		      size_t size, size_t total, int iters)
+		      size_t size, size_t total, int iters, bool every)
 {
 	int n = (int)(total / size), ret = 0, half;
 	double best[3] = { 1e30, 1e30, 1e30 }, t;
+	uint64_t *buf;
 	void **p;
 
 	if (n < 2)
@@ -95,16 +167,32 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 	p = calloc((size_t)n, sizeof(*p));
 	if (!p)
 		return -ENOMEM;
+	buf = malloc(size);
+	if (!buf) {
+		free(p);
+		return -ENOMEM;
+	}
 	for (int i = 0; i < n && !ret; i++)
 		ret = gmlake_alloc(ctx, &p[i], size, NULL);
 	for (int it = 0; it <= iters && !ret; it++) {
-		ret = run(ring, p, 0, n, n, GMLAKE_OFFLOAD_SPILL, 0, &t);
+		bool check = every || !it;
+
+		if (check)
+			ret = fill(ctx, p, n, size, 2 * it, buf);
+		if (!ret)
+			ret = run(ring, p, 0, n, n, GMLAKE_OFFLOAD_SPILL, 0,
+				  &t);
 		if (!ret && it && t < best[0])
 			best[0] = t;
 		if (!ret)
 			ret = run(ring, p, 0, n, n, GMLAKE_OFFLOAD_FETCH, 0, &t);
 		if (!ret && it && t < best[1])
 			best[1] = t;
+		if (!ret && every) {
+			ret = verify(ctx, p, n, size, 2 * it, buf);
+			if (!ret)
+				ret = fill(ctx, p, n, size, 2 * it + 1, buf);
+		}
 		/* both ways: the first half out, then back while the
 		 * second half goes out */
 		if (!ret)
@@ -118,6 +206,8 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 		if (!ret)
 			ret = run(ring, p, half, n, n, GMLAKE_OFFLOAD_FETCH,
 				  0, &t);
+		if (!ret && check)
+			ret = verify(ctx, p, n, size, 2 * it + every, buf);
 	}
 	if (!ret)
 		printf("%10zu %6d %12.2f %12.2f %12.2f\n", size / MiB, n,
@@ -127,6 +217,7 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 	for (int i = 0; i < n; i++)
 		if (p[i])
 			gmlake_free(ctx, p[i]);
+	free(buf);
 	free(p);
 	return ret;
 }
@@ -134,10 +225,12 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: offload_bench [-s MAX_MiB] [-t TOTAL_MiB] "
-		"[-i ITER] [-q]\n"
+		"[-i ITER] [-v] [-q]\n"
 		"  -s  largest block, MiB (default 1024; 16 on emu)\n"
 		"  -t  bytes moved per size, MiB (default 8192; 64 on emu)\n"
 		"  -i  timed rounds per size, best taken (default 3)\n"
+		"  -v  check the bytes of every round (default: the warm-up "
+		"round only)\n"
 		"  -q  no statistics at the end\n");
 }
 
@@ -148,14 +241,15 @@ int main(int argc, char **argv)
 	struct gmlake_stats st;
 	size_t max = 0, total = 0;
 	int iters = 3, opt, ret;
-	bool quiet = false;
+	bool quiet = false, every = false;
 	gmlake_ctx *ctx;
 
-	while ((opt = getopt(argc, argv, "s:t:i:qh")) != -1) {
+	while ((opt = getopt(argc, argv, "s:t:i:vqh")) != -1) {
 		switch (opt) {
 		case 's': max = strtoull(optarg, NULL, 0) * MiB; break;
 		case 't': total = strtoull(optarg, NULL, 0) * MiB; break;
 		case 'i': iters = atoi(optarg); break;
+		case 'v': every = true; break;
 		case 'q': quiet = true; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
@@ -196,8 +290,10 @@ int main(int argc, char **argv)
 	printf("%10s %6s %12s %12s %12s\n", "block_MiB", "blocks", "spill",
 	       "fetch", "both");
 	for (size_t size = MiB; size <= max && !ret; size *= 2)
-		ret = bench_size(ctx, &ring, size, total, iters);
-	if (ret)
+		ret = bench_size(ctx, &ring, size, total, iters, every);
+	if (ret > 0)
+		fprintf(stderr, "offload_bench: blocks came back wrong\n");
+	else if (ret)
 		fprintf(stderr, "offload_bench: %d: %s\n", ret,
 			gmlake_last_error());
 	gmlake_offload_exit(&ring);
