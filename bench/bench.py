@@ -336,6 +336,12 @@ def run_child(args, allocator, what, extra):
     return rc, out
 
 
+def note_meta(meta, r):
+    """The machine and versions from a child's meta record."""
+    for k in ("gpu", "gpu_bytes", "torch", "cuda"):
+        meta.setdefault(k, r[k])
+
+
 def run_allocator(args, allocator, names, meta, notes):
     todo = list(enumerate(names))
     results = []
@@ -348,10 +354,7 @@ def run_allocator(args, allocator, names, meta, notes):
         done, fatal = set(), False
         for r in out:
             if r["kind"] == "meta":
-                meta.setdefault("gpu", r["gpu"])
-                meta.setdefault("gpu_bytes", r["gpu_bytes"])
-                meta.setdefault("torch", r["torch"])
-                meta.setdefault("cuda", r["cuda"])
+                note_meta(meta, r)
             elif r["kind"] == "result":
                 results.append(r)
                 done.add(r["index"])
@@ -476,6 +479,9 @@ def main(argv=None):
                                 ["--workloads", ",".join(todo)])
             got = [r for r in out if r["kind"] == "sweep"]
             sweeps += got
+            for r in out:
+                if r["kind"] == "meta":
+                    note_meta(meta, r)
             if len(got) < len(todo):
                 notes.append("%s sweep: the child exited with %s after %d "
                              "of %d workloads" % (a, rc, len(got), len(todo)))

@@ -253,10 +253,10 @@ def results_markdown(meta, results, sweeps):
                  meta.get("torch", "?"), meta.get("cuda", "?"),
                  meta.get("library", "?"), meta.get("date", "?")),
              "Mode: %s. Each allocator ran in its own process, with the same "
-             "seeds, shapes and steps.\n" % meta.get("mode", "?"),
-             "## Workloads\n",
-             results_table(results),
-             "\n" + DEFINITIONS]
+             "seeds, shapes and steps.\n" % meta.get("mode", "?")]
+    if results:
+        parts += ["## Workloads\n", results_table(results),
+                  "\n" + DEFINITIONS]
     offload = offload_table(results)
     if offload:
         parts += ["\n## Activation offload (GPT)\n",

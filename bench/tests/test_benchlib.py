@@ -158,6 +158,16 @@ class TestTables(unittest.TestCase):
         self.assertIn("fragmentation* = 1 - peak allocated / peak reserved",
                       text)
 
+    def test_markdown_sweep_only(self):
+        meta = dict(command="python3 bench/bench.py --only-sweep",
+                    gpu="GPU X", gpu_bytes=80 * G, mode="full")
+        sweeps = [dict(workload="lora", allocator="gmlake", cap_bytes=8 * G,
+                       seq=[64], best=3, failed=4, trials=[(1, True)])]
+        text = benchlib.results_markdown(meta, [], sweeps)
+        self.assertIn("GPU: GPU X (80.00 GiB)", text)
+        self.assertNotIn("## Workloads", text)
+        self.assertIn("| lora | libgmlake | 8.00 | 64 | 3 | 4 | 1 |", text)
+
 
 if __name__ == "__main__":
     unittest.main()
