@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: MIT
 """On a GPU with PyTorch: gmlake.torch.offload_activations() must give the
 same loss and gradients as a plain run, bit for bit, on a model whose
-forward reads saved tensors again many ops later (residual adds over
-several layers), and it must actually spill.
+forward reads a saved tensor again many saves later (a gated skip
+connection over several layers), and it must actually spill.
 
     GMLAKE_LIBRARY=.../libgmlake.so python3 python/tests/gpu_offload_check.py
 
@@ -33,18 +33,23 @@ def main():
     class Net(nn.Module):
         def __init__(self, d=1024, layers=8):
             super().__init__()
+            self.inp = nn.Linear(d, d)
+            self.gate = nn.Parameter(torch.ones(d))
             self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
             self.ups = nn.ModuleList(nn.Linear(d, 4 * d) for _ in range(layers))
             self.downs = nn.ModuleList(nn.Linear(4 * d, d)
                                        for _ in range(layers))
 
         def forward(self, x):
-            first = x
+            # Saved by the first gated add, read again every third layer:
+            # the offloader must leave it on the device while forward
+            # holds it (a spill `lag` saves after its pack would fault).
+            first = self.inp(x)
             for i, (n, u, dn) in enumerate(zip(self.norms, self.ups,
                                                self.downs)):
                 x = x + dn(torch.nn.functional.gelu(u(n(x))))
                 if i % 3 == 2:
-                    x = x + first   # read again layers after its save
+                    x = x + first * self.gate
             return x.float().pow(2).mean()
 
     torch.manual_seed(0)
@@ -98,6 +103,10 @@ def main():
             failures += 1
     if not stats.get("spills"):
         print("gpu_offload_check: nothing was spilled")
+        failures += 1
+    if not stats.get("waits_for_users"):
+        print("gpu_offload_check: no saved tensor waited for forward to "
+              "let go of it; the check did not test that")
         failures += 1
     print("gpu_offload_check: %s" % ("FAIL" if failures else "PASS"))
     return 1 if failures else 0
