@@ -13,6 +13,15 @@
  * the whole range), unmaps them. Prints microseconds per 2 MiB for each
  * call (so chunk sizes compare), and the aggregate rate in GB/s mapped,
  * granted and unmapped.
+ *
+ * Then two questions for the allocator's design:
+ *  - pieces: does a large handle mapped as 2 MiB pieces (cuMemMap with an
+ *    offset, as a stitched range would map it) cost what whole 2 MiB
+ *    handles cost, or what one large mapping costs? And may one unmap a
+ *    2 MiB piece out of a larger mapping?
+ *  - enqueue: how long a stream call (cuMemsetD8Async, standing in for a
+ *    kernel launch) takes while another thread maps and unmaps: whether
+ *    the offload engine's driver calls hold up the training thread.
  */
 #include <cuda.h>
 #include <pthread.h>
@@ -144,6 +153,156 @@ static int measure(int nthreads)
 	return 0;
 }
 
+static const char *errname(CUresult r)
+{
+	const char *s = "?";
+
+	cuGetErrorName(r, &s);
+	return s;
+}
+
+/* One handle of 16 granules mapped whole, or as 16 pieces at offsets. */
+static int pieces(void)
+{
+	CUmemAllocationProp prop = {
+		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+	};
+	CUmemAccessDesc acc = {
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+	};
+	enum { N = 16, REPS = 32 };
+	size_t size = N * gran;
+	CUmemGenericAllocationHandle h;
+	CUdeviceptr va;
+	CUresult r;
+	double t, map = 0, access = 0, unmap = 0;
+
+	CK(cuMemCreate(&h, size, &prop, 0));
+	CK(cuMemAddressReserve(&va, size, 0, 0, 0));
+	for (int k = 0; k < REPS; k++) {
+		t = now();
+		for (int i = 0; i < N; i++)
+			CK(cuMemMap(va + i * gran, gran, i * gran, h, 0));
+		map += now() - t;
+		t = now();
+		CK(cuMemSetAccess(va, size, &acc, 1));
+		access += now() - t;
+		t = now();
+		for (int i = 0; i < N; i++)
+			CK(cuMemUnmap(va + i * gran, gran));
+		unmap += now() - t;
+	}
+	printf("pieces: a %zu MiB handle as %d mappings at offsets: us per "
+	       "2 MiB map %.1f access %.1f unmap %.1f\n", size >> 20, N,
+	       map / REPS / N * 1e6 * (2 << 20) / gran,
+	       access / REPS / N * 1e6 * (2 << 20) / gran,
+	       unmap / REPS / N * 1e6 * (2 << 20) / gran);
+	/* A piece out of one whole mapping: allowed or refused? */
+	CK(cuMemMap(va, size, 0, h, 0));
+	CK(cuMemSetAccess(va, size, &acc, 1));
+	r = cuMemUnmap(va + gran, gran);
+	printf("pieces: unmapping 2 MiB out of a %zu MiB mapping: %s\n",
+	       size >> 20, errname(r));
+	if (r == CUDA_SUCCESS) {
+		CK(cuMemUnmap(va, gran));
+		CK(cuMemUnmap(va + 2 * gran, size - 2 * gran));
+	} else {
+		CK(cuMemUnmap(va, size));
+	}
+	CK(cuMemAddressFree(va, size));
+	CK(cuMemRelease(h));
+	return 0;
+}
+
+static volatile int churn_stop;
+
+/* Map, grant and unmap 64 granules over and over, until told. */
+static void *churn(void *arg)
+{
+	struct worker *w = arg;
+	CUmemAccessDesc acc = {
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+	};
+
+	w->err = 1;
+	if (cuCtxSetCurrent(cuctx) != CUDA_SUCCESS)
+		return NULL;
+	while (!churn_stop) {
+		for (int i = 0; i < nchunks; i++)
+			if (cuMemMap(w->va + (size_t)i * csize, csize, 0,
+				     w->h[i], 0) != CUDA_SUCCESS)
+				return NULL;
+		if (cuMemSetAccess(w->va, (size_t)nchunks * csize, &acc, 1) !=
+		    CUDA_SUCCESS)
+			return NULL;
+		for (int i = 0; i < nchunks; i++)
+			if (cuMemUnmap(w->va + (size_t)i * csize, csize) !=
+			    CUDA_SUCCESS)
+				return NULL;
+	}
+	w->err = 0;
+	return NULL;
+}
+
+/* Microseconds per cuMemsetD8Async, median of batches of 100. */
+static int enqueue_us(CUstream s, CUdeviceptr buf, double *out)
+{
+	enum { BATCHES = 41, PER = 100 };
+	double us[BATCHES], t;
+
+	for (int b = 0; b < BATCHES; b++) {
+		t = now();
+		for (int i = 0; i < PER; i++)
+			CK(cuMemsetD8Async(buf, 0, 256, s));
+		us[b] = (now() - t) / PER * 1e6;
+		CK(cuStreamSynchronize(s));
+	}
+	for (int i = 1; i < BATCHES; i++)	/* insertion sort: 41 items */
+		for (int j = i; j > 0 && us[j - 1] > us[j]; j--) {
+			t = us[j];
+			us[j] = us[j - 1];
+			us[j - 1] = t;
+		}
+	*out = us[BATCHES / 2];
+	return 0;
+}
+
+static int enqueue(void)
+{
+	struct worker w = { 0 };
+	CUstream s;
+	CUdeviceptr buf;
+	double alone, busy;
+
+	csize = gran;
+	nchunks = 64;
+	CK(cuCtxSetCurrent(cuctx));
+	CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+	CK(cuMemAlloc(&buf, 4096));
+	if (enqueue_us(s, buf, &alone) || setup(&w))
+		return 1;
+	churn_stop = 0;
+	pthread_create(&w.t, NULL, churn, &w);
+	if (enqueue_us(s, buf, &busy))
+		return 1;
+	churn_stop = 1;
+	pthread_join(w.t, NULL);
+	if (w.err)
+		return 1;
+	printf("enqueue: cuMemsetD8Async %.1f us alone, %.1f us while "
+	       "another thread maps and unmaps\n", alone, busy);
+	for (int c = 0; c < nchunks; c++)
+		CK(cuMemRelease(w.h[c]));
+	CK(cuMemAddressFree(w.va, (size_t)nchunks * csize));
+	free(w.h);
+	CK(cuMemFree(buf));
+	CK(cuStreamDestroy(s));
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	CUmemAllocationProp prop = {
@@ -176,5 +335,5 @@ int main(int argc, char **argv)
 				if (measure(threads[i]))
 					return 1;
 	}
-	return 0;
+	return pieces() || enqueue();
 }
