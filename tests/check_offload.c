@@ -384,55 +384,87 @@ static const int fault_calls[] = {
 	GMLAKE_CALL_mem_release, GMLAKE_CALL_host_register,
 };
 
-static void fault_round(int call, uint64_t nth, bool stitched)
-{
-	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
-	struct gml_dev *dev = th_dev(ctx);
+/*
+ * A block to move: size bytes filled from seed (on stream s), after a
+ * free 2 MiB hole when stitched, so that it is stitched across it; and a
+ * ring of 4 entries with flags.
+ */
+struct mover {
+	gmlake_ctx *ctx;
 	struct gmlake_offload ring;
-	size_t size = 6 * TH_MiB;
-	void *p, *hole = NULL, *keep = NULL;
-	int res;
+	void *p, *keep;
+	size_t size;
+};
 
+static void mover_init(struct mover *m, gmlake_ctx *ctx, size_t size,
+		       bool stitched, int seed, gmlake_stream_t s,
+		       unsigned flags)
+{
+	int ret;
+
+	m->ctx = ctx;
+	m->size = size;
+	m->keep = NULL;
 	if (stitched) {
-		hole = th_alloc(ctx, 2 * TH_MiB, NULL);
-		keep = th_alloc(ctx, 2 * TH_MiB, NULL);
+		void *hole = th_alloc(ctx, 2 * TH_MiB, NULL);
+
+		m->keep = th_alloc(ctx, 2 * TH_MiB, NULL);
 		th_free(ctx, hole);
 	}
-	p = th_alloc(ctx, size, NULL);
-	th_fill_ok(ctx, p, size, 31, NULL);
-	ring_init(&ring, ctx, 4);
+	m->p = th_alloc(ctx, size, s);
+	th_fill_ok(ctx, m->p, size, seed, s);
+	ret = gmlake_offload_init(&m->ring, ctx, 4, flags);
+	ck_assert_msg(ret == 0, "gmlake_offload_init: %d (%s)", ret,
+		      gmlake_last_error());
+}
+
+/* Free all of it, and the context. */
+static void mover_fini(struct mover *m)
+{
+	TH_OK(m->ctx, gmlake_offload_exit(&m->ring));
+	th_free(m->ctx, m->p);
+	if (m->keep)
+		th_free(m->ctx, m->keep);
+	th_destroy(m->ctx);
+}
+
+static void fault_round(int call, uint64_t nth, bool stitched)
+{
+	struct mover m;
+	struct gml_dev *dev;
+	int res;
+
+	mover_init(&m, off_ctx(32 * TH_MiB, 32 * TH_MiB, 0), 6 * TH_MiB,
+		   stitched, 31, NULL, 0);
+	dev = th_dev(m.ctx);
 	gml_dev_fail_nth(dev, call, nth, call == GMLAKE_CALL_mem_create ?
 			 ENOMEM : EIO);
-	res = spill(&ring, p);
+	res = spill(&m.ring, m.p);
 	ck_assert_msg(res == 0 || res < 0, "spill: %d", res);
-	th_check(ctx);
+	th_check(m.ctx);
 	if (res == 0) {
-		ck_assert_int_eq(gmlake_offload_state(ctx, p),
+		ck_assert_int_eq(gmlake_offload_state(m.ctx, m.p),
 				 GMLAKE_BLOCK_SPILLED);
 		gml_dev_fail_nth(dev, call, nth, call == GMLAKE_CALL_mem_create ?
 				 ENOMEM : EIO);
-		res = fetch(&ring, p);
+		res = fetch(&m.ring, m.p);
 		ck_assert_msg(res == 0 || res < 0, "fetch: %d", res);
-		th_check(ctx);
+		th_check(m.ctx);
 		gml_dev_fail_nth(dev, -1, 0, 0);
 		if (res)
-			ck_assert_int_eq(fetch(&ring, p), 0);
+			ck_assert_int_eq(fetch(&m.ring, m.p), 0);
 	} else {
-		ck_assert_int_eq(gmlake_offload_state(ctx, p),
+		ck_assert_int_eq(gmlake_offload_state(m.ctx, m.p),
 				 GMLAKE_BLOCK_RESIDENT);
 	}
 	gml_dev_fail_nth(dev, -1, 0, 0);
-	th_check(ctx);
-	th_verify_ok(ctx, p, size, 31, NULL);
+	th_check(m.ctx);
+	th_verify_ok(m.ctx, m.p, m.size, 31, NULL);
 	/* And the machinery still works. */
-	ck_assert_int_eq(spill(&ring, p), 0);
-	ck_assert_int_eq(fetch(&ring, p), 0);
-	th_verify_ok(ctx, p, size, 31, NULL);
-	TH_OK(ctx, gmlake_offload_exit(&ring));
-	th_free(ctx, p);
-	if (keep)
-		th_free(ctx, keep);
-	th_destroy(ctx);
+	ck_assert_int_eq(spill(&m.ring, m.p), 0);
+	ck_assert_int_eq(fetch(&m.ring, m.p), 0);
+	th_verify_ok(m.ctx, m.p, m.size, 31, NULL);
+	mover_fini(&m);
 }
 
 START_TEST(test_faults)
@@ -481,26 +513,29 @@ static int sticky_event_query(void *priv, gml_event e)
 	return sticky_real->event_query(priv, e);
 }
 
+/* A wait's answer: the real one while healthy, else -EIO (after the real
+ * wait ran, in STICKY_DRAIN; without waiting, in STICKY_NOW). */
+static int sticky_wait(int mode, int real, const char *what)
+{
+	if (mode == STICKY_OFF)
+		return real;
+	return gml_set_error(-EIO, "%s: sticky device error", what);
+}
+
 static int sticky_event_sync(void *priv, gml_event e)
 {
 	int mode = atomic_load(&sticky_mode);
 
-	if (mode == STICKY_DRAIN)
-		sticky_real->event_sync(priv, e);
-	if (mode != STICKY_OFF)
-		return gml_set_error(-EIO, "event_sync: sticky device error");
-	return sticky_real->event_sync(priv, e);
+	return sticky_wait(mode, mode == STICKY_NOW ? 0 :
+			   sticky_real->event_sync(priv, e), "event_sync");
 }
 
 static int sticky_stream_sync(void *priv, gmlake_stream_t s)
 {
 	int mode = atomic_load(&sticky_mode);
 
-	if (mode == STICKY_DRAIN)
-		sticky_real->stream_sync(priv, s);
-	if (mode != STICKY_OFF)
-		return gml_set_error(-EIO, "stream_sync: sticky device error");
-	return sticky_real->stream_sync(priv, s);
+	return sticky_wait(mode, mode == STICKY_NOW ? 0 :
+			   sticky_real->stream_sync(priv, s), "stream_sync");
 }
 
 /* off_ctx() with the wrapper installed, healthy for now. */
@@ -559,41 +594,32 @@ static int reap_bounded(struct gmlake_offload *ring, void *p)
  */
 START_TEST(test_sticky_spill)
 {
-	gmlake_ctx *ctx = sticky_ctx(32 * TH_MiB, 32 * TH_MiB);
 	bool inplace = _i & 1, stitched = _i & 2;
-	struct gmlake_offload ring;
-	struct gmlake_stats st0, st;
-	size_t size = 6 * TH_MiB - 4096;
-	void *p, *hole = NULL, *keep = NULL;
+	gmlake_ctx *ctx = sticky_ctx(32 * TH_MiB, 32 * TH_MiB);
 	gmlake_stream_t s = th_stream(ctx);
+	struct gmlake_stats st0, st;
+	struct mover m;
 	int queries;
 
-	if (stitched) {
-		hole = th_alloc(ctx, 2 * TH_MiB, NULL);
-		keep = th_alloc(ctx, 2 * TH_MiB, NULL);
-		th_free(ctx, hole);
-	}
-	p = th_alloc(ctx, size, s);
-	th_fill_ok(ctx, p, size, 81, s);
-	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 4, inplace ?
-					     GMLAKE_OFFLOAD_INPLACE : 0), 0);
+	mover_init(&m, ctx, 6 * TH_MiB - 4096, stitched, 81, s,
+		   inplace ? GMLAKE_OFFLOAD_INPLACE : 0);
 	th_stats(ctx, &st0);
 
 	/* The spill's copy waits for the block's stream: hold it there
 	 * until the engine has polled the copy, so it is in flight. */
 	th_hold(ctx, s, true);
 	queries = atomic_load(&sticky_queries);
-	submit_one(&ring, GMLAKE_OFFLOAD_SPILL, p);
+	submit_one(&m.ring, GMLAKE_OFFLOAD_SPILL, m.p);
 	for (int ms = 0; atomic_load(&sticky_queries) == queries; ms++) {
 		ck_assert_msg(ms < 10000, "the engine never polled the copy");
 		usleep(1000);
 	}
-	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLING);
+	ck_assert_int_eq(gmlake_offload_state(ctx, m.p), GMLAKE_BLOCK_SPILLING);
 	atomic_store(&sticky_mode, STICKY_NOW);
-	ck_assert_int_eq(reap_bounded(&ring, p), -EIO);
+	ck_assert_int_eq(reap_bounded(&m.ring, m.p), -EIO);
 	atomic_store(&sticky_mode, STICKY_OFF);
 
-	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_RESIDENT);
+	ck_assert_int_eq(gmlake_offload_state(ctx, m.p), GMLAKE_BLOCK_RESIDENT);
 	th_check(ctx);
 	th_stats(ctx, &st);
 	ck_assert_uint_eq(st.offload_failures, st0.offload_failures + 1);
@@ -603,20 +629,20 @@ START_TEST(test_sticky_spill)
 	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
 	/* Leaked, not given back: nothing may reuse what the copy writes. */
 	ck_assert_int_ge(st.host_bytes.current,
-			 st0.host_bytes.current + (int64_t)size);
+			 st0.host_bytes.current + (int64_t)m.size);
 
 	/* The copy still runs, into the leaked buffer; the block is as it
 	 * was, and the machinery still works. */
 	th_hold(ctx, s, false);
-	th_verify_ok(ctx, p, size, 81, s);
-	ck_assert_int_eq(spill(&ring, p), 0);
-	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_verify_ok(ctx, m.p, m.size, 81, s);
+	ck_assert_int_eq(spill(&m.ring, m.p), 0);
+	ck_assert_int_eq(fetch(&m.ring, m.p), 0);
 	th_check(ctx);
-	th_verify_ok(ctx, p, size, 81, s);
-	TH_OK(ctx, gmlake_offload_exit(&ring));
-	th_free(ctx, p);
-	if (keep)
-		th_free(ctx, keep);
+	th_verify_ok(ctx, m.p, m.size, 81, s);
+	TH_OK(ctx, gmlake_offload_exit(&m.ring));
+	th_free(ctx, m.p);
+	if (m.keep)
+		th_free(ctx, m.keep);
 	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
 	th_destroy(ctx);
 }
@@ -630,57 +656,44 @@ END_TEST
  */
 START_TEST(test_sticky_fetch)
 {
-	gmlake_ctx *ctx = sticky_ctx(32 * TH_MiB, 32 * TH_MiB);
 	bool inplace = _i & 1, stitched = _i & 2;
-	struct gmlake_offload ring;
+	gmlake_ctx *ctx = sticky_ctx(32 * TH_MiB, 32 * TH_MiB);
 	struct gmlake_stats st0, st;
-	size_t size = 6 * TH_MiB - 4096;
-	void *p, *hole = NULL, *keep = NULL;
+	struct mover m;
 	int queries;
 
-	if (stitched) {
-		hole = th_alloc(ctx, 2 * TH_MiB, NULL);
-		keep = th_alloc(ctx, 2 * TH_MiB, NULL);
-		th_free(ctx, hole);
-	}
-	p = th_alloc(ctx, size, NULL);
-	th_fill_ok(ctx, p, size, 82, NULL);
-	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 4, inplace ?
-					     GMLAKE_OFFLOAD_INPLACE : 0), 0);
-	ck_assert_int_eq(spill(&ring, p), 0);
+	mover_init(&m, ctx, 6 * TH_MiB - 4096, stitched, 82, NULL,
+		   inplace ? GMLAKE_OFFLOAD_INPLACE : 0);
+	ck_assert_int_eq(spill(&m.ring, m.p), 0);
 	th_stats(ctx, &st0);
 
 	queries = atomic_load(&sticky_queries);
 	atomic_store(&sticky_mode, STICKY_DRAIN);
-	submit_one(&ring, GMLAKE_OFFLOAD_FETCH, p);
-	ck_assert_int_eq(reap_bounded(&ring, p), -EIO);
+	submit_one(&m.ring, GMLAKE_OFFLOAD_FETCH, m.p);
+	ck_assert_int_eq(reap_bounded(&m.ring, m.p), -EIO);
 	atomic_store(&sticky_mode, STICKY_OFF);
 	/* It failed in the engine's poll of the copy, not before. */
 	ck_assert_int_gt(atomic_load(&sticky_queries), queries);
 
-	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
+	ck_assert_int_eq(gmlake_offload_state(ctx, m.p), GMLAKE_BLOCK_SPILLED);
 	th_check(ctx);
 	th_stats(ctx, &st);
 	ck_assert_uint_eq(st.offload_failures, st0.offload_failures + 1);
 	ck_assert_uint_eq(st.fetches, st0.fetches);
 	ck_assert_int_eq(st.spilled_blocks.current, 1);
-	ck_assert_int_eq(st.spilled_bytes.current, (int64_t)size);
+	ck_assert_int_eq(st.spilled_bytes.current, (int64_t)m.size);
 	ck_assert_int_eq(st.host_bytes.current, st0.host_bytes.current);
 	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
 	if (inplace)	/* mapped again at the block, bytes and all */
-		ck_assert_uint_eq(th_pattern_diff(p, size, 82), SIZE_MAX);
+		ck_assert_uint_eq(th_pattern_diff(m.p, m.size, 82), SIZE_MAX);
 
-	ck_assert_int_eq(fetch(&ring, p), 0);
+	ck_assert_int_eq(fetch(&m.ring, m.p), 0);
 	th_check(ctx);
-	th_verify_ok(ctx, p, size, 82, NULL);
+	th_verify_ok(ctx, m.p, m.size, 82, NULL);
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.spilled_blocks.current, 0);
 	ck_assert_int_eq(st.host_bytes.current, 0);
-	TH_OK(ctx, gmlake_offload_exit(&ring));
-	th_free(ctx, p);
-	if (keep)
-		th_free(ctx, keep);
-	th_destroy(ctx);
+	mover_fini(&m);
 }
 END_TEST
 
