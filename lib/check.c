@@ -311,6 +311,7 @@ static int check_totals(gmlake_ctx *ctx, struct tally *t)
 	const struct gmlake_stats *st = &ctx->st;
 
 	t->chunks += ctx->nzombies;	/* released later, still counted */
+	t->chunks += ctx->nspares;	/* kept for reuse, still counted */
 	if (t->spilled_bytes != st->spilled_bytes.current ||
 	    t->spilled_blocks != st->spilled_blocks.current)
 		return gml_set_error(-EFAULT, "%lld spilled blocks of %lld "

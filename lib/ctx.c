@@ -614,6 +614,7 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 	}
 	gml_off_fini(ctx);
 	gml_views_fini(ctx);
+	gml_spares_release(ctx);
 	gml_zombies_reap(ctx);
 	free(ctx->zombies);
 	gml_spools_fini(ctx);

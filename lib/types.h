@@ -184,6 +184,9 @@ struct gmlake_ctx {
 	struct gml_block *lru, *lru_tail; /* offloadable resident blocks */
 	gml_handle *zombies;		/* chunks whose release failed */
 	uint32_t nzombies, cap_zombies;
+	gml_handle *spares;		/* unmapped chunks kept for reuse */
+	uint32_t nspares, cap_spares;
+	uint64_t spare_ns;		/* when spares last changed */
 
 	struct gmlake_stats st;
 };
@@ -213,6 +216,10 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check);
 int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b);
 void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b);
 void gml_zombies_reap(gmlake_ctx *ctx);
+/* Spilled chunks kept for the next fetch or segment, released after
+ * GML_SPARE_KEEP_NS unused, on trim, under pressure and at destroy. */
+#define GML_SPARE_KEEP_NS (100ull * 1000 * 1000)
+void gml_spares_release(gmlake_ctx *ctx);
 
 /* offload/: hooks into the allocator, ctx lock held. */
 bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep);

@@ -713,6 +713,30 @@ static void reap(struct gml_offload *off)
 	gml_ctx_unlock(ctx);
 }
 
+/*
+ * Spilled chunks wait GML_SPARE_KEEP_NS for a fetch or an allocation to
+ * take them, then go back to the driver: reserved memory falls soon after
+ * the spills end. The milliseconds until the next look, or -1: none due.
+ */
+static int tend_spares(struct gml_offload *off)
+{
+	gmlake_ctx *ctx = off->ctx;
+	uint64_t age;
+	int ms = -1;
+
+	if (gml_ctx_lock(ctx))
+		return -1;
+	if (ctx->nspares) {
+		age = gml_now_ns() - ctx->spare_ns;
+		if (age >= GML_SPARE_KEEP_NS)
+			gml_spares_release(ctx);
+		else
+			ms = (int)((GML_SPARE_KEEP_NS - age) / 1000000) + 1;
+	}
+	gml_ctx_unlock(ctx);
+	return ms;
+}
+
 /* Requests handed in: spills and fetches first, then prefetches. */
 static void start_incoming(struct gml_offload *off, struct gml_off_req *list)
 {
@@ -782,7 +806,7 @@ static void *engine_main(void *arg)
 	struct gml_offload *off = arg;
 	struct gml_off_req *list, *req;
 	bool stop, poll_needed;
-	int timeout;
+	int timeout, spares_ms;
 
 	for (;;) {
 		pthread_mutex_lock(&off->lock);
@@ -812,6 +836,9 @@ static void *engine_main(void *arg)
 		 * miss a wake-up, not understood yet).
 		 */
 		timeout = poll_needed || stop ? 1 : off->inflight ? 5 : 200;
+		spares_ms = tend_spares(off);
+		if (spares_ms >= 0 && spares_ms < timeout)
+			timeout = spares_ms;
 		if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
 			sleep_uring(off, timeout);
 		else

@@ -102,8 +102,10 @@ START_TEST(test_spill_fetch_segment)
 	th_check(ctx);
 	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
 	th_stats(ctx, &st);
-	ck_assert_int_eq(st.reserved_bytes.current,
-			 st0.reserved_bytes.current - 8 * (int64_t)TH_MiB);
+	/* The chunks are kept a while for the next fetch, not released. */
+	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_release],
+			  st0.calls[GMLAKE_CALL_mem_release]);
 	ck_assert_int_eq(st.spilled_bytes.current, (int64_t)size);
 	ck_assert_int_eq(st.spilled_blocks.current, 1);
 	ck_assert_int_ge(st.host_bytes.current, (int64_t)size);
@@ -126,7 +128,40 @@ START_TEST(test_spill_fetch_segment)
 	ck_assert_int_eq(st.host_bytes.current, 0);
 	ck_assert_uint_eq(st.fetches, 1);
 	ck_assert_uint_eq(st.h2d_bytes, size);
+	/* ... and the fetch took them: no chunk made, none given back. */
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create],
+			  st0.calls[GMLAKE_CALL_mem_create]);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_release],
+			  st0.calls[GMLAKE_CALL_mem_release]);
+	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
 	ck_assert_int_eq(fetch(&ring, p), 0);	/* resident: nothing to do */
+
+	/* Unused, they go back to the driver: reserved memory falls. */
+	ck_assert_int_eq(spill(&ring, p), 0);
+	for (int ms = 0;; ms++) {
+		th_stats(ctx, &st);
+		if (st.reserved_bytes.current ==
+		    st0.reserved_bytes.current - 8 * (int64_t)TH_MiB)
+			break;
+		ck_assert_msg(ms < 10000, "spilled chunks kept after 10 s: "
+			      "%lld bytes reserved",
+			      (long long)st.reserved_bytes.current);
+		usleep(1000);
+	}
+	th_check(ctx);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_release],
+			  st0.calls[GMLAKE_CALL_mem_release] + 4);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_verify_ok(ctx, p, size, 11, NULL);
+	/* gmlake_trim gives them back at once. */
+	ck_assert_int_eq(spill(&ring, p), 0);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.reserved_bytes.current,
+			 st0.reserved_bytes.current - 8 * (int64_t)TH_MiB);
+	th_check(ctx);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_verify_ok(ctx, p, size, 11, NULL);
 	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_free(ctx, p);
 	th_destroy(ctx);
@@ -1169,6 +1204,7 @@ START_TEST(test_inplace)
 	ck_assert_int_eq(spill(&ring, p), 0);
 	ck_assert_int_eq(spill(&ring, q), 0);
 	th_check(ctx);
+	TH_OK(ctx, gmlake_trim(ctx));	/* the spares go at once */
 	th_stats(ctx, &st);
 	ck_assert_int_lt(st.reserved_bytes.current, st0.reserved_bytes.current);
 	ck_assert_int_ge(st.host_bytes.current, (int64_t)(26 * TH_MiB));
