@@ -29,7 +29,8 @@
 #	files to ${GML_GPU_OUT:-/tmp}: gpu-summary.log (machine, timings, results;
 #	its last line is "N passed, M failed, K skipped"), gpu-tests.log (every
 #	step's output, in order), gpu-replay-{cuda,emu}.json, gpu-offload.txt
-#	(tools/offload_bench on the GPU), gpu-vmm.txt (bench/vmm_probe: the
+#	and gpu-offload-32m.txt (tools/offload_bench on the GPU, default and
+#	32 MiB chunks), gpu-vmm.txt (bench/vmm_probe: the
 #	driver's mapping calls, per chunk and per thread) and gpu-top.txt (gmlake-top watching
 #	a live process). It also checks that activation offload under
 #	PyTorch gives a plain run's gradients (python/tests/
@@ -241,6 +242,11 @@ do_run() {
 	step "offload_bench (cuda)" \
 		sh -c '"$@" | tee "$0"' "$out/gpu-offload.txt" \
 		env GMLAKE_BACKEND=cuda "$build/tools/offload_bench"
+	# Mapping costs per chunk, whatever its size: the same with 32 MiB.
+	step "offload_bench 32 MiB chunks (cuda)" \
+		sh -c '"$@" | tee "$0"' "$out/gpu-offload-32m.txt" \
+		env GMLAKE_BACKEND=cuda GMLAKE_CHUNK_SIZE=32M \
+		"$build/tools/offload_bench" -q -s 1024 -t 4096
 
 	if [ -x "$build/vmm_probe" ]; then
 		echo "== driver mapping costs (cuda)"
