@@ -1473,7 +1473,11 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 out_undo:
 	attach_undo(ctx, b, k);
 	for (uint32_t i = 0; i < k; i++) {
-		spare_put(ctx, got[i]->handle);
+		/* Only an unmapped chunk may serve elsewhere. */
+		if (v->mapped[b->pos + i])
+			chunk_handle_release(ctx, got[i]->handle);
+		else
+			spare_put(ctx, got[i]->handle);
 		free(got[i]->views);
 		free(got[i]);
 	}
