@@ -1098,7 +1098,11 @@ static void off_advise(struct fz *f, struct fz_in *in)
 	expect(f, "gmlake_advise(not offloadable)", ret, 0);
 	if (ret)
 		return;
-	/* Nothing spills it behind our back now: learn where it is. */
+	/* Nothing spills it behind our back now: learn where it is. Its
+	 * requests in flight may have finished before an automatic spill,
+	 * so their results no longer say where it is. */
+	if (f->blk[i].npend && f->blk[i].offloadable)
+		f->blk[i].last_relaxed = true;
 	f->blk[i].offloadable = false;
 	if (!f->blk[i].npend) {
 		int st = gmlake_offload_state(f->ctx, f->blk[i].p);
