@@ -470,6 +470,20 @@ START_TEST(test_init_validation)
 }
 END_TEST
 
+/*
+ * Fill p (seed) and q (seed + 1), read p back, free both and destroy ctx:
+ * blocks cut with the chunk size under test carry data.
+ */
+static void fill_check_destroy(gmlake_ctx *ctx, void *p, size_t np, void *q,
+			       size_t nq, uint64_t seed)
+{
+	th_fill_ok(ctx, p, np, seed, NULL);
+	th_fill_ok(ctx, q, nq, seed + 1, NULL);
+	th_verify_free(ctx, p, np, seed, NULL);
+	th_free(ctx, q);
+	th_destroy(ctx);
+}
+
 START_TEST(test_chunk_size_used)
 {
 	struct gmlake_config cfg;
@@ -489,12 +503,7 @@ START_TEST(test_chunk_size_used)
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.reserved_bytes.current, (int64_t)(12 * TH_MiB));
 	ck_assert_int_eq(st.chunks.current, 3);
-	th_fill_ok(ctx, p, 2 * TH_MiB, 1, NULL);
-	th_fill_ok(ctx, q, 6 * TH_MiB, 2, NULL);
-	th_verify_ok(ctx, p, 2 * TH_MiB, 1, NULL);
-	th_free(ctx, p);
-	th_free(ctx, q);
-	th_destroy(ctx);
+	fill_check_destroy(ctx, p, 2 * TH_MiB, q, 6 * TH_MiB, 1);
 
 	/* chunk_size 0: the granularity. */
 	emu_config(&cfg);
@@ -506,12 +515,7 @@ START_TEST(test_chunk_size_used)
 	ck_assert_uint_eq(st.chunk_size, 64 * TH_KiB);
 	p = th_alloc_small(ctx, 200 * TH_KiB, NULL, 32 * TH_KiB);
 	q = th_alloc_small(ctx, 1000, NULL, 32 * TH_KiB);
-	th_fill_ok(ctx, p, 200 * TH_KiB, 3, NULL);
-	th_fill_ok(ctx, q, 1000, 4, NULL);
-	th_verify_ok(ctx, p, 200 * TH_KiB, 3, NULL);
-	th_free(ctx, p);
-	th_free(ctx, q);
-	th_destroy(ctx);
+	fill_check_destroy(ctx, p, 200 * TH_KiB, q, 1000, 3);
 
 	/* A larger small size with larger chunks is fine. */
 	emu_config(&cfg);
@@ -555,49 +559,44 @@ START_TEST(test_env_capacity)
 }
 END_TEST
 
+/*
+ * gmlake_ctx_init(cfg) on what must be the cuda backend: a context that is
+ * not the emulated device (destroyed), or -ENODEV / -EOPNOTSUPP, then with
+ * a message when want_msg.
+ */
+static void expect_cuda_or_none(const struct gmlake_config *cfg,
+				bool want_msg, const char *what)
+{
+	gmlake_ctx *ctx = NULL;
+	int ret = gmlake_ctx_init(&ctx, cfg);
+
+	if (ret == 0) {
+		ck_assert_msg(!th_is_emu(ctx), "%s: the emulated device", what);
+		th_destroy(ctx);
+		return;
+	}
+	ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP, "%s: %d (%s)",
+		      what, ret, gmlake_last_error());
+	if (want_msg)
+		ck_assert_msg(gmlake_last_error()[0], "%s: no message", what);
+}
+
 /* The cuda backend is the cuda backend: a device, or -ENODEV; never emu. */
 START_TEST(test_cuda_no_fallback)
 {
 	struct gmlake_config cfg;
-	gmlake_ctx *ctx = NULL;
-	int ret;
 
 	emu_config(&cfg);
 	cfg.backend = GMLAKE_BACKEND_CUDA;
-	ret = gmlake_ctx_init(&ctx, &cfg);
-	if (ret == 0) {
-		ck_assert(!th_is_emu(ctx));
-		th_destroy(ctx);
-	} else {
-		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
-			      "cuda backend: %d (%s)", ret,
-			      gmlake_last_error());
-		ck_assert_str_ne(gmlake_last_error(), "");
-	}
+	expect_cuda_or_none(&cfg, true, "cuda backend");
 
 	/* Named by the environment, with the default in the config. */
 	setenv("GMLAKE_BACKEND", "cuda", 1);
-	ctx = NULL;
-	ret = gmlake_ctx_init(&ctx, NULL);
-	if (ret == 0) {
-		ck_assert(!th_is_emu(ctx));
-		th_destroy(ctx);
-	} else {
-		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
-			      "GMLAKE_BACKEND=cuda: %d", ret);
-	}
+	expect_cuda_or_none(NULL, false, "GMLAKE_BACKEND=cuda");
 
 	/* No GMLAKE_BACKEND at all: the default is cuda, not emu. */
 	unsetenv("GMLAKE_BACKEND");
-	ctx = NULL;
-	ret = gmlake_ctx_init(&ctx, NULL);
-	if (ret == 0) {
-		ck_assert(!th_is_emu(ctx));
-		th_destroy(ctx);
-	} else {
-		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
-			      "default backend: %d", ret);
-	}
+	expect_cuda_or_none(NULL, false, "default backend");
 }
 END_TEST
 
@@ -650,12 +649,27 @@ static gmlake_ctx *fragmented(struct gmlake_config *cfg, void *p[16])
 	return ctx;
 }
 
-static void free_even(gmlake_ctx *ctx, void *p[16])
+/* Free what fragmented() kept, then destroy ctx: each such case ends so. */
+static void destroy_fragmented(gmlake_ctx *ctx, void *p[16])
 {
 	int i;
 
 	for (i = 0; i < 16; i += 2)
 		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+
+/* th_alloc() between two stats reads: what the allocation did. */
+static void *alloc_measured(gmlake_ctx *ctx, size_t size,
+			    struct gmlake_stats *before,
+			    struct gmlake_stats *after)
+{
+	void *p;
+
+	th_stats(ctx, before);
+	p = th_alloc(ctx, size, NULL);
+	th_stats(ctx, after);
+	return p;
 }
 
 START_TEST(test_stitch_min_used)
@@ -669,28 +683,22 @@ START_TEST(test_stitch_min_used)
 	emu_config(&cfg);
 	cfg.stitch_min = 32 * TH_MiB;
 	ctx = fragmented(&cfg, p);
-	th_stats(ctx, &s0);
-	q = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_stats(ctx, &s1);
+	q = alloc_measured(ctx, 4 * TH_MiB, &s0, &s1);
 	ck_assert_uint_eq(s1.stitches, s0.stitches);
 	ck_assert_uint_eq(s1.grows, s0.grows + 1);
 	ck_assert_int_eq(s1.chunks.current, s0.chunks.current + 2);
 	th_free(ctx, q);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 
 	/* At or above it: stitch. */
 	emu_config(&cfg);
 	cfg.stitch_min = 4 * TH_MiB;
 	ctx = fragmented(&cfg, p);
-	th_stats(ctx, &s0);
-	q = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_stats(ctx, &s1);
+	q = alloc_measured(ctx, 4 * TH_MiB, &s0, &s1);
 	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
 	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
 	th_free(ctx, q);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 }
 END_TEST
 
@@ -721,55 +729,57 @@ START_TEST(test_stitch_cache_used)
 	th_free(ctx, a);
 	th_stats(ctx, &s1);
 	ck_assert_int_le(s1.stitched_cached.current, 1);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 
 	/* Bound 0: nothing is kept. */
 	emu_config(&cfg);
 	cfg.stitch_cache_max = 0;
 	ctx = fragmented(&cfg, p);
-	a = th_alloc(ctx, 8 * TH_MiB, NULL);
-	th_fill_ok(ctx, a, 8 * TH_MiB, 1, NULL);
+	a = th_alloc_filled(ctx, 8 * TH_MiB, 1, NULL);
 	th_free(ctx, a);
 	th_stats(ctx, &s1);
 	ck_assert_int_eq(s1.stitched_cached.current, 0);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 }
 END_TEST
 
+/*
+ * A context from the environment serves a 4 MiB block and is destroyed
+ * with stdout and stderr captured: what destroy printed on each.
+ */
+static void use_and_destroy_printing(char **out, char **err)
+{
+	struct th_capture co, ce;
+	gmlake_ctx *ctx = NULL;
+	int ret = gmlake_ctx_init(&ctx, NULL);
+	void *p;
+
+	ck_assert_msg(ret == 0, "gmlake_ctx_init: %d (%s)", ret,
+		      gmlake_last_error());
+	p = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_free(ctx, p);
+	th_capture_begin(&co, STDOUT_FILENO);
+	th_capture_begin(&ce, STDERR_FILENO);
+	th_destroy(ctx);
+	*err = th_capture_end(&ce);
+	*out = th_capture_end(&co);
+}
+
 START_TEST(test_show_stats_used)
 {
-	struct th_capture out, err;
-	gmlake_ctx *ctx = NULL;
 	char *o, *e;
-	void *p;
 
 	/* Off: destroy prints nothing. */
 	setenv("GMLAKE_BACKEND", "emu", 1);
 	setenv("GMLAKE_EMU_CAPACITY", "64M", 1);
-	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
-	p = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_free(ctx, p);
-	th_capture_begin(&out, STDOUT_FILENO);
-	th_capture_begin(&err, STDERR_FILENO);
-	th_destroy(ctx);
-	e = th_capture_end(&err);
-	o = th_capture_end(&out);
+	use_and_destroy_printing(&o, &e);
 	ck_assert_msg(!o[0] && !e[0], "printed at destroy: '%s' '%s'", o, e);
 	free(o);
 	free(e);
 
 	/* On: a summary. */
 	setenv("GMLAKE_SHOW_STATS", "1", 1);
-	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
-	p = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_free(ctx, p);
-	th_capture_begin(&out, STDOUT_FILENO);
-	th_capture_begin(&err, STDERR_FILENO);
-	th_destroy(ctx);
-	e = th_capture_end(&err);
-	o = th_capture_end(&out);
+	use_and_destroy_printing(&o, &e);
 	ck_assert_msg(strlen(o) + strlen(e) > 20,
 		      "GMLAKE_SHOW_STATS=1: nothing printed at destroy");
 	free(o);
