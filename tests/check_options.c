@@ -789,14 +789,26 @@ END_TEST
 
 /* ---------------------------------------------------------------------- */
 
+/*
+ * A test case of the suite, each test starting without GMLAKE_* variables;
+ * not th_tcase(): these run on the emulated device whatever the backend.
+ */
+static TCase *options_tcase(Suite *s, const char *name)
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, NULL);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
 static Suite *options_suite(void)
 {
 	Suite *s = suite_create("options");
 	TCase *tc;
 
-	tc = tcase_create("Parse");
-	tcase_set_timeout(tc, TH_TIMEOUT);
-	tcase_add_checked_fixture(tc, setup, NULL);
+	tc = options_tcase(s, "Parse");
 	tcase_add_test(tc, test_defaults);
 	tcase_add_loop_test(tc, test_size_values, 0, N_SIZE_OPTS);
 	tcase_add_loop_test(tc, test_size_invalid, 0, N_SIZE_OPTS);
@@ -808,25 +820,18 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_publish);
 	tcase_add_test(tc, test_offload_engine);
 	tcase_add_test(tc, test_several);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("Validate");
-	tcase_set_timeout(tc, TH_TIMEOUT);
-	tcase_add_checked_fixture(tc, setup, NULL);
+	tc = options_tcase(s, "Validate");
 	tcase_add_test(tc, test_init_validation);
 	tcase_add_test(tc, test_chunk_size_used);
 	tcase_add_test(tc, test_env_capacity);
 	tcase_add_test(tc, test_cuda_no_fallback);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("Effect");
-	tcase_set_timeout(tc, TH_TIMEOUT);
-	tcase_add_checked_fixture(tc, setup, NULL);
+	tc = options_tcase(s, "Effect");
 	tcase_add_test(tc, test_small_size_used);
 	tcase_add_test(tc, test_stitch_min_used);
 	tcase_add_test(tc, test_stitch_cache_used);
 	tcase_add_test(tc, test_show_stats_used);
-	suite_add_tcase(s, tc);
 	return s;
 }
 
