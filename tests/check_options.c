@@ -13,6 +13,8 @@
 
 extern char **environ;
 
+#define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+
 /* Drop every GMLAKE_* variable. */
 static void clear_env(void)
 {
@@ -117,39 +119,113 @@ START_TEST(test_defaults)
 END_TEST
 
 /* ---------------------------------------------------------------------- */
-/* Sizes.                                                                 */
+/* An option, its field, and the values it takes or refuses.              */
 
-static const struct size_opt {
-	const char *var;
-	size_t off;
-} size_opts[] = {
-	{ "GMLAKE_CHUNK_SIZE", offsetof(struct gmlake_config, chunk_size) },
-	{ "GMLAKE_SMALL_SIZE", offsetof(struct gmlake_config, small_size) },
-	{ "GMLAKE_STITCH_MIN", offsetof(struct gmlake_config, stitch_min) },
-	{ "GMLAKE_EMU_CAPACITY",
-	  offsetof(struct gmlake_config, emu_capacity) },
-	{ "GMLAKE_EMU_GRANULARITY",
-	  offsetof(struct gmlake_config, emu_granularity) },
-	{ "GMLAKE_DEVICE_LIMIT",
-	  offsetof(struct gmlake_config, device_limit) },
-	{ "GMLAKE_HOST_LIMIT", offsetof(struct gmlake_config, host_limit) },
-};
-#define N_SIZE_OPTS ((int)(sizeof(size_opts) / sizeof(size_opts[0])))
-
-static size_t size_field(const struct gmlake_config *cfg, size_t off)
+/*
+ * The field at off as an int64_t, by its type: so one pair of helpers below
+ * checks every option.
+ */
+static int64_t size_at(const struct gmlake_config *cfg, size_t off)
 {
 	size_t v;
+
+	memcpy(&v, (const char *)cfg + off, sizeof(v));
+	return (int64_t)v;
+}
+
+static int64_t int_at(const struct gmlake_config *cfg, size_t off)
+{
+	int v;
 
 	memcpy(&v, (const char *)cfg + off, sizeof(v));
 	return v;
 }
 
+static int64_t uint_at(const struct gmlake_config *cfg, size_t off)
+{
+	unsigned v;
+
+	memcpy(&v, (const char *)cfg + off, sizeof(v));
+	return v;
+}
+
+static int64_t bool_at(const struct gmlake_config *cfg, size_t off)
+{
+	bool v;
+
+	memcpy(&v, (const char *)cfg + off, sizeof(v));
+	return v;
+}
+
+/* A GMLAKE_* variable and the field of the configuration it sets. */
+struct opt {
+	const char *var;
+	size_t off;		/* of its field in struct gmlake_config */
+	int64_t (*get)(const struct gmlake_config *cfg, size_t off);
+};
+
+#define OPT(var, field, get) \
+	{ var, offsetof(struct gmlake_config, field), get }
+
+/* A string and the value it must give. */
+struct val {
+	const char *s;
+	int64_t v;
+};
+
+/* Each good string gives its value and draws no warning. */
+static void expect_values(const struct opt *o, const struct val *good,
+			  size_t n)
+{
+	struct gmlake_config cfg;
+	size_t j;
+
+	for (j = 0; j < n; j++) {
+		char *err = init_with(o->var, good[j].s, &cfg);
+		int64_t got = o->get(&cfg, o->off);
+
+		ck_assert_msg(got == good[j].v,
+			      "%s=%s gives %" PRId64 ", not %" PRId64,
+			      o->var, good[j].s, got, good[j].v);
+		expect_quiet(err, o->var, good[j].s);
+	}
+}
+
+/* Each bad string keeps the default dflt and draws a warning. */
+static void expect_rejected(const struct opt *o, const char *const *bad,
+			    size_t n, int64_t dflt)
+{
+	struct gmlake_config cfg;
+	size_t j;
+
+	for (j = 0; j < n; j++) {
+		char *err = init_with(o->var, bad[j], &cfg);
+		int64_t got = o->get(&cfg, o->off);
+
+		ck_assert_msg(got == dflt,
+			      "%s='%s' gives %" PRId64 ", not the default %"
+			      PRId64, o->var, bad[j], got, dflt);
+		expect_warning(err, o->var, bad[j]);
+	}
+}
+
+/* ---------------------------------------------------------------------- */
+/* Sizes.                                                                 */
+
+static const struct opt size_opts[] = {
+	OPT("GMLAKE_CHUNK_SIZE", chunk_size, size_at),
+	OPT("GMLAKE_SMALL_SIZE", small_size, size_at),
+	OPT("GMLAKE_STITCH_MIN", stitch_min, size_at),
+	OPT("GMLAKE_EMU_CAPACITY", emu_capacity, size_at),
+	OPT("GMLAKE_EMU_GRANULARITY", emu_granularity, size_at),
+	OPT("GMLAKE_DEVICE_LIMIT", device_limit, size_at),
+	OPT("GMLAKE_HOST_LIMIT", host_limit, size_at),
+};
+#define N_SIZE_OPTS ((int)ARRAY_SIZE(size_opts))
+
 START_TEST(test_size_values)
 {
-	static const struct {
-		const char *s;
-		size_t v;
-	} good[] = {
+	static const struct val good[] = {
 		{ "4194304", 4 * TH_MiB },
 		{ "4M", 4 * TH_MiB },
 		{ "64K", 64 * TH_KiB },
@@ -159,18 +235,8 @@ START_TEST(test_size_values)
 		{ "1M", TH_MiB },
 		{ "512", 512 },
 	};
-	const struct size_opt *o = &size_opts[_i];
-	struct gmlake_config cfg;
-	unsigned j;
 
-	for (j = 0; j < sizeof(good) / sizeof(good[0]); j++) {
-		char *err = init_with(o->var, good[j].s, &cfg);
-
-		ck_assert_msg(size_field(&cfg, o->off) == good[j].v,
-			      "%s=%s gives %zu, not %zu", o->var, good[j].s,
-			      size_field(&cfg, o->off), good[j].v);
-		expect_quiet(err, o->var, good[j].s);
-	}
+	expect_values(&size_opts[_i], good, ARRAY_SIZE(good));
 }
 END_TEST
 
@@ -180,21 +246,11 @@ START_TEST(test_size_invalid)
 		"abc", "12X", "-1", "-4M", "4MM", "M", "4.5M", "0x",
 		"99999999999999999999", "20000000000G", "18446744073709551616",
 	};
-	const struct size_opt *o = &size_opts[_i];
-	struct gmlake_config cfg, d;
-	unsigned j;
+	const struct opt *o = &size_opts[_i];
+	struct gmlake_config d;
 
 	defaults(&d);
-	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
-		char *err = init_with(o->var, bad[j], &cfg);
-
-		ck_assert_msg(size_field(&cfg, o->off) ==
-				      size_field(&d, o->off),
-			      "%s='%s' gives %zu, not the default %zu",
-			      o->var, bad[j], size_field(&cfg, o->off),
-			      size_field(&d, o->off));
-		expect_warning(err, o->var, bad[j]);
-	}
+	expect_rejected(o, bad, ARRAY_SIZE(bad), o->get(&d, o->off));
 }
 END_TEST
 
@@ -203,185 +259,105 @@ END_TEST
 
 START_TEST(test_stitch_cache)
 {
+	static const struct opt o =
+		OPT("GMLAKE_STITCH_CACHE", stitch_cache_max, uint_at);
+	static const struct val good[] = {
+		{ "17", 17 }, { "0", 0 }, { "100000", 100000 },
+	};
 	static const char *const bad[] = {
 		"x", "-3", "4294967296", "99999999999999999999", "1.5", "7z",
 	};
-	struct gmlake_config cfg;
-	unsigned j;
 
-	expect_quiet(init_with("GMLAKE_STITCH_CACHE", "17", &cfg),
-		     "GMLAKE_STITCH_CACHE", "17");
-	ck_assert_uint_eq(cfg.stitch_cache_max, 17);
-	expect_quiet(init_with("GMLAKE_STITCH_CACHE", "0", &cfg),
-		     "GMLAKE_STITCH_CACHE", "0");
-	ck_assert_uint_eq(cfg.stitch_cache_max, 0);
-	expect_quiet(init_with("GMLAKE_STITCH_CACHE", "100000", &cfg),
-		     "GMLAKE_STITCH_CACHE", "100000");
-	ck_assert_uint_eq(cfg.stitch_cache_max, 100000);
-	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
-		char *err = init_with("GMLAKE_STITCH_CACHE", bad[j], &cfg);
-
-		ck_assert_msg(cfg.stitch_cache_max == 256,
-			      "GMLAKE_STITCH_CACHE='%s' gives %u", bad[j],
-			      cfg.stitch_cache_max);
-		expect_warning(err, "GMLAKE_STITCH_CACHE", bad[j]);
-	}
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), 256);
 }
 END_TEST
 
 START_TEST(test_device)
 {
+	static const struct opt o = OPT("GMLAKE_DEVICE", device, int_at);
+	static const struct val good[] = { { "3", 3 }, { "0", 0 } };
 	static const char *const bad[] = { "x", "-1", "1x", "99999999999" };
-	struct gmlake_config cfg;
-	unsigned j;
 
-	expect_quiet(init_with("GMLAKE_DEVICE", "3", &cfg), "GMLAKE_DEVICE",
-		     "3");
-	ck_assert_int_eq(cfg.device, 3);
-	expect_quiet(init_with("GMLAKE_DEVICE", "0", &cfg), "GMLAKE_DEVICE",
-		     "0");
-	ck_assert_int_eq(cfg.device, 0);
-	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
-		char *err = init_with("GMLAKE_DEVICE", bad[j], &cfg);
-
-		ck_assert_msg(cfg.device == 0, "GMLAKE_DEVICE='%s' gives %d",
-			      bad[j], cfg.device);
-		expect_warning(err, "GMLAKE_DEVICE", bad[j]);
-	}
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), 0);
 }
 END_TEST
 
 START_TEST(test_backend)
 {
+	static const struct opt o = OPT("GMLAKE_BACKEND", backend, int_at);
+	static const struct val good[] = {
+		{ "cuda", GMLAKE_BACKEND_CUDA }, { "emu", GMLAKE_BACKEND_EMU },
+	};
 	static const char *const bad[] = { "opencl", "emulated", "2", "cud" };
-	struct gmlake_config cfg, d;
-	unsigned j;
+	struct gmlake_config d;
 
 	defaults(&d);
-	expect_quiet(init_with("GMLAKE_BACKEND", "cuda", &cfg),
-		     "GMLAKE_BACKEND", "cuda");
-	ck_assert_int_eq(cfg.backend, GMLAKE_BACKEND_CUDA);
-	expect_quiet(init_with("GMLAKE_BACKEND", "emu", &cfg),
-		     "GMLAKE_BACKEND", "emu");
-	ck_assert_int_eq(cfg.backend, GMLAKE_BACKEND_EMU);
-	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
-		char *err = init_with("GMLAKE_BACKEND", bad[j], &cfg);
-
-		ck_assert_msg(cfg.backend == d.backend,
-			      "GMLAKE_BACKEND='%s' gives %d", bad[j],
-			      cfg.backend);
-		expect_warning(err, "GMLAKE_BACKEND", bad[j]);
-	}
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), d.backend);
 }
 END_TEST
 
 START_TEST(test_log_level)
 {
-	static const struct {
-		const char *s;
-		int v;
-	} good[] = {
+	static const struct opt o = OPT("GMLAKE_LOG_LEVEL", log_level, int_at);
+	static const struct val good[] = {
 		{ "error", GMLAKE_LOG_ERROR }, { "warn", GMLAKE_LOG_WARN },
 		{ "info", GMLAKE_LOG_INFO },   { "debug", GMLAKE_LOG_DEBUG },
 		{ "0", 0 }, { "1", 1 }, { "2", 2 }, { "3", 3 },
 	};
 	static const char *const bad[] = { "loud", "4", "-1", "9", "warnx" };
-	struct gmlake_config cfg, d;
-	unsigned j;
+	struct gmlake_config d;
 
 	defaults(&d);
-	for (j = 0; j < sizeof(good) / sizeof(good[0]); j++) {
-		char *err = init_with("GMLAKE_LOG_LEVEL", good[j].s, &cfg);
-
-		ck_assert_msg(cfg.log_level == good[j].v,
-			      "GMLAKE_LOG_LEVEL=%s gives %d", good[j].s,
-			      cfg.log_level);
-		expect_quiet(err, "GMLAKE_LOG_LEVEL", good[j].s);
-	}
-	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
-		char *err = init_with("GMLAKE_LOG_LEVEL", bad[j], &cfg);
-
-		ck_assert_msg(cfg.log_level == d.log_level,
-			      "GMLAKE_LOG_LEVEL='%s' gives %d", bad[j],
-			      cfg.log_level);
-		expect_warning(err, "GMLAKE_LOG_LEVEL", bad[j]);
-	}
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), d.log_level);
 }
 END_TEST
 
 START_TEST(test_show_stats)
 {
-	static const char *const yes[] = { "1", "true", "yes", "on" };
-	static const char *const no[] = { "0", "false", "no", "off" };
+	static const struct opt o =
+		OPT("GMLAKE_SHOW_STATS", show_stats, bool_at);
+	static const struct val good[] = {	/* yes and no, in turn */
+		{ "1", true },    { "0", false },
+		{ "true", true }, { "false", false },
+		{ "yes", true },  { "no", false },
+		{ "on", true },   { "off", false },
+	};
 	static const char *const bad[] = { "maybe", "2", "onn", "-1" };
-	struct gmlake_config cfg;
-	unsigned j;
 
-	for (j = 0; j < 4; j++) {
-		expect_quiet(init_with("GMLAKE_SHOW_STATS", yes[j], &cfg),
-			     "GMLAKE_SHOW_STATS", yes[j]);
-		ck_assert_msg(cfg.show_stats, "GMLAKE_SHOW_STATS=%s", yes[j]);
-		expect_quiet(init_with("GMLAKE_SHOW_STATS", no[j], &cfg),
-			     "GMLAKE_SHOW_STATS", no[j]);
-		ck_assert_msg(!cfg.show_stats, "GMLAKE_SHOW_STATS=%s", no[j]);
-	}
-	for (j = 0; j < 4; j++) {
-		char *err = init_with("GMLAKE_SHOW_STATS", bad[j], &cfg);
-
-		ck_assert_msg(!cfg.show_stats, "GMLAKE_SHOW_STATS='%s'",
-			      bad[j]);
-		expect_warning(err, "GMLAKE_SHOW_STATS", bad[j]);
-	}
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), false);
 }
 END_TEST
 
 START_TEST(test_publish)
 {
-	struct gmlake_config cfg;
+	static const struct opt o = OPT("GMLAKE_PUBLISH", publish, bool_at);
+	static const struct val good[] = { { "off", false }, { "1", true } };
+	static const char *const bad[] = { "sometimes" };
 
-	expect_quiet(init_with("GMLAKE_PUBLISH", "off", &cfg),
-		     "GMLAKE_PUBLISH", "off");
-	ck_assert(!cfg.publish);
-	expect_quiet(init_with("GMLAKE_PUBLISH", "1", &cfg),
-		     "GMLAKE_PUBLISH", "1");
-	ck_assert(cfg.publish);
-	expect_warning(init_with("GMLAKE_PUBLISH", "sometimes", &cfg),
-		       "GMLAKE_PUBLISH", "sometimes");
-	ck_assert(cfg.publish);		/* the default stays */
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), true);	/* the default */
 }
 END_TEST
 
 START_TEST(test_offload_engine)
 {
-	static const struct {
-		const char *s;
-		int v;
-	} good[] = {
+	static const struct opt o =
+		OPT("GMLAKE_OFFLOAD_ENGINE", offload_engine, int_at);
+	static const struct val good[] = {
 		{ "auto", GMLAKE_OFFLOAD_ENGINE_NONE },
 		{ "uring", GMLAKE_OFFLOAD_ENGINE_URING },
 		{ "io_uring", GMLAKE_OFFLOAD_ENGINE_URING },
 		{ "THREAD", GMLAKE_OFFLOAD_ENGINE_THREAD },
 	};
 	static const char *const bad[] = { "epoll", "1", "", "threads" };
-	struct gmlake_config cfg;
-	unsigned j;
 
-	for (j = 0; j < sizeof(good) / sizeof(good[0]); j++) {
-		char *err = init_with("GMLAKE_OFFLOAD_ENGINE", good[j].s, &cfg);
-
-		ck_assert_msg(cfg.offload_engine == good[j].v,
-			      "GMLAKE_OFFLOAD_ENGINE=%s gives %d", good[j].s,
-			      cfg.offload_engine);
-		expect_quiet(err, "GMLAKE_OFFLOAD_ENGINE", good[j].s);
-	}
-	for (j = 0; j < sizeof(bad) / sizeof(bad[0]); j++) {
-		char *err = init_with("GMLAKE_OFFLOAD_ENGINE", bad[j], &cfg);
-
-		ck_assert_msg(cfg.offload_engine == GMLAKE_OFFLOAD_ENGINE_NONE,
-			      "GMLAKE_OFFLOAD_ENGINE='%s' gives %d", bad[j],
-			      cfg.offload_engine);
-		expect_warning(err, "GMLAKE_OFFLOAD_ENGINE", bad[j]);
-	}
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), GMLAKE_OFFLOAD_ENGINE_NONE);
 }
 END_TEST
 
@@ -494,6 +470,20 @@ START_TEST(test_init_validation)
 }
 END_TEST
 
+/*
+ * Fill p (seed) and q (seed + 1), read p back, free both and destroy ctx:
+ * blocks cut with the chunk size under test carry data.
+ */
+static void fill_check_destroy(gmlake_ctx *ctx, void *p, size_t np, void *q,
+			       size_t nq, uint64_t seed)
+{
+	th_fill_ok(ctx, p, np, seed, NULL);
+	th_fill_ok(ctx, q, nq, seed + 1, NULL);
+	th_verify_free(ctx, p, np, seed, NULL);
+	th_free(ctx, q);
+	th_destroy(ctx);
+}
+
 START_TEST(test_chunk_size_used)
 {
 	struct gmlake_config cfg;
@@ -513,12 +503,7 @@ START_TEST(test_chunk_size_used)
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.reserved_bytes.current, (int64_t)(12 * TH_MiB));
 	ck_assert_int_eq(st.chunks.current, 3);
-	th_fill_ok(ctx, p, 2 * TH_MiB, 1, NULL);
-	th_fill_ok(ctx, q, 6 * TH_MiB, 2, NULL);
-	th_verify_ok(ctx, p, 2 * TH_MiB, 1, NULL);
-	th_free(ctx, p);
-	th_free(ctx, q);
-	th_destroy(ctx);
+	fill_check_destroy(ctx, p, 2 * TH_MiB, q, 6 * TH_MiB, 1);
 
 	/* chunk_size 0: the granularity. */
 	emu_config(&cfg);
@@ -530,12 +515,7 @@ START_TEST(test_chunk_size_used)
 	ck_assert_uint_eq(st.chunk_size, 64 * TH_KiB);
 	p = th_alloc_small(ctx, 200 * TH_KiB, NULL, 32 * TH_KiB);
 	q = th_alloc_small(ctx, 1000, NULL, 32 * TH_KiB);
-	th_fill_ok(ctx, p, 200 * TH_KiB, 3, NULL);
-	th_fill_ok(ctx, q, 1000, 4, NULL);
-	th_verify_ok(ctx, p, 200 * TH_KiB, 3, NULL);
-	th_free(ctx, p);
-	th_free(ctx, q);
-	th_destroy(ctx);
+	fill_check_destroy(ctx, p, 200 * TH_KiB, q, 1000, 3);
 
 	/* A larger small size with larger chunks is fine. */
 	emu_config(&cfg);
@@ -579,49 +559,44 @@ START_TEST(test_env_capacity)
 }
 END_TEST
 
+/*
+ * gmlake_ctx_init(cfg) on what must be the cuda backend: a context that is
+ * not the emulated device (destroyed), or -ENODEV / -EOPNOTSUPP, then with
+ * a message when want_msg.
+ */
+static void expect_cuda_or_none(const struct gmlake_config *cfg,
+				bool want_msg, const char *what)
+{
+	gmlake_ctx *ctx = NULL;
+	int ret = gmlake_ctx_init(&ctx, cfg);
+
+	if (ret == 0) {
+		ck_assert_msg(!th_is_emu(ctx), "%s: the emulated device", what);
+		th_destroy(ctx);
+		return;
+	}
+	ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP, "%s: %d (%s)",
+		      what, ret, gmlake_last_error());
+	if (want_msg)
+		ck_assert_msg(gmlake_last_error()[0], "%s: no message", what);
+}
+
 /* The cuda backend is the cuda backend: a device, or -ENODEV; never emu. */
 START_TEST(test_cuda_no_fallback)
 {
 	struct gmlake_config cfg;
-	gmlake_ctx *ctx = NULL;
-	int ret;
 
 	emu_config(&cfg);
 	cfg.backend = GMLAKE_BACKEND_CUDA;
-	ret = gmlake_ctx_init(&ctx, &cfg);
-	if (ret == 0) {
-		ck_assert(!th_is_emu(ctx));
-		th_destroy(ctx);
-	} else {
-		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
-			      "cuda backend: %d (%s)", ret,
-			      gmlake_last_error());
-		ck_assert_str_ne(gmlake_last_error(), "");
-	}
+	expect_cuda_or_none(&cfg, true, "cuda backend");
 
 	/* Named by the environment, with the default in the config. */
 	setenv("GMLAKE_BACKEND", "cuda", 1);
-	ctx = NULL;
-	ret = gmlake_ctx_init(&ctx, NULL);
-	if (ret == 0) {
-		ck_assert(!th_is_emu(ctx));
-		th_destroy(ctx);
-	} else {
-		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
-			      "GMLAKE_BACKEND=cuda: %d", ret);
-	}
+	expect_cuda_or_none(NULL, false, "GMLAKE_BACKEND=cuda");
 
 	/* No GMLAKE_BACKEND at all: the default is cuda, not emu. */
 	unsetenv("GMLAKE_BACKEND");
-	ctx = NULL;
-	ret = gmlake_ctx_init(&ctx, NULL);
-	if (ret == 0) {
-		ck_assert(!th_is_emu(ctx));
-		th_destroy(ctx);
-	} else {
-		ck_assert_msg(ret == -ENODEV || ret == -EOPNOTSUPP,
-			      "default backend: %d", ret);
-	}
+	expect_cuda_or_none(NULL, false, "default backend");
 }
 END_TEST
 
@@ -674,12 +649,27 @@ static gmlake_ctx *fragmented(struct gmlake_config *cfg, void *p[16])
 	return ctx;
 }
 
-static void free_even(gmlake_ctx *ctx, void *p[16])
+/* Free what fragmented() kept, then destroy ctx: each such case ends so. */
+static void destroy_fragmented(gmlake_ctx *ctx, void *p[16])
 {
 	int i;
 
 	for (i = 0; i < 16; i += 2)
 		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+
+/* th_alloc() between two stats reads: what the allocation did. */
+static void *alloc_measured(gmlake_ctx *ctx, size_t size,
+			    struct gmlake_stats *before,
+			    struct gmlake_stats *after)
+{
+	void *p;
+
+	th_stats(ctx, before);
+	p = th_alloc(ctx, size, NULL);
+	th_stats(ctx, after);
+	return p;
 }
 
 START_TEST(test_stitch_min_used)
@@ -693,28 +683,22 @@ START_TEST(test_stitch_min_used)
 	emu_config(&cfg);
 	cfg.stitch_min = 32 * TH_MiB;
 	ctx = fragmented(&cfg, p);
-	th_stats(ctx, &s0);
-	q = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_stats(ctx, &s1);
+	q = alloc_measured(ctx, 4 * TH_MiB, &s0, &s1);
 	ck_assert_uint_eq(s1.stitches, s0.stitches);
 	ck_assert_uint_eq(s1.grows, s0.grows + 1);
 	ck_assert_int_eq(s1.chunks.current, s0.chunks.current + 2);
 	th_free(ctx, q);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 
 	/* At or above it: stitch. */
 	emu_config(&cfg);
 	cfg.stitch_min = 4 * TH_MiB;
 	ctx = fragmented(&cfg, p);
-	th_stats(ctx, &s0);
-	q = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_stats(ctx, &s1);
+	q = alloc_measured(ctx, 4 * TH_MiB, &s0, &s1);
 	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
 	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
 	th_free(ctx, q);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 }
 END_TEST
 
@@ -745,55 +729,57 @@ START_TEST(test_stitch_cache_used)
 	th_free(ctx, a);
 	th_stats(ctx, &s1);
 	ck_assert_int_le(s1.stitched_cached.current, 1);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 
 	/* Bound 0: nothing is kept. */
 	emu_config(&cfg);
 	cfg.stitch_cache_max = 0;
 	ctx = fragmented(&cfg, p);
-	a = th_alloc(ctx, 8 * TH_MiB, NULL);
-	th_fill_ok(ctx, a, 8 * TH_MiB, 1, NULL);
+	a = th_alloc_filled(ctx, 8 * TH_MiB, 1, NULL);
 	th_free(ctx, a);
 	th_stats(ctx, &s1);
 	ck_assert_int_eq(s1.stitched_cached.current, 0);
-	free_even(ctx, p);
-	th_destroy(ctx);
+	destroy_fragmented(ctx, p);
 }
 END_TEST
 
+/*
+ * A context from the environment serves a 4 MiB block and is destroyed
+ * with stdout and stderr captured: what destroy printed on each.
+ */
+static void use_and_destroy_printing(char **out, char **err)
+{
+	struct th_capture co, ce;
+	gmlake_ctx *ctx = NULL;
+	int ret = gmlake_ctx_init(&ctx, NULL);
+	void *p;
+
+	ck_assert_msg(ret == 0, "gmlake_ctx_init: %d (%s)", ret,
+		      gmlake_last_error());
+	p = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_free(ctx, p);
+	th_capture_begin(&co, STDOUT_FILENO);
+	th_capture_begin(&ce, STDERR_FILENO);
+	th_destroy(ctx);
+	*err = th_capture_end(&ce);
+	*out = th_capture_end(&co);
+}
+
 START_TEST(test_show_stats_used)
 {
-	struct th_capture out, err;
-	gmlake_ctx *ctx = NULL;
 	char *o, *e;
-	void *p;
 
 	/* Off: destroy prints nothing. */
 	setenv("GMLAKE_BACKEND", "emu", 1);
 	setenv("GMLAKE_EMU_CAPACITY", "64M", 1);
-	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
-	p = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_free(ctx, p);
-	th_capture_begin(&out, STDOUT_FILENO);
-	th_capture_begin(&err, STDERR_FILENO);
-	th_destroy(ctx);
-	e = th_capture_end(&err);
-	o = th_capture_end(&out);
+	use_and_destroy_printing(&o, &e);
 	ck_assert_msg(!o[0] && !e[0], "printed at destroy: '%s' '%s'", o, e);
 	free(o);
 	free(e);
 
 	/* On: a summary. */
 	setenv("GMLAKE_SHOW_STATS", "1", 1);
-	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), 0);
-	p = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_free(ctx, p);
-	th_capture_begin(&out, STDOUT_FILENO);
-	th_capture_begin(&err, STDERR_FILENO);
-	th_destroy(ctx);
-	e = th_capture_end(&err);
-	o = th_capture_end(&out);
+	use_and_destroy_printing(&o, &e);
 	ck_assert_msg(strlen(o) + strlen(e) > 20,
 		      "GMLAKE_SHOW_STATS=1: nothing printed at destroy");
 	free(o);
@@ -803,14 +789,26 @@ END_TEST
 
 /* ---------------------------------------------------------------------- */
 
+/*
+ * A test case of the suite, each test starting without GMLAKE_* variables;
+ * not th_tcase(): these run on the emulated device whatever the backend.
+ */
+static TCase *options_tcase(Suite *s, const char *name)
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, NULL);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
 static Suite *options_suite(void)
 {
 	Suite *s = suite_create("options");
 	TCase *tc;
 
-	tc = tcase_create("Parse");
-	tcase_set_timeout(tc, TH_TIMEOUT);
-	tcase_add_checked_fixture(tc, setup, NULL);
+	tc = options_tcase(s, "Parse");
 	tcase_add_test(tc, test_defaults);
 	tcase_add_loop_test(tc, test_size_values, 0, N_SIZE_OPTS);
 	tcase_add_loop_test(tc, test_size_invalid, 0, N_SIZE_OPTS);
@@ -822,25 +820,18 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_publish);
 	tcase_add_test(tc, test_offload_engine);
 	tcase_add_test(tc, test_several);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("Validate");
-	tcase_set_timeout(tc, TH_TIMEOUT);
-	tcase_add_checked_fixture(tc, setup, NULL);
+	tc = options_tcase(s, "Validate");
 	tcase_add_test(tc, test_init_validation);
 	tcase_add_test(tc, test_chunk_size_used);
 	tcase_add_test(tc, test_env_capacity);
 	tcase_add_test(tc, test_cuda_no_fallback);
-	suite_add_tcase(s, tc);
 
-	tc = tcase_create("Effect");
-	tcase_set_timeout(tc, TH_TIMEOUT);
-	tcase_add_checked_fixture(tc, setup, NULL);
+	tc = options_tcase(s, "Effect");
 	tcase_add_test(tc, test_small_size_used);
 	tcase_add_test(tc, test_stitch_min_used);
 	tcase_add_test(tc, test_stitch_cache_used);
 	tcase_add_test(tc, test_show_stats_used);
-	suite_add_tcase(s, tc);
 	return s;
 }
 

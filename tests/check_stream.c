@@ -72,6 +72,62 @@ static void expect_alloc(gmlake_ctx *ctx, void **p, size_t size,
 	th_check(ctx);
 }
 
+/* expect_alloc() then th_fill_ok(): the new block is written on its stream. */
+static void expect_alloc_filled(gmlake_ctx *ctx, void **p, size_t size,
+				uint64_t seed, gmlake_stream_t s,
+				const char *why)
+{
+	expect_alloc(ctx, p, size, s, why);
+	th_fill_ok(ctx, *p, size, seed, s);
+}
+
+/*
+ * expect_alloc(), and what came back is none of the n blocks in freed (of
+ * size bytes each): they were freed with work still pending.
+ */
+static void expect_alloc_apart(gmlake_ctx *ctx, void **p, size_t size,
+			       gmlake_stream_t s, void *const *freed, int n,
+			       const char *why)
+{
+	int i;
+
+	expect_alloc(ctx, p, size, s, why);
+	for (i = 0; i < n; i++)
+		ck_assert_msg(!th_overlap(freed[i], size, *p, size),
+			      "%s: got %p, inside the block at %p freed with "
+			      "work pending", why, *p, freed[i]);
+}
+
+/* Queue a read of p on (held) s, then free p: freed with work pending. */
+static void read_then_free(gmlake_ctx *ctx, struct pending *pd, void *p,
+			   size_t size, uint64_t seed, gmlake_stream_t s)
+{
+	pending_queue(ctx, pd, p, size, seed, s);
+	th_free(ctx, p);
+}
+
+/* Let held s go and wait: its n queued reads must have seen their blocks. */
+static void release_and_check(gmlake_ctx *ctx, gmlake_stream_t s,
+			      struct pending *pd, int n, const char *what)
+{
+	int i;
+
+	th_hold(ctx, s, false);
+	th_sync(ctx, s);
+	for (i = 0; i < n; i++)
+		pending_check(&pd[i], what);
+}
+
+/* Destroy stream a, stream b unless NULL, then ctx: how every case ends. */
+static void destroy_all(gmlake_ctx *ctx, gmlake_stream_t a,
+			gmlake_stream_t b)
+{
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	if (b)
+		TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	th_destroy(ctx);
+}
+
 /* ---------------------------------------------------------------------- */
 
 /* Freed on A while A is busy: A may take it back at once. */
@@ -83,11 +139,9 @@ START_TEST(test_same_stream_at_once)
 	struct gmlake_stats s0, s1;
 	void *x, *y;
 
-	x = th_alloc(ctx, 4 * TH_MiB, a);
-	th_fill_ok(ctx, x, 4 * TH_MiB, 1, a);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
 	th_hold(ctx, a, true);
-	pending_queue(ctx, &pd, x, 4 * TH_MiB, 1, a);
-	th_free(ctx, x);
+	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
 	th_stats(ctx, &s0);
 	/* The device holds only x's chunks: a must get them. */
 	expect_alloc(ctx, &y, 4 * TH_MiB, a, "same stream, stream busy");
@@ -107,10 +161,8 @@ START_TEST(test_same_stream_at_once)
 		free(buf);
 	}
 	pending_check(&pd, "same stream");
-	th_verify_ok(ctx, y, 4 * TH_MiB, 2, a);
-	th_free(ctx, y);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	th_destroy(ctx);
+	th_verify_free(ctx, y, 4 * TH_MiB, 2, a);
+	destroy_all(ctx, a, NULL);
 }
 END_TEST
 
@@ -123,18 +175,14 @@ START_TEST(test_cross_stream_pending)
 	struct pending pd;
 	void *x, *y, *z, *w;
 
-	x = th_alloc(ctx, 4 * TH_MiB, a);
-	th_fill_ok(ctx, x, 4 * TH_MiB, 1, a);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
 	th_hold(ctx, a, true);
-	pending_queue(ctx, &pd, x, 4 * TH_MiB, 1, a);
-	th_free(ctx, x);
+	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
 
 	th_stats(ctx, &s0);
-	expect_alloc(ctx, &y, 4 * TH_MiB, b, "other stream, 2 chunks left");
+	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &x, 1,
+			   "other stream, 2 chunks left");
 	th_stats(ctx, &s1);
-	ck_assert_msg(!th_overlap(x, 4 * TH_MiB, y, 4 * TH_MiB),
-		      "B got %p, inside the block freed on busy A at %p", y,
-		      x);
 	ck_assert_int_eq(s1.chunks.current, 4);	/* new chunks, not x's */
 	ck_assert_uint_ge(s1.cross_stream_waits, s0.cross_stream_waits);
 	printf("cross-stream waits: %" PRIu64 " -> %" PRIu64 "\n",
@@ -145,21 +193,16 @@ START_TEST(test_cross_stream_pending)
 	expect_alloc(ctx, &z, 4 * TH_MiB, a, "same stream while busy");
 	th_free(ctx, z);
 
-	th_hold(ctx, a, false);
-	th_sync(ctx, a);
-	pending_check(&pd, "freed on A, allocated on B");
+	release_and_check(ctx, a, &pd, 1, "freed on A, allocated on B");
 	th_verify_ok(ctx, y, 4 * TH_MiB, 2, b);
 
 	/* A's work is done: B may have the chunks now, and must. */
-	expect_alloc(ctx, &w, 4 * TH_MiB, b, "other stream after sync");
-	th_fill_ok(ctx, w, 4 * TH_MiB, 3, b);
+	expect_alloc_filled(ctx, &w, 4 * TH_MiB, 3, b,
+			    "other stream after sync");
 	th_verify_ok(ctx, y, 4 * TH_MiB, 2, b);
-	th_verify_ok(ctx, w, 4 * TH_MiB, 3, b);
-	th_free(ctx, w);
+	th_verify_free(ctx, w, 4 * TH_MiB, 3, b);
 	th_free(ctx, y);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+	destroy_all(ctx, a, b);
 }
 END_TEST
 
@@ -170,36 +213,22 @@ START_TEST(test_cross_stream_small)
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct pending pd[8];
 	void *x[8], *y[8];
-	int i, j;
+	int i;
 
-	for (i = 0; i < 8; i++) {
-		x[i] = th_alloc(ctx, 64 * TH_KiB, a);
-		th_fill_ok(ctx, x[i], 64 * TH_KiB, 10 + i, a);
-	}
+	for (i = 0; i < 8; i++)
+		x[i] = th_alloc_filled(ctx, 64 * TH_KiB, 10 + i, a);
 	th_hold(ctx, a, true);
+	for (i = 0; i < 8; i++)
+		read_then_free(ctx, &pd[i], x[i], 64 * TH_KiB, 10 + i, a);
 	for (i = 0; i < 8; i++) {
-		pending_queue(ctx, &pd[i], x[i], 64 * TH_KiB, 10 + i, a);
-		th_free(ctx, x[i]);
-	}
-	for (i = 0; i < 8; i++) {
-		expect_alloc(ctx, &y[i], 64 * TH_KiB, b, "small on B");
-		for (j = 0; j < 8; j++)
-			ck_assert_msg(!th_overlap(x[j], 64 * TH_KiB, y[i],
-						  64 * TH_KiB),
-				      "B got %p, freed on busy A", y[i]);
+		expect_alloc_apart(ctx, &y[i], 64 * TH_KiB, b, x, 8,
+				   "small on B");
 		th_fill_ok(ctx, y[i], 64 * TH_KiB, 20 + i, b);
 	}
-	th_hold(ctx, a, false);
-	th_sync(ctx, a);
+	release_and_check(ctx, a, pd, 8, "small block");
 	for (i = 0; i < 8; i++)
-		pending_check(&pd[i], "small block");
-	for (i = 0; i < 8; i++) {
-		th_verify_ok(ctx, y[i], 64 * TH_KiB, 20 + i, b);
-		th_free(ctx, y[i]);
-	}
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+		th_verify_free(ctx, y[i], 64 * TH_KiB, 20 + i, b);
+	destroy_all(ctx, a, b);
 }
 END_TEST
 
@@ -212,10 +241,8 @@ START_TEST(test_cross_stream_stitch)
 	void *x[4], *y, *z, *w;
 	int i;
 
-	for (i = 0; i < 4; i++) {
-		x[i] = th_alloc(ctx, 2 * TH_MiB, a);
-		th_fill_ok(ctx, x[i], 2 * TH_MiB, 30 + i, a);
-	}
+	for (i = 0; i < 4; i++)
+		x[i] = th_alloc_filled(ctx, 2 * TH_MiB, 30 + i, a);
 	th_hold(ctx, a, true);
 	pending_queue(ctx, &p0, x[0], 2 * TH_MiB, 30, a);
 	pending_queue(ctx, &p2, x[2], 2 * TH_MiB, 32, a);
@@ -223,22 +250,19 @@ START_TEST(test_cross_stream_stitch)
 	th_free(ctx, x[2]);
 
 	/* B: two new chunks, never x[0] and x[2] stitched. */
-	expect_alloc(ctx, &y, 4 * TH_MiB, b, "4 MiB on B");
-	th_fill_ok(ctx, y, 4 * TH_MiB, 40, b);
+	expect_alloc_filled(ctx, &y, 4 * TH_MiB, 40, b, "4 MiB on B");
 	/* A: the device is full but for x[0] and x[2]: stitch them. */
 	expect_alloc(ctx, &z, 4 * TH_MiB, a, "4 MiB on busy A");
 	th_free(ctx, z);
 
-	th_hold(ctx, a, false);
-	th_sync(ctx, a);
-	pending_check(&p0, "x[0]");
+	release_and_check(ctx, a, &p0, 1, "x[0]");
 	pending_check(&p2, "x[2]");
 	th_verify_ok(ctx, y, 4 * TH_MiB, 40, b);
 	th_verify_ok(ctx, x[1], 2 * TH_MiB, 31, b);
 	th_verify_ok(ctx, x[3], 2 * TH_MiB, 33, b);
 
-	expect_alloc(ctx, &w, 4 * TH_MiB, b, "4 MiB on B after sync");
-	th_fill_ok(ctx, w, 4 * TH_MiB, 41, b);
+	expect_alloc_filled(ctx, &w, 4 * TH_MiB, 41, b,
+			    "4 MiB on B after sync");
 	th_verify_ok(ctx, y, 4 * TH_MiB, 40, b);
 	th_verify_ok(ctx, x[1], 2 * TH_MiB, 31, b);
 	th_verify_ok(ctx, x[3], 2 * TH_MiB, 33, b);
@@ -246,9 +270,7 @@ START_TEST(test_cross_stream_stitch)
 	th_free(ctx, y);
 	th_free(ctx, x[1]);
 	th_free(ctx, x[3]);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+	destroy_all(ctx, a, b);
 }
 END_TEST
 
@@ -265,25 +287,17 @@ START_TEST(test_cross_stream_stitched_reuse)
 		x[i] = th_alloc(ctx, 2 * TH_MiB, a);
 	th_free(ctx, x[0]);
 	th_free(ctx, x[2]);
-	big = th_alloc(ctx, 4 * TH_MiB, a);	/* stitched */
-	th_fill_ok(ctx, big, 4 * TH_MiB, 50, a);
+	big = th_alloc_filled(ctx, 4 * TH_MiB, 50, a);	/* stitched */
 	th_hold(ctx, a, true);
-	pending_queue(ctx, &pd, big, 4 * TH_MiB, 50, a);
-	th_free(ctx, big);
+	read_then_free(ctx, &pd, big, 4 * TH_MiB, 50, a);
 
-	expect_alloc(ctx, &y, 4 * TH_MiB, b, "4 MiB on B");
-	ck_assert(!th_overlap(y, 4 * TH_MiB, big, 4 * TH_MiB));
+	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &big, 1, "4 MiB on B");
 	th_fill_ok(ctx, y, 4 * TH_MiB, 51, b);
-	th_hold(ctx, a, false);
-	th_sync(ctx, a);
-	pending_check(&pd, "stitched block");
-	th_verify_ok(ctx, y, 4 * TH_MiB, 51, b);
-	th_free(ctx, y);
+	release_and_check(ctx, a, &pd, 1, "stitched block");
+	th_verify_free(ctx, y, 4 * TH_MiB, 51, b);
 	th_free(ctx, x[1]);
 	th_free(ctx, x[3]);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+	destroy_all(ctx, a, b);
 }
 END_TEST
 
@@ -295,32 +309,25 @@ START_TEST(test_record_stream)
 	struct pending pd;
 	void *x, *y, *w;
 
-	x = th_alloc(ctx, 4 * TH_MiB, a);
-	th_fill_ok(ctx, x, 4 * TH_MiB, 60, a);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 60, a);
 	th_hold(ctx, b, true);
 	pending_queue(ctx, &pd, x, 4 * TH_MiB, 60, b);
 	TH_OK(ctx, gmlake_record_stream(ctx, x, b));
 	TH_OK(ctx, gmlake_record_stream(ctx, x, a));	/* its own: no-op */
 	th_free(ctx, x);
 
-	expect_alloc(ctx, &y, 4 * TH_MiB, a, "4 MiB on A, B busy");
-	ck_assert_msg(!th_overlap(x, 4 * TH_MiB, y, 4 * TH_MiB),
-		      "A got %p back while recorded stream B is busy", y);
+	expect_alloc_apart(ctx, &y, 4 * TH_MiB, a, &x, 1,
+			   "4 MiB on A, B busy");
 	th_fill_ok(ctx, y, 4 * TH_MiB, 61, a);
 
-	th_hold(ctx, b, false);
-	th_sync(ctx, b);
-	pending_check(&pd, "recorded stream");
+	release_and_check(ctx, b, &pd, 1, "recorded stream");
 	th_verify_ok(ctx, y, 4 * TH_MiB, 61, a);
 	/* B done: the chunks are free for A, and the device has no more. */
-	expect_alloc(ctx, &w, 4 * TH_MiB, a, "4 MiB on A after B");
-	th_fill_ok(ctx, w, 4 * TH_MiB, 62, a);
+	expect_alloc_filled(ctx, &w, 4 * TH_MiB, 62, a, "4 MiB on A after B");
 	th_verify_ok(ctx, y, 4 * TH_MiB, 61, a);
 	th_free(ctx, w);
 	th_free(ctx, y);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+	destroy_all(ctx, a, b);
 }
 END_TEST
 
@@ -333,28 +340,20 @@ START_TEST(test_record_stream_small)
 	void *x, *y[4];
 	int i;
 
-	x = th_alloc(ctx, 4096, a);
-	th_fill_ok(ctx, x, 4096, 70, a);
+	x = th_alloc_filled(ctx, 4096, 70, a);
 	th_hold(ctx, b, true);
 	pending_queue(ctx, &pd, x, 4096, 70, b);
 	TH_OK(ctx, gmlake_record_stream(ctx, x, b));
 	th_free(ctx, x);
 	for (i = 0; i < 4; i++) {
-		expect_alloc(ctx, &y[i], 4096, a, "small on A, B busy");
-		ck_assert_msg(!th_overlap(x, 4096, y[i], 4096),
-			      "A got %p back while B is busy", y[i]);
+		expect_alloc_apart(ctx, &y[i], 4096, a, &x, 1,
+				   "small on A, B busy");
 		th_fill_ok(ctx, y[i], 4096, 71 + i, a);
 	}
-	th_hold(ctx, b, false);
-	th_sync(ctx, b);
-	pending_check(&pd, "recorded stream, small block");
-	for (i = 0; i < 4; i++) {
-		th_verify_ok(ctx, y[i], 4096, 71 + i, a);
-		th_free(ctx, y[i]);
-	}
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+	release_and_check(ctx, b, &pd, 1, "recorded stream, small block");
+	for (i = 0; i < 4; i++)
+		th_verify_free(ctx, y[i], 4096, 71 + i, a);
+	destroy_all(ctx, a, b);
 }
 END_TEST
 
@@ -370,20 +369,15 @@ START_TEST(test_sync_then_other_stream)
 	int i;
 
 	for (i = 0; i < 4; i++) {
-		x = th_alloc(ctx, 4 * TH_MiB, a);
-		th_fill_ok(ctx, x, 4 * TH_MiB, 80 + i, a);
-		th_verify_ok(ctx, x, 4 * TH_MiB, 80 + i, a);
-		th_free(ctx, x);
+		x = th_alloc_filled(ctx, 4 * TH_MiB, 80 + i, a);
+		th_verify_free(ctx, x, 4 * TH_MiB, 80 + i, a);
 		th_sync(ctx, a);
-		expect_alloc(ctx, &y, 4 * TH_MiB, b, "B after A synced");
-		th_fill_ok(ctx, y, 4 * TH_MiB, 90 + i, b);
-		th_verify_ok(ctx, y, 4 * TH_MiB, 90 + i, b);
-		th_free(ctx, y);
+		expect_alloc_filled(ctx, &y, 4 * TH_MiB, 90 + i, b,
+				    "B after A synced");
+		th_verify_free(ctx, y, 4 * TH_MiB, 90 + i, b);
 		th_sync(ctx, b);
 	}
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+	destroy_all(ctx, a, b);
 }
 END_TEST
 
@@ -394,20 +388,16 @@ START_TEST(test_default_stream)
 	gmlake_stream_t a = th_stream(ctx);
 	void *x, *y;
 
-	x = th_alloc(ctx, 4 * TH_MiB, NULL);
-	th_fill_ok(ctx, x, 4 * TH_MiB, 1, NULL);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, NULL);
 	th_free(ctx, x);
 	th_sync(ctx, NULL);
-	expect_alloc(ctx, &y, 4 * TH_MiB, a, "A after the default stream");
-	th_fill_ok(ctx, y, 4 * TH_MiB, 2, a);
+	expect_alloc_filled(ctx, &y, 4 * TH_MiB, 2, a,
+			    "A after the default stream");
 	th_free(ctx, y);
 	th_sync(ctx, a);
-	expect_alloc(ctx, &x, 8 * TH_MiB, NULL, "default after A");
-	th_fill_ok(ctx, x, 8 * TH_MiB, 3, NULL);
-	th_verify_ok(ctx, x, 8 * TH_MiB, 3, NULL);
-	th_free(ctx, x);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	th_destroy(ctx);
+	expect_alloc_filled(ctx, &x, 8 * TH_MiB, 3, NULL, "default after A");
+	th_verify_free(ctx, x, 8 * TH_MiB, 3, NULL);
+	destroy_all(ctx, a, NULL);
 }
 END_TEST
 
@@ -418,16 +408,12 @@ START_TEST(test_destroyed_stream)
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	void *x, *y;
 
-	x = th_alloc(ctx, 4 * TH_MiB, a);
-	th_fill_ok(ctx, x, 4 * TH_MiB, 1, a);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
 	th_free(ctx, x);
 	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	expect_alloc(ctx, &y, 4 * TH_MiB, b, "B after A destroyed");
-	th_fill_ok(ctx, y, 4 * TH_MiB, 2, b);
-	th_verify_ok(ctx, y, 4 * TH_MiB, 2, b);
-	th_free(ctx, y);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
-	th_destroy(ctx);
+	expect_alloc_filled(ctx, &y, 4 * TH_MiB, 2, b, "B after A destroyed");
+	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	destroy_all(ctx, b, NULL);
 }
 END_TEST
 
@@ -504,8 +490,7 @@ START_TEST(test_copy_order)
 	free(src);
 	free(dst);
 	th_free(ctx, x);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
-	th_destroy(ctx);
+	destroy_all(ctx, a, NULL);
 }
 END_TEST
 
@@ -536,13 +521,9 @@ struct rs {
 
 static void rs_release(struct rs *r, int s)
 {
-	int i;
-
-	th_hold(r->ctx, r->st[s], false);
+	release_and_check(r->ctx, r->st[s], r->pd[s], r->npd[s],
+			  "random streams");
 	r->held[s] = false;
-	th_sync(r->ctx, r->st[s]);
-	for (i = 0; i < r->npd[s]; i++)
-		pending_check(&r->pd[s][i], "random streams");
 	r->npd[s] = 0;
 }
 

@@ -9,7 +9,8 @@
  * - th_ctx()/th_ctx_cfg(): a context for that backend, with a given capacity
  *   when the backend is the emulated device.
  * - th_fill()/th_verify(): write and check a per-block pattern through
- *   gmlake_memcpy_htod/dtoh, so the same tests run on a real GPU.
+ *   gmlake_memcpy_htod/dtoh, so the same tests run on a real GPU;
+ *   th_alloc_filled()/th_verify_free() pair them with th_alloc/th_free.
  * - TH_OK()/TH_ERR()/th_check(): assert a result and then that the
  *   allocator's invariant checker (gml_ctx_check) still holds.
  */
@@ -435,6 +436,24 @@ static TH_UNUSED void th_free(gmlake_ctx *ctx, void *p)
 	ck_assert_msg(ret == 0, "gmlake_free(%p): %d (%s)", p, ret,
 		      gmlake_last_error());
 	th_check(ctx);
+}
+
+/* th_alloc() then th_fill_ok(): most cases want a block holding a pattern. */
+static TH_UNUSED void *th_alloc_filled(gmlake_ctx *ctx, size_t size,
+				       uint64_t seed, gmlake_stream_t s)
+{
+	void *p = th_alloc(ctx, size, s);
+
+	th_fill_ok(ctx, p, size, seed, s);
+	return p;
+}
+
+/* th_verify_ok() then th_free(): a block is checked one last time. */
+static TH_UNUSED void th_verify_free(gmlake_ctx *ctx, void *p, size_t size,
+				     uint64_t seed, gmlake_stream_t s)
+{
+	th_verify_ok(ctx, p, size, seed, s);
+	th_free(ctx, p);
 }
 
 /* Whether [a, a+na) and [b, b+nb) overlap. */
