@@ -43,11 +43,13 @@ MARK = "BENCH-RESULT "
 # Measured steps of each workload, after its warm-up round (one step per
 # distinct shape, workloads.SHAPE_COUNT, or one step at fixed shapes).
 STEPS = {"full": {"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
-                  "gpt_save_on_cpu": 12, "gpt_offload": 12, "generate": 16},
-         "quick": {"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4,
+                  "gpt_keep": 12, "gpt_save_on_cpu": 12, "gpt_offload": 12,
+                  "generate": 16},
+         "quick": {"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4, "gpt_keep": 4,
                    "gpt_save_on_cpu": 4, "gpt_offload": 4, "generate": 4}}
 # gpt_offload last: a child that fails there has done the rest.
-WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu",
+WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep",
+             "gpt_save_on_cpu",
              "generate", "gpt_offload")
 # Capacity sweep: per workload, the memory cap; each trial is one round of
 # its sequence lengths at one batch (workloads.build_sweep).

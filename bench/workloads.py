@@ -36,7 +36,8 @@ SHAPES = {
 }
 # Distinct shapes of a variable-shape workload (its warm-up round).
 SHAPE_COUNT = 4
-WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_save_on_cpu",
+WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep",
+             "gpt_save_on_cpu",
              "gpt_offload", "generate")
 DTYPE = torch.bfloat16
 
@@ -217,13 +218,14 @@ def gpt_workload(size, how, rng):
     s = SHAPES[size]
     if how == "ckpt":
         shapes = _cycle(rng, s["ckpt_b"], s["ckpt_t"])
-    elif how in ("save_on_cpu", "offload"):
+    elif how in ("save_on_cpu", "offload", "keep"):
         shapes = _cycle(rng, s["offload_b"], s["offload_t"])
     else:
         shapes = None
 
     def train(b, t):
-        _train_step(model, opt, vocab, b, t, how)
+        _train_step(model, opt, vocab, b, t,
+                    "plain" if how == "keep" else how)
 
     def step():
         train(*(shapes.next() if shapes else (s["plain_b"], s["plain_t"])))
@@ -233,6 +235,9 @@ def gpt_workload(size, how, rng):
              "save_on_cpu": "GPT, activations saved on the host "
                             "(torch.autograd.graph.save_on_cpu, "
                             "pin_memory=True)",
+             "keep": "GPT at the offload workloads' shapes, activations "
+                     "kept on the device (what offloading is measured "
+                     "against)",
              "offload": "GPT, activations spilled to the host and fetched "
                         "back at the same address "
                         "(gmlake.torch.offload_activations(), lag 4)"}
@@ -361,6 +366,8 @@ def build(name, size, seed):
         return gpt_workload(size, "save_on_cpu", rng)
     if name == "gpt_offload":
         return gpt_workload(size, "offload", rng)
+    if name == "gpt_keep":
+        return gpt_workload(size, "keep", rng)
     if name == "lora":
         return lora_workload(size, rng)
     if name == "generate":

@@ -89,11 +89,18 @@ class TestOffloadRows(unittest.TestCase):
              step_ms=300.0),
         dict(index=0, workload="gpt_plain", allocator="gmlake", ok=True,
              oom=False, peak_reserved=20 * G, step_ms=100.0),
+        dict(index=2, workload="gpt_keep", allocator="gmlake", ok=True,
+             oom=False, peak_reserved=16 * G, driver_used=16 * G,
+             step_ms=50.0),
     ]
 
     def test_offload_table(self):
         lines = benchlib.offload_table(self.RESULTS).strip().split("\n")
-        self.assertEqual(len(lines), 5)   # header, rule, three rows
+        self.assertEqual(len(lines), 6)   # header, rule, four rows
+        # The reference first, against save_on_cpu like the others.
+        self.assertEqual(lines.pop(2), "| none: activations kept on the "
+                         "device | libgmlake | 16.00 | 16.00 | 50.0 | "
+                         "2.00x | 0.25x | n/a | ok |")
         self.assertEqual(lines[2], "| torch save_on_cpu(pin_memory=True) | "
                          "PyTorch default | 10.00 | n/a | 300.0 | 1.00x | "
                          "1.00x | n/a | ok |")
@@ -103,7 +110,7 @@ class TestOffloadRows(unittest.TestCase):
         self.assertEqual(lines[4], "| gmlake offload_activations() | "
                          "libgmlake | 4.00 | 5.00 | 150.0 | 0.50x | 0.75x | "
                          "6.00 | ok |")
-        self.assertIsNone(benchlib.offload_table(self.RESULTS[-1:]))
+        self.assertIsNone(benchlib.offload_table(self.RESULTS[-2:-1]))
 
     def test_skipped_row_and_markdown(self):
         row = benchlib.row_values(self.RESULTS[1])
@@ -200,8 +207,8 @@ class TestBenchCli(unittest.TestCase):
         for size in ("full", "quick"):
             self.assertEqual(sorted(self.bench.STEPS[size]),
                              sorted(["gpt_ckpt", "gpt_plain", "lora",
-                                     "gpt_save_on_cpu", "gpt_offload",
-                                     "generate"]))
+                                     "gpt_keep", "gpt_save_on_cpu",
+                                     "gpt_offload", "generate"]))
             self.assertEqual(sorted(self.bench.STEPS[size]),
                              sorted(self.bench.WORKLOADS))
 
