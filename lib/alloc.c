@@ -1100,30 +1100,35 @@ static int over_device_limit(gmlake_ctx *ctx, uint32_t n)
 			     "limit of %zu bytes", n, ctx->cfg.device_limit);
 }
 
+/* Append h to a growing list of handles; false when there is no room. */
+static bool handle_push(gml_handle **list, uint32_t *n, uint32_t *cap,
+			gml_handle h)
+{
+	if (*n == *cap) {
+		uint32_t want = *cap ? *cap * 2 : 64;
+		gml_handle *grown = realloc(*list, want * sizeof(*grown));
+
+		if (!grown)
+			return false;
+		*list = grown;
+		*cap = want;
+	}
+	(*list)[(*n)++] = h;
+	return true;
+}
+
 /* Give a chunk handle back, or keep it for a later try (still counted). */
 static void chunk_handle_release(gmlake_ctx *ctx, gml_handle h)
 {
-	gml_handle *grown;
-
 	if (!gml_mem_release(&ctx->dev, h)) {
 		gml_gauge_add(&ctx->st.chunks, -1);
 		gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
 		ctx->st.releases++;
 		return;
 	}
-	if (ctx->nzombies == ctx->cap_zombies) {
-		uint32_t cap = ctx->cap_zombies ? ctx->cap_zombies * 2 : 8;
-
-		grown = realloc(ctx->zombies, cap * sizeof(*grown));
-		if (!grown) {
-			gml_log(GMLAKE_LOG_WARN, "leaking a chunk the driver "
-				"would not release");
-			return;
-		}
-		ctx->zombies = grown;
-		ctx->cap_zombies = cap;
-	}
-	ctx->zombies[ctx->nzombies++] = h;
+	if (!handle_push(&ctx->zombies, &ctx->nzombies, &ctx->cap_zombies, h))
+		gml_log(GMLAKE_LOG_WARN, "leaking a chunk the driver would not "
+			"release");
 }
 
 /* Retry the release of chunks the driver refused before. */
@@ -1149,18 +1154,10 @@ void gml_zombies_reap(gmlake_ctx *ctx)
  */
 static void spare_put(gmlake_ctx *ctx, gml_handle h)
 {
-	if (ctx->nspares == ctx->cap_spares) {
-		uint32_t cap = ctx->cap_spares ? ctx->cap_spares * 2 : 64;
-		gml_handle *grown = realloc(ctx->spares, cap * sizeof(*grown));
-
-		if (!grown) {
-			chunk_handle_release(ctx, h);
-			return;
-		}
-		ctx->spares = grown;
-		ctx->cap_spares = cap;
+	if (!handle_push(&ctx->spares, &ctx->nspares, &ctx->cap_spares, h)) {
+		chunk_handle_release(ctx, h);
+		return;
 	}
-	ctx->spares[ctx->nspares++] = h;
 	ctx->spare_ns = gml_now_ns();
 }
 
