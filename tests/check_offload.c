@@ -429,6 +429,7 @@ struct mover {
 	struct gmlake_offload ring;
 	void *p, *keep;
 	size_t size;
+	gmlake_stream_t s;	/* the block's stream, or NULL */
 };
 
 static void mover_init(struct mover *m, gmlake_ctx *ctx, size_t size,
@@ -439,6 +440,7 @@ static void mover_init(struct mover *m, gmlake_ctx *ctx, size_t size,
 
 	m->ctx = ctx;
 	m->size = size;
+	m->s = s;
 	m->keep = NULL;
 	if (stitched) {
 		void *hole = th_alloc(ctx, 2 * TH_MiB, NULL);
@@ -453,13 +455,15 @@ static void mover_init(struct mover *m, gmlake_ctx *ctx, size_t size,
 		      gmlake_last_error());
 }
 
-/* Free all of it, and the context. */
+/* Free all of it (the stream too), and the context. */
 static void mover_fini(struct mover *m)
 {
 	TH_OK(m->ctx, gmlake_offload_exit(&m->ring));
 	th_free(m->ctx, m->p);
 	if (m->keep)
 		th_free(m->ctx, m->keep);
+	if (m->s)
+		TH_OK(m->ctx, gmlake_stream_destroy(m->ctx, m->s));
 	th_destroy(m->ctx);
 }
 
@@ -674,12 +678,7 @@ START_TEST(test_sticky_spill)
 	ck_assert_int_eq(fetch(&m.ring, m.p), 0);
 	th_check(ctx);
 	th_verify_ok(ctx, m.p, m.size, 81, s);
-	TH_OK(ctx, gmlake_offload_exit(&m.ring));
-	th_free(ctx, m.p);
-	if (m.keep)
-		th_free(ctx, m.keep);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
-	th_destroy(ctx);
+	mover_fini(&m);
 }
 END_TEST
 
