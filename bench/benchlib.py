@@ -256,7 +256,8 @@ def results_markdown(meta, results, sweeps):
                  meta.get("torch", "?"), meta.get("cuda", "?"),
                  meta.get("library", "?"), meta.get("date", "?")),
              "Mode: %s. Each allocator ran in its own process, with the same "
-             "seeds, shapes and steps.\n" % meta.get("mode", "?")]
+             "seeds, shapes and steps; libgmlake with %s.\n" % (
+                 meta.get("mode", "?"), meta.get("gmlake_env", "?"))]
     if results:
         parts += ["## Workloads\n", results_table(results),
                   "\n" + DEFINITIONS]

@@ -65,7 +65,9 @@ struct gmlake_config {
 	size_t device_limit;		/* device bytes to stay under; 0: none */
 	size_t host_limit;		/* pinned host bytes for offload */
 	int offload_engine;		/* enum gmlake_offload_engine; 0: probe */
-	uint64_t reserved[8];
+	size_t host_pin;		/* host bytes pinned when offload
+					   starts; 0: one growth step */
+	uint64_t reserved[7];
 };
 
 int gmlake_config_init(struct gmlake_config *cfg);

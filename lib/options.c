@@ -44,6 +44,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_PUBLISH", OPT_BOOL, FIELD(publish) },
 	{ "GMLAKE_DEVICE_LIMIT", OPT_SIZE, FIELD(device_limit) },
 	{ "GMLAKE_HOST_LIMIT", OPT_SIZE, FIELD(host_limit) },
+	{ "GMLAKE_HOST_PIN", OPT_SIZE, FIELD(host_pin) },
 	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
 };
 

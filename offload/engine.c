@@ -919,7 +919,7 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 	if (gml_host_numa(&ctx->dev, &off->numa))
 		off->numa = -1;
 	ret = gml_host_init(&off->host, &ctx->dev, off->numa,
-			    ctx->cfg.host_limit);
+			    ctx->cfg.host_limit, ctx->cfg.host_pin);
 	if (ret)
 		goto out_free;
 	ret = ctx->dev.ops->stream_create(ctx->dev.priv, &off->d2h);

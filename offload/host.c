@@ -228,7 +228,7 @@ static int grow(struct gml_host *h, size_t size)
 }
 
 int gml_host_init(struct gml_host *h, struct gml_dev *dev, int node,
-		  size_t limit)
+		  size_t limit, size_t pin)
 {
 	memset(h, 0, sizeof(*h));
 	if (pthread_mutex_init(&h->lock, NULL))
@@ -241,7 +241,16 @@ int gml_host_init(struct gml_host *h, struct gml_dev *dev, int node,
 	 * spills never wait for pinning. */
 	h->step = h->limit / 4 < HOST_STEP ? (h->limit / 4) & ~(HOST_UNIT - 1) :
 					     HOST_STEP;
-	if (h->step && grow(h, h->step))
+	/* Asked for more: pin it all now. A spill waits while the engine
+	 * pins, so a first large step would otherwise run with most of its
+	 * blocks still on the device. */
+	if (pin > h->limit) {
+		gml_log(GMLAKE_LOG_WARN, "host arena: pinning the host limit of "
+			"%zu bytes, not the %zu asked for", h->limit, pin);
+		pin = h->limit;
+	}
+	pin = pin < h->step ? h->step : round_unit(pin);
+	if (pin && grow(h, pin) && (pin == h->step || grow(h, h->step)))
 		gml_log(GMLAKE_LOG_WARN, "host arena: cannot pin at set-up: %s",
 			gmlake_last_error());
 	return 0;

@@ -40,7 +40,7 @@ struct gml_host {
 };
 
 int gml_host_init(struct gml_host *h, struct gml_dev *dev, int node,
-		  size_t limit);
+		  size_t limit, size_t pin);
 void gml_host_fini(struct gml_host *h);
 /* size bytes of pinned memory; -ENOMEM when none is free (grow: pin a
  * new region first when the budget allows). */

@@ -378,6 +378,46 @@ START_TEST(test_host_budget)
 }
 END_TEST
 
+/*
+ * host_pin: what the arena pins when offload starts. Nothing asked: one
+ * growth step (a quarter of this budget); more: all of it at once, so a
+ * spill of that size pins nothing more; past the budget: the budget.
+ */
+START_TEST(test_host_pin)
+{
+	static const struct { size_t pin, pinned; } cases[] = {
+		{ 0, 8 * TH_MiB },
+		{ 20 * TH_MiB, 20 * TH_MiB },
+		{ 1024 * TH_MiB, 32 * TH_MiB },
+	};
+	struct gmlake_config cfg;
+	struct gmlake_offload ring;
+	struct gmlake_stats st;
+	gmlake_ctx *ctx;
+	void *p;
+
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.host_limit = 32 * TH_MiB;
+	cfg.host_pin = cases[_i].pin;
+	ctx = th_ctx_cfg(&cfg);
+	p = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_fill_ok(ctx, p, 16 * TH_MiB, 7, NULL);
+	ring_init(&ring, ctx, 4);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.host_pinned.current, (int64_t)cases[_i].pinned);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	th_stats(ctx, &st);
+	if (cases[_i].pinned >= 16 * TH_MiB)	/* it fitted: no growth */
+		ck_assert_int_eq(st.host_pinned.current,
+				 (int64_t)cases[_i].pinned);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_verify_ok(ctx, p, 16 * TH_MiB, 7, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* The device fills up while a segment block is out: -ENOMEM, no loss. */
 START_TEST(test_fetch_oom)
 {
@@ -1256,6 +1296,7 @@ static Suite *offload_suite(void)
 
 	tc = th_tcase(s, "Limits");
 	tcase_add_test(tc, test_host_budget);
+	tcase_add_loop_test(tc, test_host_pin, 0, 3);
 	tcase_add_test(tc, test_fetch_oom);
 	tcase_add_test(tc, test_pin_failure);
 	tcase_add_loop_test(tc, test_sticky_spill, 0, 4);

@@ -112,7 +112,8 @@ START_TEST(test_defaults)
 	ck_assert_uint_eq(cfg.device_limit, 0);
 	ck_assert_uint_eq(cfg.host_limit, 16 * TH_GiB);
 	ck_assert_int_eq(cfg.offload_engine, GMLAKE_OFFLOAD_ENGINE_NONE);
-	for (i = 0; i < 8; i++)
+	ck_assert_uint_eq(cfg.host_pin, 0);
+	for (i = 0; i < 7; i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
 	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
 }
@@ -220,6 +221,7 @@ static const struct opt size_opts[] = {
 	OPT("GMLAKE_EMU_GRANULARITY", emu_granularity, size_at),
 	OPT("GMLAKE_DEVICE_LIMIT", device_limit, size_at),
 	OPT("GMLAKE_HOST_LIMIT", host_limit, size_at),
+	OPT("GMLAKE_HOST_PIN", host_pin, size_at),
 };
 #define N_SIZE_OPTS ((int)ARRAY_SIZE(size_opts))
 
