@@ -60,6 +60,12 @@ Design, and why:
   last pack (default 4: the newest saved tensors are the first ones
   backward needs). Storages still waiting when backward starts (the first
   unpack) are not spilled at all: a round trip would only cost time.
+  Forward can make activations faster than the bus takes them (in the
+  benchmark's GPT it does, several times over), and a spill gives its
+  memory back only when its copy is done; so when
+  more than max_inflight bytes (1 GiB) are spilling, pack waits for
+  completions first. Without that wait the peak is the peak of not
+  offloading at all; with it forward runs at the bus's pace.
   Leaving the context spills nothing more either, and does not wait:
   spills in flight complete on their own and are reaped at the next pack
   or unpack (or by synchronize()). With a PyTorch that cannot count
@@ -114,6 +120,8 @@ import threading
 from . import offload as _off
 
 MiB = 1 << 20
+# Bytes of spills in flight before pack waits for some to complete.
+MAX_INFLIGHT = 1024 * MiB
 
 # Where a storage is, as the bookkeeping knows it.
 PENDING = "pending"      # packed; spills after `lag` more packs
@@ -201,13 +209,15 @@ class Offloader:
     context (default: gmlake_torch_ctx_get); library: libgmlake to use;
     users: tensor -> how many tensors refer to its storage ("torch":
     torch_users(), looked up at the first pack; None: do not count, spill
-    by lag alone).
+    by lag alone); max_inflight: bytes of spills in flight before pack
+    waits for some to complete (None: never).
     """
 
     def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
                  leaves=False, entries=256, context=None, library=None,
-                 users="torch"):
-        self.configure(lag, prefetch, inplace, min_bytes, leaves)
+                 users="torch", max_inflight=MAX_INFLIGHT):
+        self.configure(lag, prefetch, inplace, min_bytes, leaves,
+                       max_inflight)
         self.users = users
         self.entries = entries
         self.library = library
@@ -221,15 +231,19 @@ class Offloader:
         self._lagq = collections.OrderedDict()   # pending, oldest first
         self._stack = []         # spilled records, in spill order
         self._inflight = {}      # user_data -> (_Storage, op)
+        self._spilling = 0       # bytes of spills not yet completed
         self._rings = {}         # device -> offload.Ring
         self._dirty = set()      # devices with entries not submitted
         self._ids = itertools.count(1)
         self._seq = 0            # packs so far
 
     def configure(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
-                  leaves=False):
+                  leaves=False, max_inflight=MAX_INFLIGHT):
         if lag < 0 or (prefetch is not None and prefetch < 0):
             raise ValueError("lag and prefetch must be >= 0")
+        if max_inflight is not None and max_inflight < 0:
+            raise ValueError("max_inflight must be >= 0 (or None)")
+        self.max_inflight = max_inflight
         self.lag = int(lag)
         self.prefetch = int(lag if prefetch is None else prefetch)
         self.inplace = bool(inplace)
@@ -239,7 +253,7 @@ class Offloader:
     def options(self):
         return dict(lag=self.lag, prefetch=self.prefetch,
                     inplace=self.inplace, min_bytes=self.min_bytes,
-                    leaves=self.leaves)
+                    leaves=self.leaves, max_inflight=self.max_inflight)
 
     # ------------------------------------------------------------------
     # The hooks
@@ -352,6 +366,10 @@ class Offloader:
     def in_flight(self):
         return len(self._inflight)
 
+    def spilling(self):
+        """Bytes of spills submitted and not yet completed."""
+        return self._spilling
+
     # ------------------------------------------------------------------
     # Inside: the caller holds the lock (_enter/_leave)
 
@@ -390,6 +408,7 @@ class Offloader:
         if op == _off.SPILL:
             ring.prep_spill(sqe, rec.ptr, self.inplace)
             rec.state = SPILLING
+            self._spilling += rec.nbytes
             self._stack.append(rec)
         elif op == _off.FETCH:
             ring.prep_fetch(sqe, rec.ptr)
@@ -422,7 +441,27 @@ class Offloader:
                 self.stats["waits_for_users"] += 1
                 continue
             del self._lagq[rec.key]
+            self._throttle(rec.nbytes)
             self._queue(rec, _off.SPILL)
+
+    def _throttle(self, nbytes):
+        """Wait for spills in flight to complete until nbytes more stay
+        within max_inflight: the device memory of a spill comes back only
+        when its copy is done, and forward makes activations faster than
+        the bus takes them, so without this the peak is what it would be
+        without offloading."""
+        cap = self.max_inflight
+        if cap is None:
+            return
+        waited = False
+        while self._spilling and self._spilling + nbytes > cap:
+            if not waited:
+                self.stats["waits_for_bus"] += 1
+                waited = True
+            self._flush()
+            dev = next(r.device for r, op in self._inflight.values()
+                       if op == _off.SPILL)
+            self._complete(*self._rings[dev].reap())
 
     def _in_use(self, rec):
         """Whether a tensor other than the offloader's aliases (the
@@ -486,6 +525,7 @@ class Offloader:
             self.unknown[uid] = res
             return
         if op == _off.SPILL:
+            self._spilling -= rec.nbytes
             if res == 0:
                 rec.state = SPILLED
                 self.stats["spilled_bytes"] += rec.nbytes
@@ -606,17 +646,20 @@ class offload_activations:
     prefetch (lag): spilled storages fetched ahead in backward; inplace
     (False): spill in place, so that a stray read sees the right bytes;
     min_bytes (1 MiB): smaller storages stay; leaves (False): spill leaf
-    tensors (parameters, inputs) too; offloader: an Offloader of one's
-    own (default: one per process, shared; the options above are applied
-    to it for the time of the block).
+    tensors (parameters, inputs) too; max_inflight (1 GiB): bytes of
+    spills in flight before pack waits for some to complete (None: never
+    wait); offloader: an Offloader of one's own (default: one per
+    process, shared; the options above are applied to it for the time of
+    the block).
 
     Needs gmlake.torch.enable() (libgmlake as PyTorch's allocator).
     """
 
     def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
-                 leaves=False, offloader=None):
+                 leaves=False, offloader=None, max_inflight=MAX_INFLIGHT):
         self.opts = dict(lag=lag, prefetch=prefetch, inplace=inplace,
-                         min_bytes=min_bytes, leaves=leaves)
+                         min_bytes=min_bytes, leaves=leaves,
+                         max_inflight=max_inflight)
         Offloader.configure(_Check(), **self.opts)   # reject bad values now
         self.offloader = offloader
         self._saved = None

@@ -451,6 +451,31 @@ class TestHooks(EmuCase):
             self.assertEqual(self.digest(self.ctx, st.data_ptr(),
                                          st.nbytes()), d)
 
+    def test_inflight_cap(self):
+        """Past max_inflight bytes spilling, pack waits for completions;
+        a spill larger than the cap still goes, alone."""
+        for cap, waits in ((3 * MiB, 3), (0, 3), (None, 0)):
+            with self.subTest(cap=cap):
+                self.off = activations.Offloader(
+                    lag=0, library=self.lib, entries=8, users=None,
+                    max_inflight=cap)
+                ts = [self.tensor(2 * MiB, 80 + i) for i in range(4)]
+                hs = []
+                for t in ts:
+                    hs.append(self.off.pack(t))
+                    if cap is not None:
+                        self.assertLessEqual(self.off.spilling(),
+                                             max(cap, 2 * MiB))
+                self.assertEqual(self.off.stats["waits_for_bus"], waits)
+                self.assertEqual(self.off.stats["spills"], 4)
+                for h, t in reversed(list(zip(hs, ts))):
+                    self.assertIs(self.off.unpack(h), t)
+                    self.intact(t)
+                self.assertEqual(self.off.spilling(), 0)
+                self.off.close()
+        with self.assertRaises(ValueError):
+            self.off.configure(max_inflight=-1)
+
     def test_prefetch_order(self):
         self.off.configure(lag=1, prefetch=2)
         ts = [self.tensor(2 * MiB, 10 + i) for i in range(6)]
