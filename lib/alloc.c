@@ -426,6 +426,18 @@ static void view_discard(gmlake_ctx *ctx, struct gml_view *v)
 	}
 }
 
+/* A segment with no live block and no chunk left is only a range: free it. */
+static void seg_drop_if_empty(gmlake_ctx *ctx, struct gml_view *s)
+{
+	if (s->live || memchr(s->mapped, 1, s->n))
+		return;
+	for (uint32_t i = 0; i < s->n; i++)
+		if (s->chunks[i])
+			return;
+	list_del(&ctx->segs, s);
+	view_discard(ctx, s);
+}
+
 static int over_device_limit(gmlake_ctx *ctx, uint32_t n);
 static int chunk_handle_get(gmlake_ctx *ctx, gml_handle *h);
 
@@ -1042,16 +1054,7 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 			if (err && !ret)
 				ret = err;
 		}
-		if (!v->live && !memchr(v->mapped, 1, v->n)) {
-			bool empty = true;
-
-			for (uint32_t i = 0; i < v->n; i++)
-				empty &= !v->chunks[i];
-			if (empty) {
-				list_del(&ctx->segs, v);
-				view_discard(ctx, v);
-			}
-		}
+		seg_drop_if_empty(ctx, v);
 	}
 	return ret;
 }
@@ -1390,8 +1393,27 @@ out_undo:
 	return ret;
 }
 
-/* A free chunk of a segment, unmapped from its home to live elsewhere
- * once the work that used it there completed. */
+/* Take free chunk c out of its segment, to live elsewhere; its last work
+ * must be done. */
+static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
+{
+	struct gml_view *s = c->seg;
+	int ret;
+
+	ret = gml_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos * ctx->chunk,
+			    ctx->chunk);
+	if (ret)
+		return ret;
+	s->maxfree = GML_RUN_UNKNOWN;
+	s->mapped[c->seg_pos] = 0;
+	s->chunks[c->seg_pos] = NULL;
+	count_mapping(ctx, -1);
+	seg_drop_if_empty(ctx, s);
+	return 0;
+}
+
+/* A free chunk of another segment, moved once its work completed (the
+ * last resort when the device is full). */
 static struct gml_chunk *move_chunk(gmlake_ctx *ctx, struct gml_view *dst)
 {
 	struct gml_chunk *c;
@@ -1401,32 +1423,64 @@ static struct gml_chunk *move_chunk(gmlake_ctx *ctx, struct gml_view *dst)
 	if (c->guard.stream >= 0 &&
 	    gml_stream_wait(ctx, c->guard.stream, c->guard.seq))
 		return NULL;
-	c->seg->maxfree = GML_RUN_UNKNOWN;
-	if (gml_mem_unmap(&ctx->dev, c->seg->va + (gml_va)c->seg_pos *
-			  ctx->chunk, ctx->chunk))
-		return NULL;
-	c->seg->mapped[c->seg_pos] = 0;
-	c->seg->chunks[c->seg_pos] = NULL;
-	count_mapping(ctx, -1);
-	return c;
+	return chunk_unhome(ctx, c) ? NULL : c;
 }
 
-/* One chunk for position p of segment v: a new one, else a moved one. */
+/*
+ * Up to want free chunks of segments other than v whose last work is
+ * done, segments with no live block first. A fetch moves them rather than
+ * creating chunks: backward frees memory as it fetches, and chunks made
+ * while freed ones sit in the cache would lift reserved memory back to
+ * what it was without offloading. A move also costs one unmap where a new
+ * chunk costs a create now and a release later.
+ */
+static uint32_t ready_chunks(gmlake_ctx *ctx, struct gml_view *v,
+			     struct gml_chunk **out, uint32_t want)
+{
+	uint32_t got = 0;
+
+	for (int idle = 1; idle >= 0; idle--)
+		for (struct gml_view *s = ctx->segs; s && got < want;
+		     s = s->next) {
+			if (s == v || (s->live == 0) != idle)
+				continue;
+			for (uint32_t i = 0; i < s->n && got < want; i++) {
+				struct gml_chunk *c = s->chunks[i];
+
+				if (c && s->mapped[i] && !c->owner &&
+				    !c->nviews &&
+				    gml_guard_ready(ctx, &c->guard, -1))
+					out[got++] = c;
+			}
+		}
+	return got;
+}
+
+/* One chunk for position p of segment v: a spare, a ready free chunk of
+ * another segment (ready[0..*nready)), a new one, else a moved one. */
 static int seg_chunk(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		     struct gml_chunk **ready, uint32_t *nready,
 		     struct gml_chunk **out)
 {
-	struct gml_chunk *c = calloc(1, sizeof(*c));
-	int ret;
+	struct gml_chunk *c = NULL;
+	int ret = 0;
 
-	if (!c)
-		return gml_set_error(-ENOMEM, "no host memory for a chunk");
-	ret = chunk_handle_get(ctx, &c->handle);
-	if (ret) {
-		free(c);
-		c = NULL;
+	while (!ctx->nspares && !c && *nready)
+		if (chunk_unhome(ctx, ready[--*nready]) == 0)
+			c = ready[*nready];
+	if (!c) {
+		c = calloc(1, sizeof(*c));
+		if (!c)
+			return gml_set_error(-ENOMEM, "no host memory for a "
+					     "chunk");
+		ret = chunk_handle_get(ctx, &c->handle);
+		if (ret) {
+			free(c);
+			c = NULL;
+		}
+		if (!c && ret == -ENOMEM)
+			c = move_chunk(ctx, v);
 	}
-	if (!c && ret == -ENOMEM)
-		c = move_chunk(ctx, v);
 	if (!c)
 		return ret ? ret : -ENOMEM;
 	c->seg = v;
@@ -1442,13 +1496,20 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 			  struct gml_chunk **got)
 {
 	struct gml_view *v = b->view;
-	uint32_t k;
+	struct gml_chunk **ready = NULL;
+	uint32_t k, nready = 0;
 	int ret;
 
+	if (b->n > ctx->nspares) {
+		ready = calloc(b->n - ctx->nspares, sizeof(*ready));
+		if (ready)	/* without: new chunks only */
+			nready = ready_chunks(ctx, v, ready,
+					      b->n - ctx->nspares);
+	}
 	for (k = 0; k < b->n; k++) {
 		uint32_t p = b->pos + k;
 
-		ret = seg_chunk(ctx, v, p, &got[k]);
+		ret = seg_chunk(ctx, v, p, ready, &nready, &got[k]);
 		if (ret)
 			goto out_undo;
 		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
@@ -1466,8 +1527,10 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;
 	for (k = 0; k < b->n; k++)
 		v->chunks[b->pos + k] = got[k];
+	free(ready);
 	return 0;
 out_undo:
+	free(ready);
 	attach_undo(ctx, b, k);
 	for (uint32_t i = 0; i < k; i++) {
 		/* Only an unmapped chunk may serve elsewhere. */

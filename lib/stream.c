@@ -160,8 +160,9 @@ bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want)
 
 /*
  * A guard for "now" on stream idx. Single-stream contexts record nothing
- * unless forced. If no event can be recorded the guard never completes,
- * so the memory stays with its own stream: safe, and the free succeeds.
+ * unless forced or marking always. If no event can be recorded the guard
+ * never completes, so the memory stays with its own stream: safe, and the
+ * free succeeds.
  */
 int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
 {
@@ -169,7 +170,7 @@ int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
 		*seq = ctx->streams[idx].done_seq;
 		return 0;
 	}
-	if (ctx->nstreams == 1 && !force) {
+	if (ctx->nstreams == 1 && !force && !ctx->mark_always) {
 		*seq = 0;
 		return 0;
 	}
@@ -244,6 +245,24 @@ int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx)
 		ctx->streams[0].barrier = record(ctx, 0, &seq) ? SEQ_NEVER : seq;
 	*idx = i;
 	return 0;
+}
+
+/*
+ * From now on frees record events even on a single stream, and a barrier
+ * covers the unrecorded guards so far: the offload engine moves free
+ * chunks between ranges, which it may do only once their work is done,
+ * and a guard that says nothing would never let it.
+ */
+void gml_streams_mark_always(gmlake_ctx *ctx)
+{
+	uint64_t seq;
+
+	if (ctx->mark_always)
+		return;
+	ctx->mark_always = true;
+	if (ctx->nstreams == 1 && !ctx->streams[0].dead &&
+	    !ctx->streams[0].barrier)
+		ctx->streams[0].barrier = record(ctx, 0, &seq) ? SEQ_NEVER : seq;
 }
 
 /* Destroy the pooled events (trim); recorded ones stay. */

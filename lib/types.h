@@ -172,6 +172,8 @@ struct gmlake_ctx {
 	struct gml_stream *streams;
 	int nstreams, cap_streams;
 	struct gml_spool *spools;	/* one per stream index */
+	bool mark_always;		/* frees record events on one stream
+					   too (the offload manager runs) */
 
 	struct gml_ptrmap blocks;	/* ptr -> live block */
 	struct gml_block *live;		/* live blocks */
@@ -195,6 +197,7 @@ struct gmlake_ctx {
 int gml_stream_find(gmlake_ctx *ctx, gmlake_stream_t handle);
 int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx);
 int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq);
+void gml_streams_mark_always(gmlake_ctx *ctx);
 bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq);
 int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq);
 bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want);

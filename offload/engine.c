@@ -942,6 +942,7 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 	off->started = true;
 	ctx->st.offload_engine = off->engine;
 	ctx->off = off;
+	gml_streams_mark_always(ctx);
 	sync_gauges(ctx);
 	*out = off;
 	return 0;

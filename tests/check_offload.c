@@ -169,6 +169,46 @@ START_TEST(test_spill_fetch_segment)
 END_TEST
 
 /* A block stitched from non-contiguous chunks moves whole, same address. */
+/*
+ * A fetch takes free chunks the cache holds before it makes new ones:
+ * backward frees memory as it fetches, and new chunks would lift reserved
+ * memory to where it was without offloading. The segment it empties goes.
+ */
+START_TEST(test_fetch_takes_cached_chunks)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 21, NULL);
+	void *q;
+
+	ring_init(&ring, ctx, 8);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	/* q's segment is made of p's chunks; freed, they sit in the cache. */
+	q = th_alloc_filled(ctx, 8 * TH_MiB, 22, NULL);
+	th_verify_free(ctx, q, 8 * TH_MiB, 22, NULL);
+	TH_OK(ctx, gmlake_stream_synchronize(ctx, NULL));
+	th_stats(ctx, &st0);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, p, 8 * TH_MiB, 21, NULL);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create],
+			  st0.calls[GMLAKE_CALL_mem_create]);
+	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_va_free],
+			  st0.calls[GMLAKE_CALL_va_free] + 1);
+	/* Memory for more is made as before. */
+	q = th_alloc_filled(ctx, 8 * TH_MiB, 23, NULL);
+	th_check(ctx);
+	th_verify_free(ctx, q, 8 * TH_MiB, 23, NULL);
+	th_verify_ok(ctx, p, 8 * TH_MiB, 21, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
 START_TEST(test_spill_fetch_stitched)
 {
 	gmlake_ctx *ctx = off_ctx(20 * TH_MiB, 64 * TH_MiB, 0);
@@ -1289,6 +1329,7 @@ static Suite *offload_suite(void)
 	tc = th_tcase(s, "Core");
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_spill_fetch_stitched);
+	tcase_add_test(tc, test_fetch_takes_cached_chunks);
 	tcase_add_test(tc, test_many_in_flight);
 	tcase_add_test(tc, test_ring_errors);
 	tcase_add_test(tc, test_destroy_spilled);
