@@ -1426,34 +1426,79 @@ static struct gml_chunk *move_chunk(gmlake_ctx *ctx, struct gml_view *dst)
 	return chunk_unhome(ctx, c) ? NULL : c;
 }
 
-/*
- * Up to want free chunks of segments other than v whose last work is
- * done, segments with no live block first. A fetch moves them rather than
- * creating chunks: backward frees memory as it fetches, and chunks made
- * while freed ones sit in the cache would lift reserved memory back to
- * what it was without offloading. A move also costs one unmap where a new
- * chunk costs a create now and a release later.
- */
-static uint32_t ready_chunks(gmlake_ctx *ctx, struct gml_view *v,
-			     struct gml_chunk **out, uint32_t want)
+/* Free, in a segment other than v, its last work done. */
+static bool chunk_ready(gmlake_ctx *ctx, struct gml_view *s, uint32_t i,
+			struct gml_view *v)
+{
+	struct gml_chunk *c = s->chunks[i];
+
+	return s != v && c && s->mapped[i] && !c->owner &&
+	       gml_guard_ready(ctx, &c->guard, -1);
+}
+
+/* Whether every stitched view mapping c is unused and done with. */
+static bool views_evictable(gmlake_ctx *ctx, const struct gml_chunk *c)
+{
+	for (uint32_t i = 0; i < c->nviews; i++)
+		if (c->views[i]->live || c->views[i]->dying ||
+		    !guards_done(ctx, c->views[i]))
+			return false;
+	return true;
+}
+
+static uint32_t collect_ready(gmlake_ctx *ctx, struct gml_view *v,
+			      struct gml_chunk **out, uint32_t want)
 {
 	uint32_t got = 0;
 
 	for (int idle = 1; idle >= 0; idle--)
 		for (struct gml_view *s = ctx->segs; s && got < want;
 		     s = s->next) {
-			if (s == v || (s->live == 0) != idle)
+			if ((s->live == 0) != idle)
 				continue;
-			for (uint32_t i = 0; i < s->n && got < want; i++) {
-				struct gml_chunk *c = s->chunks[i];
-
-				if (c && s->mapped[i] && !c->owner &&
-				    !c->nviews &&
-				    gml_guard_ready(ctx, &c->guard, -1))
-					out[got++] = c;
-			}
+			for (uint32_t i = 0; i < s->n && got < want; i++)
+				if (chunk_ready(ctx, s, i, v) &&
+				    !s->chunks[i]->nviews)
+					out[got++] = s->chunks[i];
 		}
 	return got;
+}
+
+/*
+ * Up to want free chunks of segments other than v whose last work is
+ * done, segments with no live block first; then, if that is not enough,
+ * chunks that unused cached stitched views map, evicting those views. A
+ * fetch moves these rather than creating chunks: backward frees memory
+ * as it fetches, and chunks made while freed ones sit in the cache would
+ * lift reserved memory back to what it was without offloading. A move
+ * also costs one unmap where a new chunk costs a create now and a
+ * release later.
+ */
+static uint32_t ready_chunks(gmlake_ctx *ctx, struct gml_view *v,
+			     struct gml_chunk **out, uint32_t want)
+{
+	uint32_t got = collect_ready(ctx, v, out, want), freed = 0;
+
+	for (struct gml_view *s = ctx->segs; s && got + freed < want;
+	     s = s->next)
+		for (uint32_t i = 0; i < s->n && got + freed < want; i++) {
+			struct gml_chunk *c = s->chunks[i];
+
+			if (!chunk_ready(ctx, s, i, v) || !c->nviews ||
+			    !views_evictable(ctx, c))
+				continue;
+			while (c->nviews) {
+				struct gml_view *w = c->views[0];
+				uint32_t n = w->n;
+
+				/* Evictable: unmapped at once, not dying. */
+				if (view_evict(ctx, w, false) ||
+				    (c->nviews && c->views[0] == w))
+					break;
+				freed += n;
+			}
+		}
+	return freed ? collect_ready(ctx, v, out, want) : got;
 }
 
 /* One chunk for position p of segment v: a spare, a ready free chunk of

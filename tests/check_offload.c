@@ -209,6 +209,41 @@ START_TEST(test_fetch_takes_cached_chunks)
 }
 END_TEST
 
+/* ... chunks an unused cached stitched view maps too, evicting it. */
+START_TEST(test_fetch_evicts_unused_stitched)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 31, NULL);
+	void *x1, *x2, *y;
+
+	ring_init(&ring, ctx, 8);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	/* Two segments of p's chunks, then one view stitched over both. */
+	x1 = th_alloc(ctx, 4 * TH_MiB, NULL);
+	x2 = th_alloc(ctx, 4 * TH_MiB, NULL);
+	th_free(ctx, x1);
+	th_free(ctx, x2);
+	y = th_alloc_filled(ctx, 8 * TH_MiB, 32, NULL);
+	th_verify_free(ctx, y, 8 * TH_MiB, 32, NULL);
+	TH_OK(ctx, gmlake_stream_synchronize(ctx, NULL));
+	th_stats(ctx, &st0);
+	ck_assert_int_eq(st0.stitched_cached.current, 1);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, p, 8 * TH_MiB, 31, NULL);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.stitched_cached.current, 0);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create],
+			  st0.calls[GMLAKE_CALL_mem_create]);
+	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
 START_TEST(test_spill_fetch_stitched)
 {
 	gmlake_ctx *ctx = off_ctx(20 * TH_MiB, 64 * TH_MiB, 0);
@@ -1330,6 +1365,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_spill_fetch_stitched);
 	tcase_add_test(tc, test_fetch_takes_cached_chunks);
+	tcase_add_test(tc, test_fetch_evicts_unused_stitched);
 	tcase_add_test(tc, test_many_in_flight);
 	tcase_add_test(tc, test_ring_errors);
 	tcase_add_test(tc, test_destroy_spilled);
