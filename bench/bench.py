@@ -92,6 +92,21 @@ class Memory:
         free, total = self.torch.cuda.mem_get_info(self.device)
         return total - free
 
+    def now(self):
+        """GiB reserved now and at peak, for the verbose step lines."""
+        if self.allocator == "gmlake":
+            st = self.gmlake.stats(self.device)
+            r = (st["reserved_bytes.current"], st["reserved_bytes.peak"],
+                 st["allocated_bytes.current"] -
+                 st["spilled_bytes.current"])
+        else:
+            t = self.torch.cuda
+            r = (t.memory_reserved(self.device),
+                 t.max_memory_reserved(self.device),
+                 t.memory_allocated(self.device))
+        return "reserved %.2f peak %.2f on device %.2f GiB" % tuple(
+            x / 2**30 for x in r)
+
     def reset(self):
         gc.collect()
         self.torch.cuda.synchronize()
@@ -184,9 +199,9 @@ def run_workload(name, index, args, mem):
                 times.append(time.perf_counter() - t0)
                 used = max(used, mem.driver_used())
                 if os.environ.get("BENCH_VERBOSE"):
-                    sys.stderr.write("bench: %s %s step %d: %.1f ms\n" % (
-                        args.allocator, name, len(times),
-                        times[-1] * 1000))
+                    sys.stderr.write("bench: %s %s step %d: %.1f ms, %s\n"
+                                     % (args.allocator, name, len(times),
+                                        times[-1] * 1000, mem.now()))
         r["ok"] = True
     except Exception as e:  # report, go on with the next workload
         r["oom"] = is_oom(torch, e)

@@ -1030,6 +1030,7 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 	}
 	if (ret)
 		return ret;
+	gml_stale_reap(ctx, true);
 	gml_spares_release(ctx);
 	for (v = ctx->stitched; v; v = next) {
 		next = v->next;
@@ -1076,6 +1077,9 @@ void gml_views_fini(gmlake_ctx *ctx)
 		list_del(&ctx->segs, v);
 		view_discard(ctx, v);
 	}
+	free(ctx->stale);
+	ctx->stale = NULL;
+	ctx->nstale = ctx->cap_stale = 0;
 	/* Stitched views first, then the segments they pinned; twice, so a
 	 * call that failed once is tried again. */
 	for (int pass = 0; pass < 2 && ctx->dying; pass++)
@@ -1393,21 +1397,67 @@ out_undo:
 	return ret;
 }
 
-/* Take free chunk c out of its segment, to live elsewhere; its last work
- * must be done. */
+void gml_stale_reap(gmlake_ctx *ctx, bool all)
+{
+	uint32_t k = 0;
+
+	for (uint32_t i = 0; i < ctx->nstale; i++) {
+		struct gml_stale *e = &ctx->stale[i];
+		struct gml_view *s = e->seg;
+
+		if (!all && !gml_guard_ready(ctx, &e->guard, -1)) {
+			ctx->stale[k++] = *e;
+			continue;
+		}
+		if (s->mapped[e->pos] && !s->chunks[e->pos]) {
+			if (gml_mem_unmap(&ctx->dev, s->va + (gml_va)e->pos *
+					  ctx->chunk, ctx->chunk)) {
+				ctx->stale[k++] = *e;	/* again later */
+				continue;
+			}
+			s->mapped[e->pos] = 0;
+			count_mapping(ctx, -1);
+		}
+		/* Entries of s come later only if s still maps them. */
+		seg_drop_if_empty(ctx, s);
+	}
+	ctx->nstale = k;
+}
+
+/*
+ * Take free chunk c out of its segment, to live elsewhere. Its home
+ * position is unmapped now if the work that used it there completed;
+ * otherwise later (gml_stale_reap): the caller orders its own use after
+ * all work queued so far, and until then nothing reads the old address.
+ */
 static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
 {
 	struct gml_view *s = c->seg;
+	struct gml_stale *grown;
 	int ret;
 
-	ret = gml_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos * ctx->chunk,
-			    ctx->chunk);
-	if (ret)
-		return ret;
+	if (!gml_guard_ready(ctx, &c->guard, -1)) {
+		if (ctx->nstale == ctx->cap_stale) {
+			uint32_t cap = ctx->cap_stale ? 2 * ctx->cap_stale : 64;
+
+			grown = realloc(ctx->stale, cap * sizeof(*grown));
+			if (!grown)
+				return -ENOMEM;
+			ctx->stale = grown;
+			ctx->cap_stale = cap;
+		}
+		ctx->stale[ctx->nstale++] = (struct gml_stale){
+			s, c->seg_pos, c->guard };
+	} else {
+		ret = gml_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos *
+				    ctx->chunk, ctx->chunk);
+		if (ret)
+			return ret;
+		s->mapped[c->seg_pos] = 0;
+		count_mapping(ctx, -1);
+	}
 	s->maxfree = GML_RUN_UNKNOWN;
-	s->mapped[c->seg_pos] = 0;
 	s->chunks[c->seg_pos] = NULL;
-	count_mapping(ctx, -1);
 	seg_drop_if_empty(ctx, s);
 	return 0;
 }
@@ -1426,14 +1476,12 @@ static struct gml_chunk *move_chunk(gmlake_ctx *ctx, struct gml_view *dst)
 	return chunk_unhome(ctx, c) ? NULL : c;
 }
 
-/* Free, in a segment other than v, its last work done. */
-static bool chunk_ready(gmlake_ctx *ctx, struct gml_view *s, uint32_t i,
-			struct gml_view *v)
+/* Free, mapped by its segment alone (no stitched view). */
+static bool chunk_movable(const struct gml_view *s, uint32_t i)
 {
-	struct gml_chunk *c = s->chunks[i];
+	const struct gml_chunk *c = s->chunks[i];
 
-	return s != v && c && s->mapped[i] && !c->owner &&
-	       gml_guard_ready(ctx, &c->guard, -1);
+	return c && s->mapped[i] && !c->owner && !c->nviews;
 }
 
 /* Whether every stitched view mapping c is unused and done with. */
@@ -1446,8 +1494,8 @@ static bool views_evictable(gmlake_ctx *ctx, const struct gml_chunk *c)
 	return true;
 }
 
-static uint32_t collect_ready(gmlake_ctx *ctx, struct gml_view *v,
-			      struct gml_chunk **out, uint32_t want)
+static uint32_t collect_movable(gmlake_ctx *ctx, struct gml_chunk **out,
+				uint32_t want)
 {
 	uint32_t got = 0;
 
@@ -1457,34 +1505,32 @@ static uint32_t collect_ready(gmlake_ctx *ctx, struct gml_view *v,
 			if ((s->live == 0) != idle)
 				continue;
 			for (uint32_t i = 0; i < s->n && got < want; i++)
-				if (chunk_ready(ctx, s, i, v) &&
-				    !s->chunks[i]->nviews)
+				if (chunk_movable(s, i))
 					out[got++] = s->chunks[i];
 		}
 	return got;
 }
 
 /*
- * Up to want free chunks of segments other than v whose last work is
- * done, segments with no live block first; then, if that is not enough,
- * chunks that unused cached stitched views map, evicting those views. A
- * fetch moves these rather than creating chunks: backward frees memory
- * as it fetches, and chunks made while freed ones sit in the cache would
- * lift reserved memory back to what it was without offloading. A move
- * also costs one unmap where a new chunk costs a create now and a
- * release later.
+ * Up to want free chunks of the segments, segments with no live block
+ * first; then, if that is not enough, chunks that unused cached stitched
+ * views map, evicting those views. A fetch moves these rather than
+ * creating chunks: backward frees memory as it fetches, and chunks made
+ * while freed ones sit in the cache would lift reserved memory back to
+ * what it was without offloading. A move also costs one unmap where a
+ * new chunk costs a create now and a release later.
  */
-static uint32_t ready_chunks(gmlake_ctx *ctx, struct gml_view *v,
-			     struct gml_chunk **out, uint32_t want)
+static uint32_t cached_chunks(gmlake_ctx *ctx, struct gml_chunk **out,
+			      uint32_t want)
 {
-	uint32_t got = collect_ready(ctx, v, out, want), freed = 0;
+	uint32_t got = collect_movable(ctx, out, want), freed = 0;
 
 	for (struct gml_view *s = ctx->segs; s && got + freed < want;
 	     s = s->next)
 		for (uint32_t i = 0; i < s->n && got + freed < want; i++) {
 			struct gml_chunk *c = s->chunks[i];
 
-			if (!chunk_ready(ctx, s, i, v) || !c->nviews ||
+			if (!c || !s->mapped[i] || c->owner || !c->nviews ||
 			    !views_evictable(ctx, c))
 				continue;
 			while (c->nviews) {
@@ -1498,11 +1544,11 @@ static uint32_t ready_chunks(gmlake_ctx *ctx, struct gml_view *v,
 				freed += n;
 			}
 		}
-	return freed ? collect_ready(ctx, v, out, want) : got;
+	return freed ? collect_movable(ctx, out, want) : got;
 }
 
-/* One chunk for position p of segment v: a spare, a ready free chunk of
- * another segment (ready[0..*nready)), a new one, else a moved one. */
+/* One chunk for position p of segment v: a spare, a free chunk of the
+ * cache (ready[0..*nready)), a new one, else a moved one. */
 static int seg_chunk(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 		     struct gml_chunk **ready, uint32_t *nready,
 		     struct gml_chunk **out)
@@ -1548,8 +1594,8 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 	if (b->n > ctx->nspares) {
 		ready = calloc(b->n - ctx->nspares, sizeof(*ready));
 		if (ready)	/* without: new chunks only */
-			nready = ready_chunks(ctx, v, ready,
-					      b->n - ctx->nspares);
+			nready = cached_chunks(ctx, ready,
+					       b->n - ctx->nspares);
 	}
 	for (k = 0; k < b->n; k++) {
 		uint32_t p = b->pos + k;
@@ -1604,6 +1650,8 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 		return gml_set_error(-ENOMEM, "no host memory to fetch a block");
 	if (ctx->nzombies)
 		gml_zombies_reap(ctx);
+	if (ctx->nstale)
+		gml_stale_reap(ctx, false);
 	b->view->maxfree = GML_RUN_UNKNOWN;
 	if (b->view->stitched)
 		ret = attach_stitched(ctx, b, got);

@@ -103,6 +103,15 @@ struct gml_stream {
 struct gml_schunk;
 struct gml_offload;
 
+/* A segment position whose chunk moved to a fetched block before the work
+ * that used it here completed: still mapped (to no chunk of its own) until
+ * that work is done, then unmapped. */
+struct gml_stale {
+	struct gml_view *seg;
+	uint32_t pos;
+	struct gml_guard guard;
+};
+
 /* Where a large block's bytes are (offload/). */
 enum gml_off_state {
 	GML_OFF_RESIDENT = 0,	/* on the device */
@@ -186,6 +195,8 @@ struct gmlake_ctx {
 	struct gml_block *lru, *lru_tail; /* offloadable resident blocks */
 	gml_handle *zombies;		/* chunks whose release failed */
 	uint32_t nzombies, cap_zombies;
+	struct gml_stale *stale;	/* positions a moved chunk still maps */
+	uint32_t nstale, cap_stale;
 	gml_handle *spares;		/* unmapped chunks kept for reuse */
 	uint32_t nspares, cap_spares;
 	uint64_t spare_ns;		/* when spares last changed */
@@ -223,6 +234,9 @@ void gml_zombies_reap(gmlake_ctx *ctx);
  * GML_SPARE_KEEP_NS unused, on trim, under pressure and at destroy. */
 #define GML_SPARE_KEEP_NS (100ull * 1000 * 1000)
 void gml_spares_release(gmlake_ctx *ctx);
+/* Unmap the stale positions whose work completed (all: every one, the
+ * caller having waited for all streams). */
+void gml_stale_reap(gmlake_ctx *ctx, bool all);
 
 /* offload/: hooks into the allocator, ctx lock held. */
 bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep);

@@ -716,8 +716,12 @@ static void reap(struct gml_offload *off)
 /*
  * Spilled chunks wait GML_SPARE_KEEP_NS for a fetch or an allocation to
  * take them, then go back to the driver: reserved memory falls soon after
- * the spills end. The milliseconds until the next look, or -1: none due.
+ * the spills end. Stale positions (a fetch moved their chunk before its
+ * work there completed) are unmapped once it did. The milliseconds until
+ * the next look, or -1: none due.
  */
+#define STALE_LOOK_MS 10
+
 static int tend_spares(struct gml_offload *off)
 {
 	gmlake_ctx *ctx = off->ctx;
@@ -726,12 +730,21 @@ static int tend_spares(struct gml_offload *off)
 
 	if (gml_ctx_lock(ctx))
 		return -1;
+	if (ctx->nstale) {
+		gml_stale_reap(ctx, false);
+		if (ctx->nstale)
+			ms = STALE_LOOK_MS;
+	}
 	if (ctx->nspares) {
 		age = gml_now_ns() - ctx->spare_ns;
-		if (age >= GML_SPARE_KEEP_NS)
+		if (age >= GML_SPARE_KEEP_NS) {
 			gml_spares_release(ctx);
-		else
-			ms = (int)((GML_SPARE_KEEP_NS - age) / 1000000) + 1;
+		} else {
+			int due = (int)((GML_SPARE_KEEP_NS - age) / 1000000) + 1;
+
+			if (ms < 0 || due < ms)
+				ms = due;
+		}
 	}
 	gml_ctx_unlock(ctx);
 	return ms;

@@ -69,7 +69,6 @@ static int one(struct gmlake_offload *ring, int op, void *p, uint64_t tag)
 	ck_assert_uint_eq(gmlake_offload_cqe_get_data(cqe), tag);
 	res = cqe->res;
 	gmlake_offload_cqe_seen(ring, cqe);
-	if (getenv("DBG")) fprintf(stderr, "res %d: %s\n", res, gmlake_last_error());
 	return res;
 }
 
@@ -205,6 +204,66 @@ START_TEST(test_fetch_takes_cached_chunks)
 	th_verify_ok(ctx, p, 8 * TH_MiB, 21, NULL);
 	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_free(ctx, p);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * ... even chunks whose last work has not run yet: the fetch's copy waits
+ * for all work, and the chunk's old position stays mapped until that work
+ * is done, then goes (and with it the emptied segment).
+ */
+START_TEST(test_fetch_takes_busy_chunks)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	gmlake_stream_t s = th_stream(ctx);
+	struct gmlake_offload ring;
+	struct gmlake_offload_sqe *sqe;
+	struct gmlake_offload_cqe *cqe;
+	struct gmlake_stats st0, st;
+	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 41, NULL);
+	void *q;
+
+	ring_init(&ring, ctx, 8);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	q = th_alloc_filled(ctx, 8 * TH_MiB, 42, s);	/* p's chunks */
+	th_hold(ctx, s, true);
+	th_free(ctx, q);		/* its guard waits behind the hold */
+	th_stats(ctx, &st0);
+	sqe = gmlake_offload_get_sqe(&ring);
+	gmlake_offload_prep_fetch(sqe, p);
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 1);
+	while (gmlake_offload_state(ctx, p) != GMLAKE_BLOCK_FETCHING)
+		usleep(1000);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create],
+			  st0.calls[GMLAKE_CALL_mem_create]);
+	/* q's old positions are still mapped while its work is held. */
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap],
+			  st0.calls[GMLAKE_CALL_mem_unmap]);
+	ck_assert_int_eq(gmlake_offload_peek_cqe(&ring, &cqe), -EAGAIN);
+	th_hold(ctx, s, false);
+	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
+	ck_assert_int_eq(cqe->res, 0);
+	gmlake_offload_cqe_seen(&ring, cqe);
+	th_verify_ok(ctx, p, 8 * TH_MiB, 41, NULL);
+	for (int ms = 0;; ms++) {
+		th_stats(ctx, &st);
+		if (st.calls[GMLAKE_CALL_va_free] ==
+		    st0.calls[GMLAKE_CALL_va_free] + 1)
+			break;
+		ck_assert_msg(ms < 10000, "stale positions still mapped "
+			      "after 10 s");
+		usleep(1000);
+	}
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap],
+			  st0.calls[GMLAKE_CALL_mem_unmap] + 4);
+	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
+	th_check(ctx);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
 	th_destroy(ctx);
 }
 END_TEST
@@ -1366,6 +1425,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_fetch_stitched);
 	tcase_add_test(tc, test_fetch_takes_cached_chunks);
 	tcase_add_test(tc, test_fetch_evicts_unused_stitched);
+	tcase_add_test(tc, test_fetch_takes_busy_chunks);
 	tcase_add_test(tc, test_many_in_flight);
 	tcase_add_test(tc, test_ring_errors);
 	tcase_add_test(tc, test_destroy_spilled);
