@@ -192,27 +192,11 @@ def _rng_int(rng, lo_hi):
     return rng.randint(lo_hi[0], lo_hi[1])
 
 
-import os, sys
-def _probe(where):
-    if not os.environ.get("PROBE"):
-        return
-    import gmlake
-    torch.cuda.synchronize()
-    st = gmlake.stats(0)
-    sys.stderr.write("probe %s: reserved %.2f peak %.2f ondev %.2f spilled %.2f chunks %d stitched %d\n" % (
-        where, st["reserved_bytes.current"]/2**30, st["reserved_bytes.peak"]/2**30,
-        (st["allocated_bytes.current"]-st["spilled_bytes.current"])/2**30,
-        st["spilled_bytes.current"]/2**30, st["chunks.current"], st["stitched_cached.current"]))
-
-
 def _train_step(model, opt, vocab, b, t, how=None):
     idx = torch.randint(0, vocab, (b, t), device="cuda")
     logits = model(idx, how) if how else model(idx)
-    _probe("fwd")
     loss = F.cross_entropy(logits.float().view(-1, vocab), idx.view(-1))
-    _probe("loss")
     loss.backward()
-    _probe("bwd")
     opt.step()
     opt.zero_grad(set_to_none=True)
 
