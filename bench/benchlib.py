@@ -67,6 +67,15 @@ def fragmentation(peak_allocated, peak_reserved):
     return (1.0 - float(peak_allocated) / float(peak_reserved)) * 100.0
 
 
+def result_fragmentation(r):
+    """fragmentation() of a result, None where blocks were spilled: a
+    spilled block stays allocated while it holds no device memory, so
+    allocated over reserved says nothing there."""
+    if r.get("spilled_peak"):
+        return None
+    return fragmentation(r.get("peak_allocated"), r.get("peak_reserved"))
+
+
 class ShapeCycle:
     """A few shapes drawn once, then visited round after round, each round
     in a new seeded order. Training with variable shapes sees a bounded set
@@ -116,7 +125,7 @@ def _cell(v, fmt="%.2f"):
 
 def row_values(r):
     """The table cells of one result dict (see bench.py's child)."""
-    frag = fragmentation(r.get("peak_allocated"), r.get("peak_reserved"))
+    frag = result_fragmentation(r)
     oom = r.get("oom")
     status = "yes" if oom else ("no" if r.get("ok") else "error")
     if r.get("skipped"):
@@ -294,7 +303,8 @@ the tensors asked for at one moment (PyTorch's requested_bytes.all.peak, \
 libgmlake's requested_bytes.peak); *peak reserved* is the largest device \
 memory the allocator held (PyTorch's max_memory_reserved(), libgmlake's \
 reserved_bytes.peak); *fragmentation* = 1 - peak allocated / peak \
-reserved; *driver used* is the highest total - free of cudaMemGetInfo \
+reserved (n/a where blocks were spilled: they stay allocated without \
+device memory); *driver used* is the highest total - free of cudaMemGetInfo \
 sampled after each step, minus the use before the workload (a cross-check \
 from outside the allocator that also counts cuBLAS workspaces); *median \
 step ms* leaves out the warm-up round (one step per distinct shape of a \
@@ -321,8 +331,7 @@ def chart(results, path):
         xs = [j + i * width for j in range(len(workloads))]
         res = [gib(by.get((w, a), {}).get("peak_reserved")) or 0
                for w in workloads]
-        frag = [fragmentation(by.get((w, a), {}).get("peak_allocated"),
-                              by.get((w, a), {}).get("peak_reserved")) or 0
+        frag = [result_fragmentation(by.get((w, a), {})) or 0
                 for w in workloads]
         axes[0].bar(xs, res, width, label=ALLOCATOR_NAMES[a])
         axes[1].bar(xs, frag, width, label=ALLOCATOR_NAMES[a])

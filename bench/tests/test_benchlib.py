@@ -23,6 +23,10 @@ class TestMath(unittest.TestCase):
         self.assertIsNone(benchlib.fragmentation(1, 0))
         with self.assertRaises(ValueError):
             benchlib.fragmentation(-1, 4)
+        r = dict(peak_allocated=6 * G, peak_reserved=4 * G)
+        self.assertAlmostEqual(benchlib.result_fragmentation(r), -50.0)
+        r["spilled_peak"] = 3 * G       # spilled blocks: no figure
+        self.assertIsNone(benchlib.result_fragmentation(r))
 
     def test_median(self):
         self.assertAlmostEqual(benchlib.median_ms([9.0, 0.1, 0.3, 0.2]),
@@ -202,6 +206,12 @@ class TestBenchCli(unittest.TestCase):
                          ("/x.so", "cuda"))
         self.assertIn(os.path.join(self.bench.REPO, "python"),
                       env["PYTHONPATH"].split(os.pathsep))
+        with mock.patch.dict(os.environ, {"GMLAKE_HOST_PIN": "1G"}):
+            env = self.bench.child_env("gmlake", "/x.so")
+        self.assertEqual((env["GMLAKE_HOST_LIMIT"], env["GMLAKE_HOST_PIN"]),
+                         (self.bench.HOST_LIMIT, "1G"))
+        env = self.bench.child_env("default", "/x.so")
+        self.assertNotIn("GMLAKE_HOST_PIN", env)
 
     def test_same_steps_for_all(self):
         for size in ("full", "quick"):
