@@ -93,19 +93,19 @@ class Memory:
         return total - free
 
     def now(self):
-        """GiB reserved now and at peak, for the verbose step lines."""
+        """GiB reserved now and at peak, and the peak of live blocks on
+        the device (allocated for PyTorch), for the verbose step lines."""
         if self.allocator == "gmlake":
             st = self.gmlake.stats(self.device)
             r = (st["reserved_bytes.current"], st["reserved_bytes.peak"],
-                 st["allocated_bytes.current"] -
-                 st["spilled_bytes.current"])
+                 st["resident_bytes.peak"])
         else:
             t = self.torch.cuda
             r = (t.memory_reserved(self.device),
                  t.max_memory_reserved(self.device),
-                 t.memory_allocated(self.device))
-        return "reserved %.2f peak %.2f on device %.2f GiB" % tuple(
-            x / 2**30 for x in r)
+                 t.max_memory_allocated(self.device))
+        return "reserved %.2f peak %.2f, blocks on the device peak %.2f " \
+            "GiB" % tuple(x / 2**30 for x in r)
 
     def reset(self):
         gc.collect()
@@ -126,6 +126,7 @@ class Memory:
             return (st["requested_bytes.peak"], st["reserved_bytes.peak"],
                     {"gmlake_allocated_peak": st["allocated_bytes.peak"],
                      "spilled_peak": st["spilled_bytes.peak"],
+                     "resident_peak": st["resident_bytes.peak"],
                      "host_peak": st["host_bytes.peak"],
                      "stitches": st["stitches"],
                      "stitch_reuses": st["stitch_reuses"],

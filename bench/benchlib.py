@@ -67,6 +67,14 @@ def fragmentation(peak_allocated, peak_reserved):
     return (1.0 - float(peak_allocated) / float(peak_reserved)) * 100.0
 
 
+def on_device_peak(r):
+    """Peak bytes of live blocks holding device memory: libgmlake's
+    resident_bytes peak, else peak allocated where nothing was spilled."""
+    if r.get("resident_peak") is not None:
+        return r["resident_peak"]
+    return None if r.get("spilled_peak") else r.get("peak_allocated")
+
+
 def result_fragmentation(r):
     """fragmentation() of a result, None where blocks were spilled: a
     spilled block stays allocated while it holds no device memory, so
@@ -162,6 +170,7 @@ def results_table(results):
 
 
 OFFLOAD_HEADER = ["method", "allocator", "peak reserved GiB",
+                  "blocks on device peak GiB",
                   "driver used GiB", "median step ms",
                   "reserved vs save_on_cpu", "step vs save_on_cpu",
                   "spilled GiB", "status"]
@@ -177,7 +186,9 @@ def offload_table(results):
     """The GPT activation-offload rows: the same shapes without offload
     (gpt_keep, the reference), save_on_cpu under every allocator and
     gmlake's offload_activations(), each compared with save_on_cpu under
-    the same allocator. None when none of them ran."""
+    the same allocator. "Blocks on device" is the peak of live blocks
+    holding device memory (libgmlake's resident_bytes; peak allocated
+    where nothing spills). None when none of them ran."""
     names = dict(OFFLOAD_METHODS)
     order = {a: i for i, a in enumerate(ALLOCATORS)}
     rows = [r for r in results if r["workload"] in names and
@@ -195,6 +206,7 @@ def offload_table(results):
         out.append([names[r["workload"]],
                     ALLOCATOR_NAMES.get(r["allocator"], r["allocator"]),
                     _cell(gib(r.get("peak_reserved"))),
+                    _cell(gib(on_device_peak(r))),
                     _cell(gib(r.get("driver_used"))),
                     _cell(r.get("step_ms"), "%.1f"),
                     _ratio(r.get("peak_reserved"), b.get("peak_reserved")),

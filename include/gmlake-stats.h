@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-#define GMLAKE_STATS_VERSION 1
+#define GMLAKE_STATS_VERSION 2
 
 /* Driver call kinds, counted and timed one by one. */
 #define GMLAKE_FOREACH_CALL(X)						\
@@ -54,6 +54,7 @@ struct gmlake_stat {
 #define GMLAKE_FOREACH_GAUGE(X)						\
 	X(requested_bytes)	/* sum of sizes asked for */		\
 	X(allocated_bytes)	/* bytes handed out, after rounding */	\
+	X(resident_bytes)	/* allocated, less spilled blocks */	\
 	X(reserved_bytes)	/* physical chunks held */		\
 	X(mapped_bytes)		/* virtual bytes mapped */		\
 	X(active_blocks)	/* live blocks */			\

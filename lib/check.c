@@ -18,6 +18,7 @@
 struct tally {
 	uint64_t chunks, owned, mapped, blocks_n, schunks;
 	int64_t requested;
+	int64_t resident;		/* live blocks not spilled */
 	struct gml_ptrmap seen;		/* small chunks already counted */
 	struct gml_ptrmap view_live;	/* view -> blocks counted on it */
 	struct gml_ptrmap holes;	/* cached view -> holes found */
@@ -261,6 +262,9 @@ static int check_blocks(gmlake_ctx *ctx, struct tally *t)
 						     (unsigned long)b->ptr);
 			if (l == 0)
 				t->requested += (int64_t)b->size;
+			if (l == 0 && (b->small ||
+				       b->off_state != GML_OFF_SPILLED))
+				t->resident += (int64_t)b->alloc_size;
 			ret = check_block(ctx, b, t);
 			if (ret)
 				return ret;
@@ -335,6 +339,11 @@ static int check_totals(gmlake_ctx *ctx, struct tally *t)
 		return gml_set_error(-EFAULT, "%llu small chunks found, %lld "
 				     "counted", (unsigned long long)t->schunks,
 				     (long long)st->small_chunks.current);
+	if (t->resident != st->resident_bytes.current)
+		return gml_set_error(-EFAULT, "%lld bytes of live blocks on "
+				     "the device, %lld counted",
+				     (long long)t->resident,
+				     (long long)st->resident_bytes.current);
 	if (t->requested != st->requested_bytes.current)
 		return gml_set_error(-EFAULT, "%lld bytes requested by live "
 				     "blocks, %lld counted",

@@ -258,6 +258,7 @@ GML_EXPORT int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
 	live_add(&ctx->live, b);
 	gml_gauge_add(&ctx->st.requested_bytes, (int64_t)size);
 	gml_gauge_add(&ctx->st.allocated_bytes, (int64_t)b->alloc_size);
+	gml_gauge_add(&ctx->st.resident_bytes, (int64_t)b->alloc_size);
 	gml_gauge_add(&ctx->st.active_blocks, 1);
 	ctx->st.allocs++;
 	*ptr = (void *)b->ptr;
@@ -322,6 +323,8 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 	live_del(&ctx->live, b);
 	gml_gauge_add(&ctx->st.requested_bytes, -(int64_t)b->size);
 	gml_gauge_add(&ctx->st.allocated_bytes, -(int64_t)b->alloc_size);
+	if (b->small || b->off_state != GML_OFF_SPILLED)
+		gml_gauge_add(&ctx->st.resident_bytes, -(int64_t)b->alloc_size);
 	gml_gauge_add(&ctx->st.active_blocks, -1);
 	ctx->st.frees++;
 	g.stream = b->stream;

@@ -328,6 +328,7 @@ static void spill_done(gmlake_ctx *ctx, struct gml_block *b, void *host,
 	lru_del(ctx, b);
 	gml_gauge_add(&ctx->st.spilled_bytes, (int64_t)b->size);
 	gml_gauge_add(&ctx->st.spilled_blocks, 1);
+	gml_gauge_add(&ctx->st.resident_bytes, -(int64_t)b->alloc_size);
 	ctx->st.spills++;
 	ctx->st.d2h_bytes += size;
 	ctx->st.d2h_ns += gml_now_ns() - t0;
@@ -573,6 +574,7 @@ static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
 			"it could not fill", (unsigned long)b->ptr);
 	}
 	b->off_state = GML_OFF_SPILLED;
+	gml_gauge_add(&ctx->st.resident_bytes, -(int64_t)b->alloc_size);
 	if (b->inplace)
 		inplace_map(ctx, b);
 }
@@ -602,6 +604,7 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 		goto out_unlock;
 	}
 	b->off_state = GML_OFF_FETCHING;
+	gml_gauge_add(&ctx->st.resident_bytes, (int64_t)b->alloc_size);
 	req->size = b->size;
 	ret = after_all(ctx, off->h2d);
 	if (!ret && b->inplace)

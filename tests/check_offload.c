@@ -107,6 +107,11 @@ START_TEST(test_spill_fetch_segment)
 			  st0.calls[GMLAKE_CALL_mem_release]);
 	ck_assert_int_eq(st.spilled_bytes.current, (int64_t)size);
 	ck_assert_int_eq(st.spilled_blocks.current, 1);
+	/* Still allocated, no longer on the device. */
+	ck_assert_int_eq(st.allocated_bytes.current,
+			 st0.allocated_bytes.current);
+	ck_assert_int_eq(st.resident_bytes.current,
+			 st0.resident_bytes.current - 8 * (int64_t)TH_MiB);
 	ck_assert_int_ge(st.host_bytes.current, (int64_t)size);
 	ck_assert_int_ge(st.host_pinned.current, st.host_bytes.current);
 	ck_assert_uint_eq(st.spills, 1);
@@ -125,6 +130,8 @@ START_TEST(test_spill_fetch_segment)
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.spilled_bytes.current, 0);
 	ck_assert_int_eq(st.host_bytes.current, 0);
+	ck_assert_int_eq(st.resident_bytes.current,
+			 st0.resident_bytes.current);
 	ck_assert_uint_eq(st.fetches, 1);
 	ck_assert_uint_eq(st.h2d_bytes, size);
 	/* ... and the fetch took them: no chunk made, none given back. */

@@ -82,15 +82,16 @@ class TestOffloadRows(unittest.TestCase):
     RESULTS = [
         dict(index=3, workload="gpt_save_on_cpu", allocator="gmlake",
              ok=True, oom=False, peak_reserved=8 * G, driver_used=9 * G,
-             step_ms=200.0),
+             step_ms=200.0, peak_allocated=7 * G, resident_peak=7 * G),
         dict(index=4, workload="gpt_offload", allocator="default",
              ok=False, oom=False, skipped="not applicable"),
         dict(index=4, workload="gpt_offload", allocator="gmlake", ok=True,
              oom=False, peak_reserved=4 * G, driver_used=5 * G,
-             step_ms=150.0, offload=dict(spilled_bytes=6 * G)),
+             step_ms=150.0, offload=dict(spilled_bytes=6 * G),
+             peak_allocated=9 * G, resident_peak=3 * G),
         dict(index=3, workload="gpt_save_on_cpu", allocator="default",
              ok=True, oom=False, peak_reserved=10 * G, driver_used=None,
-             step_ms=300.0),
+             step_ms=300.0, peak_allocated=7 * G),
         dict(index=0, workload="gpt_plain", allocator="gmlake", ok=True,
              oom=False, peak_reserved=20 * G, step_ms=100.0),
         dict(index=2, workload="gpt_keep", allocator="gmlake", ok=True,
@@ -103,17 +104,17 @@ class TestOffloadRows(unittest.TestCase):
         self.assertEqual(len(lines), 6)   # header, rule, four rows
         # The reference first, against save_on_cpu like the others.
         self.assertEqual(lines.pop(2), "| none: activations kept on the "
-                         "device | libgmlake | 16.00 | 16.00 | 50.0 | "
+                         "device | libgmlake | 16.00 | n/a | 16.00 | 50.0 | "
                          "2.00x | 0.25x | n/a | ok |")
         self.assertEqual(lines[2], "| torch save_on_cpu(pin_memory=True) | "
-                         "PyTorch default | 10.00 | n/a | 300.0 | 1.00x | "
-                         "1.00x | n/a | ok |")
+                         "PyTorch default | 10.00 | 7.00 | n/a | 300.0 | "
+                         "1.00x | 1.00x | n/a | ok |")
         self.assertEqual(lines[3], "| torch save_on_cpu(pin_memory=True) | "
-                         "libgmlake | 8.00 | 9.00 | 200.0 | 1.00x | 1.00x | "
-                         "n/a | ok |")
+                         "libgmlake | 8.00 | 7.00 | 9.00 | 200.0 | 1.00x | "
+                         "1.00x | n/a | ok |")
         self.assertEqual(lines[4], "| gmlake offload_activations() | "
-                         "libgmlake | 4.00 | 5.00 | 150.0 | 0.50x | 0.75x | "
-                         "6.00 | ok |")
+                         "libgmlake | 4.00 | 3.00 | 5.00 | 150.0 | 0.50x | "
+                         "0.75x | 6.00 | ok |")
         self.assertIsNone(benchlib.offload_table(self.RESULTS[-2:-1]))
 
     def test_skipped_row_and_markdown(self):

@@ -6,12 +6,13 @@ the header and compares, and checks the ctypes layout against the C
 compiler's, so a change on one side only fails the tests.
 """
 
-STATS_VERSION = 1
+STATS_VERSION = 2
 
 # GMLAKE_FOREACH_GAUGE: struct gmlake_stat {current, peak, total} each.
 GAUGES = (
     "requested_bytes",
     "allocated_bytes",
+    "resident_bytes",
     "reserved_bytes",
     "mapped_bytes",
     "active_blocks",
