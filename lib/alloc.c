@@ -426,10 +426,11 @@ static void view_discard(gmlake_ctx *ctx, struct gml_view *v)
 	}
 }
 
-/* A segment with no live block and no chunk left is only a range: free it. */
+/* A segment with no live block, no chunk and no stale position left is
+ * only a range: free it. */
 static void seg_drop_if_empty(gmlake_ctx *ctx, struct gml_view *s)
 {
-	if (s->live || memchr(s->mapped, 1, s->n))
+	if (s->live || s->nstale || memchr(s->mapped, 1, s->n))
 		return;
 	for (uint32_t i = 0; i < s->n; i++)
 		if (s->chunks[i])
@@ -1018,9 +1019,8 @@ static bool chunk_releasable(const struct gml_chunk *c)
  * Wait for every stream, unmap every unused stitched view and, with all,
  * give every free chunk back to the driver (trim). 0 or the first error.
  */
-int gml_release_cached(gmlake_ctx *ctx, bool all)
+int gml_streams_wait_all(gmlake_ctx *ctx)
 {
-	struct gml_view *v, *next;
 	int ret = 0, err;
 
 	for (int s = 0; s < ctx->nstreams; s++) {
@@ -1028,6 +1028,15 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 		if (err && !ret)
 			ret = err;
 	}
+	return ret;
+}
+
+int gml_release_cached(gmlake_ctx *ctx, bool all)
+{
+	struct gml_view *v, *next;
+	int ret, err;
+
+	ret = gml_streams_wait_all(ctx);
 	if (ret)
 		return ret;
 	gml_stale_reap(ctx, true);
@@ -1409,6 +1418,7 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
 			ctx->stale[k++] = *e;
 			continue;
 		}
+		/* Unmapped already: by gml_release_cached's retry. */
 		if (s->mapped[e->pos] && !s->chunks[e->pos]) {
 			if (gml_mem_unmap(&ctx->dev, s->va + (gml_va)e->pos *
 					  ctx->chunk, ctx->chunk)) {
@@ -1418,7 +1428,8 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
 			s->mapped[e->pos] = 0;
 			count_mapping(ctx, -1);
 		}
-		/* Entries of s come later only if s still maps them. */
+		/* s stays while other entries name it (nstale). */
+		s->nstale--;
 		seg_drop_if_empty(ctx, s);
 	}
 	ctx->nstale = k;
@@ -1448,6 +1459,7 @@ static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
 		}
 		ctx->stale[ctx->nstale++] = (struct gml_stale){
 			s, c->seg_pos, c->guard };
+		s->nstale++;
 	} else {
 		ret = gml_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos *
 				    ctx->chunk, ctx->chunk);
@@ -1588,7 +1600,8 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 {
 	struct gml_view *v = b->view;
 	struct gml_chunk **ready = NULL;
-	uint32_t k, nready = 0;
+	uint32_t k, nready = 0, stale0 = ctx->nstale;
+	bool settled;
 	int ret;
 
 	if (b->n > ctx->nspares) {
@@ -1623,9 +1636,12 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 out_undo:
 	free(ready);
 	attach_undo(ctx, b, k);
+	/* Chunks taken before their last work ran serve elsewhere only
+	 * once it has; released, their memory lives while mapped. */
+	settled = ctx->nstale == stale0 || !gml_streams_wait_all(ctx);
 	for (uint32_t i = 0; i < k; i++) {
 		/* Only an unmapped chunk may serve elsewhere. */
-		if (v->mapped[b->pos + i])
+		if (v->mapped[b->pos + i] || !settled)
 			chunk_handle_release(ctx, got[i]->handle);
 		else
 			spare_put(ctx, got[i]->handle);

@@ -23,6 +23,7 @@ struct tally {
 	struct gml_ptrmap view_live;	/* view -> blocks counted on it */
 	struct gml_ptrmap holes;	/* cached view -> holes found */
 	struct gml_ptrmap spilled;	/* view -> holes of spilled blocks */
+	struct gml_ptrmap stale;	/* segment -> its stale entries */
 	int64_t spilled_bytes, spilled_blocks;
 };
 
@@ -109,6 +110,36 @@ static int check_segments(gmlake_ctx *ctx, struct tally *t)
 							     "as a stitch");
 		}
 	}
+	return 0;
+}
+
+/*
+ * A stale entry names a segment on the list, at a position with no chunk
+ * (still mapped, or unmapped by a retry since); each segment counts its
+ * entries.
+ */
+static int check_stale(gmlake_ctx *ctx, struct tally *t)
+{
+	for (uint32_t i = 0; i < ctx->nstale; i++) {
+		const struct gml_stale *e = &ctx->stale[i];
+		struct gml_view *v = ctx->segs;
+
+		while (v && v != e->seg)
+			v = v->next;
+		if (!v || e->pos >= v->n || v->chunks[e->pos])
+			return gml_set_error(-EFAULT, "stale entry %u names no "
+					     "segment position without a chunk",
+					     i);
+		if (map_add(&t->stale, v, 1))
+			return -ENOMEM;
+	}
+	for (struct gml_view *v = ctx->segs; v; v = v->next)
+		if ((uintptr_t)gml_ptrmap_get(&t->stale, (uintptr_t)v) !=
+		    v->nstale)
+			return gml_set_error(-EFAULT, "segment %#llx counts %u "
+					     "stale entries",
+					     (unsigned long long)v->va,
+					     v->nstale);
 	return 0;
 }
 
@@ -364,6 +395,8 @@ int gml_ctx_check_locked(gmlake_ctx *ctx)
 
 	ret = check_segments(ctx, &t);
 	if (!ret)
+		ret = check_stale(ctx, &t);
+	if (!ret)
 		ret = check_views(ctx, ctx->stitched, true, &t);
 	if (!ret)
 		ret = check_views(ctx, ctx->dying, false, &t);
@@ -381,6 +414,7 @@ int gml_ctx_check_locked(gmlake_ctx *ctx)
 	gml_ptrmap_fini(&t.view_live);
 	gml_ptrmap_fini(&t.holes);
 	gml_ptrmap_fini(&t.spilled);
+	gml_ptrmap_fini(&t.stale);
 	return ret;
 }
 

@@ -50,6 +50,8 @@ static void event_put(gmlake_ctx *ctx, gml_event e)
 }
 
 /* Record an event on stream idx; *seq is its sequence number. */
+static void poll_stream(gmlake_ctx *ctx, struct gml_stream *s);
+
 static int record(gmlake_ctx *ctx, int idx, uint64_t *seq)
 {
 	struct gml_stream *s = &ctx->streams[idx];
@@ -57,6 +59,10 @@ static int record(gmlake_ctx *ctx, int idx, uint64_t *seq)
 	gml_event e;
 	int ret;
 
+	/* Nothing else may look at a stream whose memory only it reuses:
+	 * let go of what completed before growing. */
+	if (s->count && s->count == s->cap)
+		poll_stream(ctx, s);
 	if (s->count == s->cap) {
 		cap = s->cap ? s->cap * 2 : 16;
 		void *ring = malloc(cap * sizeof(*s->pending));

@@ -82,6 +82,7 @@ struct gml_view {
 	struct gml_free_run *runs;	/* free runs by (len, pos), valid
 					   while maxfree is known */
 	uint32_t nruns, cap_runs;
+	uint32_t nstale;		/* segment: entries in ctx->stale */
 	uint32_t holes;			/* stitched: positions emptied by a
 					   spill (offload/) */
 	uint64_t last_use;		/* LRU clock of stitched views */
@@ -237,6 +238,8 @@ void gml_spares_release(gmlake_ctx *ctx);
 /* Unmap the stale positions whose work completed (all: every one, the
  * caller having waited for all streams). */
 void gml_stale_reap(gmlake_ctx *ctx, bool all);
+/* Wait for the work queued so far on every stream; 0 or the first error. */
+int gml_streams_wait_all(gmlake_ctx *ctx);
 
 /* offload/: hooks into the allocator, ctx lock held. */
 bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep);

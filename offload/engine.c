@@ -568,6 +568,12 @@ bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep)
  */
 static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
 {
+	/* The fetch may have taken chunks whose last work elsewhere is
+	 * still queued; as spares they would serve at once. */
+	if (ctx->nstale && gml_streams_wait_all(ctx))
+		gml_log(GMLAKE_LOG_ERROR, "offload: cannot wait for the work "
+			"on the chunks of block %#lx: %s", (unsigned long)b->ptr,
+			gmlake_last_error());
 	if (gml_large_detach(ctx, b, false)) {
 		/* The chunks stay; the bytes on the host are still right. */
 		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx holds chunks "
@@ -824,6 +830,13 @@ static void *engine_main(void *arg)
 	bool stop, poll_needed;
 	int timeout, spares_ms;
 
+	gml_host_prepin(&off->host);
+	if (!gml_ctx_lock(off->ctx)) {
+		/* Else the next sync counts what was pinned. */
+		if (off->ctx->off == off)
+			sync_gauges(off->ctx);
+		gml_ctx_unlock(off->ctx);
+	}
 	for (;;) {
 		pthread_mutex_lock(&off->lock);
 		list = off->incoming;

@@ -241,19 +241,34 @@ int gml_host_init(struct gml_host *h, struct gml_dev *dev, int node,
 	 * spills never wait for pinning. */
 	h->step = h->limit / 4 < HOST_STEP ? (h->limit / 4) & ~(HOST_UNIT - 1) :
 					     HOST_STEP;
-	/* Asked for more: pin it all now. A spill waits while the engine
-	 * pins, so a first large step would otherwise run with most of its
-	 * blocks still on the device. */
+	/* Asked for more than a step: the engine thread pins it, as one
+	 * region, before it takes any request (not here: the caller holds
+	 * the context lock, and pinning takes 0.2-0.5 s a GiB). Growing step
+	 * by step as spills need it would make them wait, so a first large
+	 * step would run with most of its blocks still on the device. */
 	if (pin > h->limit) {
 		gml_log(GMLAKE_LOG_WARN, "host arena: pinning the host limit of "
 			"%zu bytes, not the %zu asked for", h->limit, pin);
 		pin = h->limit;
 	}
-	pin = pin < h->step ? h->step : round_unit(pin);
-	if (pin && grow(h, pin) && (pin == h->step || grow(h, h->step)))
+	if (pin > h->step) {
+		h->want = round_unit(pin);
+		return 0;
+	}
+	if (h->step && grow(h, h->step))
 		gml_log(GMLAKE_LOG_WARN, "host arena: cannot pin at set-up: %s",
 			gmlake_last_error());
 	return 0;
+}
+
+void gml_host_prepin(struct gml_host *h)
+{
+	size_t want = h->want;
+
+	h->want = 0;
+	if (want && grow(h, want) && grow(h, h->step))
+		gml_log(GMLAKE_LOG_WARN, "host arena: cannot pin %zu bytes at "
+			"set-up: %s", want, gmlake_last_error());
 }
 
 void gml_host_fini(struct gml_host *h)

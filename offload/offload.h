@@ -33,6 +33,7 @@ struct gml_host {
 	int node;			/* NUMA node, -1: none */
 	size_t limit;			/* bytes that may be pinned */
 	size_t step;			/* growth unit */
+	size_t want;			/* to pin before the first spill */
 	size_t pinned, used;
 	size_t inplace;			/* host handles of in-place spills */
 	int64_t d_pinned, d_used;	/* not yet in the context's gauges */
@@ -53,6 +54,8 @@ int gml_host_charge(struct gml_host *h, int64_t size);
 bool gml_host_needs_growth(struct gml_host *h, size_t size);
 /* Pin ahead: a region when less than a step is free (engine thread). */
 void gml_host_grow_ahead(struct gml_host *h);
+/* Pin what set-up asked for (engine thread, before any request). */
+void gml_host_prepin(struct gml_host *h);
 
 /* ---- engine.c ---- */
 

@@ -236,7 +236,11 @@ START_TEST(fork_child_leaves_segment)
 		/* exit() after fork() in a threaded process may hang in a
 		 * lock another thread held at the fork (the sanitizers'
 		 * leak check at exit, say): our atexit handler runs first,
-		 * and a stuck child is killed rather than stall the test. */
+		 * and a stuck child is killed rather than stall the test.
+		 * By the default action: Check's own SIGALRM handler, which
+		 * the child inherits, kills the whole process group, the
+		 * test with it. */
+		signal(SIGALRM, SIG_DFL);
 		alarm(20);
 		exit(0);	/* atexit handlers run */
 	}
