@@ -1015,10 +1015,6 @@ static bool chunk_releasable(const struct gml_chunk *c)
 	return true;
 }
 
-/*
- * Wait for every stream, unmap every unused stitched view and, with all,
- * give every free chunk back to the driver (trim). 0 or the first error.
- */
 int gml_streams_wait_all(gmlake_ctx *ctx)
 {
 	int ret = 0, err;
@@ -1031,6 +1027,10 @@ int gml_streams_wait_all(gmlake_ctx *ctx)
 	return ret;
 }
 
+/*
+ * Wait for every stream, unmap every unused stitched view and, with all,
+ * give every free chunk back to the driver (trim). 0 or the first error.
+ */
 int gml_release_cached(gmlake_ctx *ctx, bool all)
 {
 	struct gml_view *v, *next;

@@ -49,9 +49,9 @@ static void event_put(gmlake_ctx *ctx, gml_event e)
 	ctx->event_pool[ctx->nevent_pool++] = e;
 }
 
-/* Record an event on stream idx; *seq is its sequence number. */
 static void poll_stream(gmlake_ctx *ctx, struct gml_stream *s);
 
+/* Record an event on stream idx; *seq is its sequence number. */
 static int record(gmlake_ctx *ctx, int idx, uint64_t *seq)
 {
 	struct gml_stream *s = &ctx->streams[idx];
