@@ -62,10 +62,10 @@ Design, and why:
   unpack) are not spilled at all: a round trip would only cost time.
   Forward can make activations faster than the bus takes them (in the
   benchmark's GPT it does, several times over), and a spill gives its
-  memory back only when its copy is done; so when
-  more than max_inflight bytes (1 GiB) are spilling, pack waits for
-  completions first. Without that wait the peak is the peak of not
-  offloading at all; with it forward runs at the bus's pace.
+  memory back only when its copy is done; so when more than max_inflight
+  bytes (1 GiB) are spilling, pack waits for completions first. Without
+  that wait the peak is the peak of not offloading at all; with it
+  forward runs at the bus's pace.
   Leaving the context spills nothing more either, and does not wait:
   spills in flight complete on their own and are reaped at the next pack
   or unpack (or by synchronize()). With a PyTorch that cannot count
