@@ -371,6 +371,30 @@ START_TEST(test_failed_fetch_keeps_taken_chunks_back)
 }
 END_TEST
 
+/*
+ * With offload running, frees record events even on a single stream;
+ * nothing else polls such a stream, so recording must let go of the
+ * completed ones rather than grow the list without end.
+ */
+START_TEST(test_events_do_not_pile_up)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+
+	ring_init(&ring, ctx, 4);
+	for (int i = 0; i < 4000; i++) {
+		void *p = th_alloc(ctx, 4 * TH_MiB, NULL);
+
+		th_free(ctx, p);
+	}
+	ck_assert_msg(ctx->nstreams == 1 && ctx->streams[0].count < 1024,
+		      "%zu events pending on the one stream",
+		      ctx->streams[0].count);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
 /* ... chunks an unused cached stitched view maps too, evicting it. */
 START_TEST(test_fetch_evicts_unused_stitched)
 {
@@ -1549,6 +1573,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_pin_failure);
 	tcase_add_loop_test(tc, test_stale_unmap_fails, 0, 4);
 	tcase_add_test(tc, test_failed_fetch_keeps_taken_chunks_back);
+	tcase_add_test(tc, test_events_do_not_pile_up);
 	tcase_add_loop_test(tc, test_sticky_spill, 0, 4);
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
 	tcase_add_test(tc, test_query_fails_stream_drains);
