@@ -217,7 +217,7 @@ def gpt_workload(size, how, rng):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     s = SHAPES[size]
     if how != "plain":
-        # Offloading saves the checkpointed GPT's activations: same shapes.
+        # The offload workloads run at the checkpointed GPT's shapes.
         shapes = _cycle(rng, s["ckpt_b"], s["ckpt_t"])
     else:
         shapes = None
