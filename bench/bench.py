@@ -437,6 +437,11 @@ def parse(argv):
                    help="comma-separated subset of: %s" %
                    ",".join(benchlib.ALLOCATORS))
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every allocator this many times, the order "
+                   "reversed every other round; step times are the median "
+                   "of the rounds' (for workloads whose times vary from "
+                   "run to run)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--child", choices=("workloads", "sweep"),
                    help=argparse.SUPPRESS)
@@ -495,6 +500,10 @@ def main(argv=None):
         if a not in benchlib.ALLOCATORS:
             sys.stderr.write("bench.py: unknown allocator %r\n" % a)
             return 2
+    if args.rounds < 1:
+        sys.stderr.write("bench.py: --rounds must be at least 1, not %d\n" %
+                         args.rounds)
+        return 2
     names = args.workloads.split(",") if args.workloads else \
         list(WORKLOADS)
     for n in names:
@@ -507,11 +516,14 @@ def main(argv=None):
                 mode=args.size, library=shown_path(args.lib),
                 gmlake_env=" ".join("%s=%s" % kv
                                     for kv in gmlake_settings().items()),
+                rounds=args.rounds,
                 date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
     notes, results, sweeps = [], [], []
     if not args.only_sweep:
-        for a in allocators:
-            results += run_allocator(args, a, names, meta, notes)
+        for k in range(args.rounds):
+            for a in allocators if k % 2 == 0 else allocators[::-1]:
+                results += run_allocator(args, a, names, meta, notes)
+        results = benchlib.merge_rounds(results)
     if args.sweep or args.only_sweep:
         todo = [n for n in SWEEP[args.size]["caps_gib"]
                 if not args.workloads or n in names]

@@ -121,6 +121,39 @@ def median_ms(step_seconds, skip=1):
     return statistics.median(times) * 1000.0
 
 
+def merge_rounds(results):
+    """One result per (workload, allocator) from several rounds of the
+    same run: the median of the rounds' median step times (each kept in
+    step_ms_rounds), the highest of each peak, ok only if every round was,
+    out of memory if any round was. Results of one round come back as
+    they are."""
+    groups = {}
+    for r in results:
+        groups.setdefault((r["workload"], r["allocator"]), []).append(r)
+    merged = []
+    for rounds in groups.values():
+        if len(rounds) == 1:
+            merged.append(rounds[0])
+            continue
+        m = dict(rounds[0])
+        steps = [r.get("step_ms") for r in rounds]
+        m["step_ms_rounds"] = steps
+        known = [s for s in steps if s is not None]
+        m["step_ms"] = statistics.median(known) if known else None
+        for k in ("peak_allocated", "peak_reserved", "driver_used",
+                  "resident_peak", "spilled_peak"):
+            vals = [r[k] for r in rounds if r.get(k) is not None]
+            m[k] = max(vals) if vals else None
+        m["ok"] = all(r.get("ok") for r in rounds)
+        m["oom"] = any(r.get("oom") for r in rounds)
+        errors = [r["error"] for r in rounds if r.get("error")]
+        if errors:
+            m["error"] = errors[0]
+        m.pop("step_times", None)
+        merged.append(m)
+    return merged
+
+
 def gib(n):
     return None if n is None else n / GiB
 
@@ -277,8 +310,13 @@ def results_markdown(meta, results, sweeps):
                  meta.get("torch", "?"), meta.get("cuda", "?"),
                  meta.get("library", "?"), meta.get("date", "?")),
              "Mode: %s. Each allocator ran in its own process, with the same "
-             "seeds, shapes and steps; libgmlake with %s.\n" % (
-                 meta.get("mode", "?"), meta.get("gmlake_env", "?"))]
+             "seeds, shapes and steps; libgmlake with %s.%s\n" % (
+                 meta.get("mode", "?"), meta.get("gmlake_env", "?"),
+                 " %d rounds, the allocators' order reversed every other "
+                 "round: step times are the median of the rounds' medians "
+                 "(each in results.json, step_ms_rounds), peaks the highest "
+                 "of any round." % meta["rounds"]
+                 if meta.get("rounds", 1) > 1 else "")]
     if results:
         parts += ["## Workloads\n", results_table(results),
                   "\n" + DEFINITIONS]

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: MIT
 """The benchmark's pure parts: fragmentation, tables, capacity search."""
 
+import json
 import os
 import sys
+import tempfile
 import unittest
 from unittest import mock
 
@@ -27,6 +29,26 @@ class TestMath(unittest.TestCase):
         self.assertAlmostEqual(benchlib.result_fragmentation(r), -50.0)
         r["spilled_peak"] = 3 * G       # spilled blocks: no figure
         self.assertIsNone(benchlib.result_fragmentation(r))
+
+    def test_merge_rounds(self):
+        rounds = [dict(workload="w", allocator="a", ok=True, oom=False,
+                       step_ms=s, peak_reserved=p * G, step_times=[1.0])
+                  for s, p in ((30.0, 2), (10.0, 4), (20.0, 3))]
+        rounds.append(dict(workload="v", allocator="a", ok=True,
+                           oom=False, step_ms=5.0))
+        m = benchlib.merge_rounds(rounds)
+        self.assertEqual([r["workload"] for r in m], ["w", "v"])
+        self.assertEqual(m[0]["step_ms"], 20.0)
+        self.assertEqual(m[0]["step_ms_rounds"], [30.0, 10.0, 20.0])
+        self.assertEqual(m[0]["peak_reserved"], 4 * G)
+        self.assertNotIn("step_times", m[0])
+        self.assertIs(m[1], rounds[3])          # one round: as it was
+        bad = dict(rounds[0], ok=False, oom=True, step_ms=None,
+                   error="OutOfMemoryError: x")
+        m = benchlib.merge_rounds([rounds[1], bad])
+        self.assertEqual((m[0]["ok"], m[0]["oom"], m[0]["step_ms"]),
+                         (False, True, 10.0))
+        self.assertEqual(m[0]["error"], "OutOfMemoryError: x")
 
     def test_median(self):
         self.assertAlmostEqual(benchlib.median_ms([9.0, 0.1, 0.3, 0.2]),
@@ -227,3 +249,37 @@ class TestBenchCli(unittest.TestCase):
         with mock.patch("gmlake.find_library", return_value="/x.so"):
             self.assertEqual(self.bench.main(["--workloads", "gpt_nope"]),
                              2)
+
+    def test_rounds_at_least_one(self):
+        with mock.patch("gmlake.find_library", return_value="/x.so"):
+            self.assertEqual(self.bench.main(["--rounds", "0"]), 2)
+
+    def test_rounds_alternate_and_merge(self):
+        order = []
+
+        def fake(args, a, names, meta, notes):
+            order.append(a)
+            return [dict(workload="lora", index=0, allocator=a, ok=True,
+                         oom=False, step_ms=10.0 * len(order),
+                         peak_reserved=len(order) * G)]
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        out = tmp.name
+        with mock.patch("gmlake.find_library", return_value="/x.so"), \
+                mock.patch.object(self.bench, "run_allocator", fake), \
+                mock.patch.object(self.bench.benchlib, "chart",
+                                  return_value="no chart"):
+            rc = self.bench.main(["--rounds", "3", "--workloads", "lora",
+                                  "--allocators", "default,gmlake",
+                                  "--out", out])
+        self.assertEqual(rc, 0)
+        self.assertEqual(order, ["default", "gmlake", "gmlake", "default",
+                                 "default", "gmlake"])
+        with open(os.path.join(out, "results.json")) as f:
+            data = json.load(f)
+        got = {r["allocator"]: r for r in data["results"]}
+        self.assertEqual(got["gmlake"]["step_ms_rounds"], [20.0, 30.0, 60.0])
+        self.assertEqual(got["gmlake"]["step_ms"], 30.0)
+        self.assertEqual(got["default"]["peak_reserved"], 5 * G)
+        with open(os.path.join(out, "results.md")) as f:
+            self.assertIn("3 rounds", f.read())
