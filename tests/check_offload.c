@@ -82,6 +82,20 @@ static int fetch(struct gmlake_offload *ring, void *p)
 	return one(ring, GMLAKE_OFFLOAD_FETCH, p, (uintptr_t)p ^ 2);
 }
 
+/* Submit a fetch of p; back once its chunks are mapped (the copy may
+ * still wait). */
+static void fetch_attached(gmlake_ctx *ctx, struct gmlake_offload *ring,
+			   void *p)
+{
+	struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
+
+	ck_assert_ptr_nonnull(sqe);
+	gmlake_offload_prep_fetch(sqe, p);
+	ck_assert_int_eq(gmlake_offload_submit(ring), 1);
+	while (gmlake_offload_state(ctx, p) != GMLAKE_BLOCK_FETCHING)
+		usleep(1000);
+}
+
 /* ---------------------------------------------------------------------- */
 /* Core                                                                   */
 
@@ -225,7 +239,6 @@ START_TEST(test_fetch_takes_busy_chunks)
 	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
 	gmlake_stream_t s = th_stream(ctx);
 	struct gmlake_offload ring;
-	struct gmlake_offload_sqe *sqe;
 	struct gmlake_offload_cqe *cqe;
 	struct gmlake_stats st0, st;
 	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 41, NULL);
@@ -237,11 +250,7 @@ START_TEST(test_fetch_takes_busy_chunks)
 	th_hold(ctx, s, true);
 	th_free(ctx, q);		/* its guard waits behind the hold */
 	th_stats(ctx, &st0);
-	sqe = gmlake_offload_get_sqe(&ring);
-	gmlake_offload_prep_fetch(sqe, p);
-	ck_assert_int_eq(gmlake_offload_submit(&ring), 1);
-	while (gmlake_offload_state(ctx, p) != GMLAKE_BLOCK_FETCHING)
-		usleep(1000);
+	fetch_attached(ctx, &ring, p);
 	th_check(ctx);
 	th_stats(ctx, &st);
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create],
@@ -285,7 +294,6 @@ START_TEST(test_stale_unmap_fails)
 	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
 	gmlake_stream_t s = th_stream(ctx);
 	struct gmlake_offload ring;
-	struct gmlake_offload_sqe *sqe;
 	struct gmlake_offload_cqe *cqe;
 	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 43, NULL);
 	void *q;
@@ -295,11 +303,7 @@ START_TEST(test_stale_unmap_fails)
 	q = th_alloc_filled(ctx, 8 * TH_MiB, 44, s);
 	th_hold(ctx, s, true);
 	th_free(ctx, q);
-	sqe = gmlake_offload_get_sqe(&ring);
-	gmlake_offload_prep_fetch(sqe, p);
-	ck_assert_int_eq(gmlake_offload_submit(&ring), 1);
-	while (gmlake_offload_state(ctx, p) != GMLAKE_BLOCK_FETCHING)
-		usleep(1000);
+	fetch_attached(ctx, &ring, p);
 	th_hold(ctx, s, false);
 	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_mem_unmap, 1 + _i, EIO);
 	(void)gmlake_trim(ctx);		/* may report the failed unmap */
