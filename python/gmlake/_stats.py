@@ -103,6 +103,7 @@ def format_bytes(n):
 
 
 _SUMMARY_BYTES = (("allocated_bytes", "Allocated memory"),
+                  ("resident_bytes", "Allocated, on the device"),
                   ("requested_bytes", "Requested memory"),
                   ("reserved_bytes", "Reserved memory (chunks)"),
                   ("mapped_bytes", "Mapped memory"),

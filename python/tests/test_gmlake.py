@@ -190,6 +190,7 @@ class TestEmu(unittest.TestCase):
         self.lib.gmlake_torch_free(p, 3 * MiB, self.DEVICE, None)
         self.assertIn("libgmlake memory summary, device 2", text)
         self.assertIn("Allocated memory", text)
+        self.assertRegex(text, r"Allocated, on the device +\| +4\.00 MiB")
         self.assertIn("Reserved memory", text)
         self.assertIn("Fragmentation at peaks", text)
 
