@@ -48,12 +48,26 @@ static void ring_init(struct gmlake_offload *ring, gmlake_ctx *ctx,
 		      gmlake_last_error());
 }
 
+/* Wait for the next completion (of tag, unless ANY_TAG); its res. */
+#define ANY_TAG UINT64_MAX
+static int next_res(struct gmlake_offload *ring, uint64_t tag)
+{
+	struct gmlake_offload_cqe *cqe;
+	int ret, res;
+
+	ret = gmlake_offload_wait_cqe(ring, &cqe);
+	ck_assert_msg(ret == 0, "wait_cqe: %d (%s)", ret, gmlake_last_error());
+	if (tag != ANY_TAG)
+		ck_assert_uint_eq(gmlake_offload_cqe_get_data(cqe), tag);
+	res = cqe->res;
+	gmlake_offload_cqe_seen(ring, cqe);
+	return res;
+}
+
 /* Submit one request and wait for its completion; its res. */
 static int one(struct gmlake_offload *ring, int op, void *p, uint64_t tag)
 {
 	struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
-	struct gmlake_offload_cqe *cqe;
-	int ret, res;
 
 	ck_assert_ptr_nonnull(sqe);
 	if (op == GMLAKE_OFFLOAD_SPILL)
@@ -64,12 +78,7 @@ static int one(struct gmlake_offload *ring, int op, void *p, uint64_t tag)
 		gmlake_offload_prep_prefetch(sqe, p);
 	gmlake_offload_sqe_set_data(sqe, tag);
 	ck_assert_int_eq(gmlake_offload_submit(ring), 1);
-	ret = gmlake_offload_wait_cqe(ring, &cqe);
-	ck_assert_msg(ret == 0, "wait_cqe: %d (%s)", ret, gmlake_last_error());
-	ck_assert_uint_eq(gmlake_offload_cqe_get_data(cqe), tag);
-	res = cqe->res;
-	gmlake_offload_cqe_seen(ring, cqe);
-	return res;
+	return next_res(ring, tag);
 }
 
 static int spill(struct gmlake_offload *ring, void *p)
@@ -94,6 +103,34 @@ static void fetch_attached(gmlake_ctx *ctx, struct gmlake_offload *ring,
 	ck_assert_int_eq(gmlake_offload_submit(ring), 1);
 	while (gmlake_offload_state(ctx, p) != GMLAKE_BLOCK_FETCHING)
 		usleep(1000);
+}
+
+/*
+ * Block p (seed) spilled, with a ring and a second stream s: the start of
+ * the tests where a fetch takes chunks whose last work, on s, is held.
+ */
+struct held {
+	gmlake_ctx *ctx;
+	gmlake_stream_t s;
+	struct gmlake_offload ring;
+	void *p;
+};
+
+static void held_init(struct held *h, uint64_t seed)
+{
+	h->ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	h->s = th_stream(h->ctx);
+	h->p = th_alloc_filled(h->ctx, 8 * TH_MiB, seed, NULL);
+	ring_init(&h->ring, h->ctx, 8);
+	ck_assert_int_eq(spill(&h->ring, h->p), 0);
+}
+
+static void held_fini(struct held *h)
+{
+	TH_OK(h->ctx, gmlake_offload_exit(&h->ring));
+	th_free(h->ctx, h->p);
+	TH_OK(h->ctx, gmlake_stream_destroy(h->ctx, h->s));
+	th_destroy(h->ctx);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -236,36 +273,30 @@ END_TEST
  */
 START_TEST(test_fetch_takes_busy_chunks)
 {
-	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
-	gmlake_stream_t s = th_stream(ctx);
-	struct gmlake_offload ring;
+	struct held h;
 	struct gmlake_offload_cqe *cqe;
 	struct gmlake_stats st0, st;
-	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 41, NULL);
 	void *q;
 
-	ring_init(&ring, ctx, 8);
-	ck_assert_int_eq(spill(&ring, p), 0);
-	q = th_alloc_filled(ctx, 8 * TH_MiB, 42, s);	/* p's chunks */
-	th_hold(ctx, s, true);
-	th_free(ctx, q);		/* its guard waits behind the hold */
-	th_stats(ctx, &st0);
-	fetch_attached(ctx, &ring, p);
-	th_check(ctx);
-	th_stats(ctx, &st);
+	held_init(&h, 41);
+	q = th_alloc_filled(h.ctx, 8 * TH_MiB, 42, h.s);	/* p's chunks */
+	th_hold(h.ctx, h.s, true);
+	th_free(h.ctx, q);		/* its guard waits behind the hold */
+	th_stats(h.ctx, &st0);
+	fetch_attached(h.ctx, &h.ring, h.p);
+	th_check(h.ctx);
+	th_stats(h.ctx, &st);
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create],
 			  st0.calls[GMLAKE_CALL_mem_create]);
 	/* q's old positions are still mapped while its work is held. */
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap],
 			  st0.calls[GMLAKE_CALL_mem_unmap]);
-	ck_assert_int_eq(gmlake_offload_peek_cqe(&ring, &cqe), -EAGAIN);
-	th_hold(ctx, s, false);
-	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
-	ck_assert_int_eq(cqe->res, 0);
-	gmlake_offload_cqe_seen(&ring, cqe);
-	th_verify_ok(ctx, p, 8 * TH_MiB, 41, NULL);
+	ck_assert_int_eq(gmlake_offload_peek_cqe(&h.ring, &cqe), -EAGAIN);
+	th_hold(h.ctx, h.s, false);
+	ck_assert_int_eq(next_res(&h.ring, ANY_TAG), 0);
+	th_verify_ok(h.ctx, h.p, 8 * TH_MiB, 41, NULL);
 	for (int ms = 0;; ms++) {
-		th_stats(ctx, &st);
+		th_stats(h.ctx, &st);
 		if (st.calls[GMLAKE_CALL_va_free] ==
 		    st0.calls[GMLAKE_CALL_va_free] + 1)
 			break;
@@ -276,11 +307,8 @@ START_TEST(test_fetch_takes_busy_chunks)
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap],
 			  st0.calls[GMLAKE_CALL_mem_unmap] + 4);
 	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
-	th_check(ctx);
-	TH_OK(ctx, gmlake_offload_exit(&ring));
-	th_free(ctx, p);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
-	th_destroy(ctx);
+	th_check(h.ctx);
+	held_fini(&h);
 }
 END_TEST
 
@@ -291,33 +319,23 @@ END_TEST
  */
 START_TEST(test_stale_unmap_fails)
 {
-	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
-	gmlake_stream_t s = th_stream(ctx);
-	struct gmlake_offload ring;
-	struct gmlake_offload_cqe *cqe;
-	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 43, NULL);
+	struct held h;
 	void *q;
 
-	ring_init(&ring, ctx, 8);
-	ck_assert_int_eq(spill(&ring, p), 0);
-	q = th_alloc_filled(ctx, 8 * TH_MiB, 44, s);
-	th_hold(ctx, s, true);
-	th_free(ctx, q);
-	fetch_attached(ctx, &ring, p);
-	th_hold(ctx, s, false);
-	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_mem_unmap, 1 + _i, EIO);
-	(void)gmlake_trim(ctx);		/* may report the failed unmap */
-	th_check(ctx);
-	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
-	TH_OK(ctx, gmlake_trim(ctx));
-	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
-	ck_assert_int_eq(cqe->res, 0);
-	gmlake_offload_cqe_seen(&ring, cqe);
-	th_verify_ok(ctx, p, 8 * TH_MiB, 43, NULL);
-	TH_OK(ctx, gmlake_offload_exit(&ring));
-	th_free(ctx, p);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
-	th_destroy(ctx);
+	held_init(&h, 43);
+	q = th_alloc_filled(h.ctx, 8 * TH_MiB, 44, h.s);
+	th_hold(h.ctx, h.s, true);
+	th_free(h.ctx, q);
+	fetch_attached(h.ctx, &h.ring, h.p);
+	th_hold(h.ctx, h.s, false);
+	gml_dev_fail_nth(th_dev(h.ctx), GMLAKE_CALL_mem_unmap, 1 + _i, EIO);
+	(void)gmlake_trim(h.ctx);	/* may report the failed unmap */
+	th_check(h.ctx);
+	gml_dev_fail_nth(th_dev(h.ctx), -1, 0, 0);
+	TH_OK(h.ctx, gmlake_trim(h.ctx));
+	ck_assert_int_eq(next_res(&h.ring, ANY_TAG), 0);
+	th_verify_ok(h.ctx, h.p, 8 * TH_MiB, 43, NULL);
+	held_fini(&h);
 }
 END_TEST
 
@@ -329,49 +347,41 @@ END_TEST
  */
 START_TEST(test_failed_fetch_keeps_taken_chunks_back)
 {
-	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
-	gmlake_stream_t s = th_stream(ctx);
-	struct gmlake_offload ring;
+	struct held h;
 	struct gmlake_offload_sqe *sqe;
 	struct gmlake_offload_cqe *cqe;
-	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 45, NULL);
 	void *q, *r;
 	char *buf = malloc(8 * TH_MiB);
 
 	ck_assert_ptr_nonnull(buf);
-	ring_init(&ring, ctx, 8);
-	ck_assert_int_eq(spill(&ring, p), 0);
-	q = th_alloc(ctx, 8 * TH_MiB, s);
-	th_hold(ctx, s, true);
+	held_init(&h, 45);
+	q = th_alloc(h.ctx, 8 * TH_MiB, h.s);
+	th_hold(h.ctx, h.s, true);
 	memset(buf, 0x5a, 8 * TH_MiB);
-	ck_assert_int_eq(gml_memcpy(th_dev(ctx), q, buf, 8 * TH_MiB,
-				    GML_COPY_HTOD, s), 0);
-	th_free(ctx, q);		/* the copy into it is still queued */
-	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_set_access, 1, EIO);
-	sqe = gmlake_offload_get_sqe(&ring);
-	gmlake_offload_prep_fetch(sqe, p);
-	ck_assert_int_eq(gmlake_offload_submit(&ring), 1);
+	ck_assert_int_eq(gml_memcpy(th_dev(h.ctx), q, buf, 8 * TH_MiB,
+				    GML_COPY_HTOD, h.s), 0);
+	th_free(h.ctx, q);		/* the copy into it is still queued */
+	gml_dev_fail_nth(th_dev(h.ctx), GMLAKE_CALL_set_access, 1, EIO);
+	sqe = gmlake_offload_get_sqe(&h.ring);
+	gmlake_offload_prep_fetch(sqe, h.p);
+	ck_assert_int_eq(gmlake_offload_submit(&h.ring), 1);
 	/* The failed fetch waits for s before its chunks serve again. */
 	usleep(100 * 1000);
-	ck_assert_int_eq(gmlake_offload_peek_cqe(&ring, &cqe), -EAGAIN);
-	th_hold(ctx, s, false);
-	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
-	ck_assert_int_lt(cqe->res, 0);
-	gmlake_offload_cqe_seen(&ring, cqe);
-	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
-	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
-	r = th_alloc_filled(ctx, 8 * TH_MiB, 46, NULL);
-	TH_OK(ctx, gmlake_stream_synchronize(ctx, s));
-	th_verify_ok(ctx, r, 8 * TH_MiB, 46, NULL);
-	th_check(ctx);
-	ck_assert_int_eq(fetch(&ring, p), 0);
-	th_verify_ok(ctx, p, 8 * TH_MiB, 45, NULL);
-	TH_OK(ctx, gmlake_offload_exit(&ring));
-	th_free(ctx, r);
-	th_free(ctx, p);
-	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
+	ck_assert_int_eq(gmlake_offload_peek_cqe(&h.ring, &cqe), -EAGAIN);
+	th_hold(h.ctx, h.s, false);
+	ck_assert_int_lt(next_res(&h.ring, ANY_TAG), 0);
+	gml_dev_fail_nth(th_dev(h.ctx), -1, 0, 0);
+	ck_assert_int_eq(gmlake_offload_state(h.ctx, h.p),
+			 GMLAKE_BLOCK_SPILLED);
+	r = th_alloc_filled(h.ctx, 8 * TH_MiB, 46, NULL);
+	TH_OK(h.ctx, gmlake_stream_synchronize(h.ctx, h.s));
+	th_verify_ok(h.ctx, r, 8 * TH_MiB, 46, NULL);
+	th_check(h.ctx);
+	ck_assert_int_eq(fetch(&h.ring, h.p), 0);
+	th_verify_ok(h.ctx, h.p, 8 * TH_MiB, 45, NULL);
+	th_free(h.ctx, r);
 	free(buf);
-	th_destroy(ctx);
+	held_fini(&h);
 }
 END_TEST
 
