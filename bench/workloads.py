@@ -9,6 +9,7 @@ tests.
 """
 
 import math
+import os
 import random
 
 import torch
@@ -245,12 +246,46 @@ def gpt_workload(size, how, rng):
         import gmlake.activations
         off = gmlake.activations.default_offloader()
         before = dict(off.stats)
+        probe = _probe_backward(off) if os.environ.get("BENCH_PROBE") \
+            else None
 
         def stats():
             off.synchronize()
-            return {k: v - before.get(k, 0) for k, v in off.stats.items()}
+            d = {k: v - before.get(k, 0) for k, v in off.stats.items()}
+            if probe:
+                d["probe"] = probe
+            return d
     return dict(step=step, train=train, note=notes[how], keep=(model, opt),
                 warmup=len(shapes) if shapes else 1, stats=stats)
+
+
+def _probe_backward(off):
+    """BENCH_PROBE=1 (diagnostic: a stats call per unpack): where the
+    blocks on the device peak in backward. Returns a dict filled as it
+    runs: the largest resident_bytes seen at an unpack, with the
+    offloader's records by state (count, GiB) at that moment."""
+    import gmlake
+    seen = {"resident_gib": 0.0}
+    unpack = off.unpack
+
+    def probed(h):
+        t = unpack(h)
+        st = gmlake.stats(0)
+        r = st["resident_bytes.current"] / benchlib.GiB
+        if r > seen["resident_gib"]:
+            states = {}
+            for rec in list(off._storages.values()):
+                n, b = states.get(rec.state, (0, 0.0))
+                states[rec.state] = (n + 1, b + rec.nbytes / benchlib.GiB)
+            seen.update(resident_gib=r, states=states,
+                        ahead=len(off._ahead),
+                        ahead_gib=off._ahead_bytes / benchlib.GiB,
+                        stack=len(off._stack),
+                        reserved_gib=st["reserved_bytes.current"] /
+                        benchlib.GiB)
+        return t
+    off.unpack = probed
+    return seen
 
 
 def _hf_lora(m):

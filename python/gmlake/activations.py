@@ -89,7 +89,11 @@ Design, and why:
   fetch, then prefetches for the next `prefetch` spilled storages in
   backward order (the reverse of spill order), all in one submit (the
   engine starts fetches before prefetches), and waits for its own
-  completion. Completions are reaped into the records they belong to,
+  completion. The window counts storages fetched ahead and not yet
+  unpacked, whether their fetch is still in flight or done: counting only
+  fetches in flight let each unpack fetch `prefetch` more whenever the
+  bus ran ahead of backward, until most of the saved tensors were back on
+  the device at once. Completions are reaped into the records they belong to,
   keyed by user_data, whatever order they come in; a spill that completes
   after someone asked for its fetch gets the fetch submitted at once. A
   fetch that fails (res < 0: no device memory, say) raises OffloadError
@@ -166,7 +170,7 @@ def torch_users():
 class _Storage:
     """The bookkeeping of one storage (one libgmlake block)."""
     __slots__ = ("key", "device", "ptr", "nbytes", "tensor", "refs",
-                 "state", "last_pack", "want", "movable", "error")
+                 "state", "last_pack", "want", "movable", "error", "ahead")
 
     def __init__(self, key, device, ptr, nbytes, tensor):
         self.key = key
@@ -180,6 +184,7 @@ class _Storage:
         self.want = None         # FETCH or PREFETCH once the spill is done
         self.movable = True
         self.error = None        # (message, errno) of a failed fetch
+        self.ahead = False       # prefetched, not unpacked since
 
 
 class Handle:
@@ -232,6 +237,8 @@ class Offloader:
         self._stack = []         # spilled records, in spill order
         self._inflight = {}      # user_data -> (_Storage, op)
         self._spilling = 0       # bytes of spills not yet completed
+        self._ahead = []         # records prefetched, not yet unpacked
+        self._ahead_bytes = 0
         self._rings = {}         # device -> offload.Ring
         self._dirty = set()      # devices with entries not submitted
         self._ids = itertools.count(1)
@@ -297,6 +304,7 @@ class Offloader:
             elif rec.state in MOVING:
                 # Saved again while away: the op saving it reads it next.
                 self.stats["refetches"] += 1
+                self._claim(rec)
                 self._want(rec, _off.FETCH)
                 self._wait(rec)
             rec.refs += 1
@@ -323,6 +331,7 @@ class Offloader:
                 self.stats["kept_for_backward"] += len(self._lagq)
                 self._lagq.clear()
             self._reap_ready()
+            self._claim(rec)
             if rec.state in MOVING:
                 self._want(rec, _off.FETCH)
             if self._stack:
@@ -479,22 +488,35 @@ class Offloader:
             rec.want = op
 
     def _prefetch(self, current):
+        """Fetch ahead until `prefetch` storages are on their way back or
+        back and not yet unpacked, taking the next spilled ones in
+        backward order."""
         stack = self._stack
         while stack and stack[-1].state not in (SPILLING, SPILLED):
             stack.pop()
-        n = 0
+        n = len(self._ahead)
         for rec in reversed(stack):
             if n >= self.prefetch:
                 break
-            if rec is current or rec.state == FETCHING:
-                n += rec is not current
+            if rec is current or rec.ahead or rec.want is not None:
                 continue
-            if rec.state == SPILLED and rec.error is None:
+            if (rec.state == SPILLED and rec.error is None) or \
+                    rec.state == SPILLING:
                 self._want(rec, _off.PREFETCH)
+                rec.ahead = True
+                self._ahead.append(rec)
+                self._ahead_bytes += rec.nbytes
+                peak = self.stats["ahead_bytes_peak"]
+                self.stats["ahead_bytes_peak"] = max(peak, self._ahead_bytes)
                 n += 1
-            elif rec.state == SPILLING:
-                self._want(rec, _off.PREFETCH)
-                n += 1
+
+    def _claim(self, rec):
+        """rec is needed now (unpacked, or dropped): it no longer counts
+        in the prefetch window."""
+        if rec.ahead:
+            rec.ahead = False
+            self._ahead.remove(rec)
+            self._ahead_bytes -= rec.nbytes
 
     def _wait(self, rec):
         """Reap completions until rec is on the device; raise if its
@@ -563,6 +585,7 @@ class Offloader:
             return
         if rec.state == SPILLED:
             self.stats["dropped_spilled"] += 1
+        self._claim(rec)
         self._lagq.pop(rec.key, None)
         if self._storages.get(rec.key) is rec:
             del self._storages[rec.key]
