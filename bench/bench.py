@@ -84,6 +84,7 @@ class Memory:
         self.torch = torch
         self.allocator = allocator
         self.device = torch.cuda.current_device()
+        self.last_ns = {}   # driver call_ns at the last now()
         if allocator == "gmlake":
             import gmlake
             self.gmlake = gmlake
@@ -95,17 +96,26 @@ class Memory:
     def now(self):
         """GiB reserved now and at peak, and the peak of live blocks on
         the device (allocated for PyTorch), for the verbose step lines."""
+        driver = ""
         if self.allocator == "gmlake":
             st = self.gmlake.stats(self.device)
             r = (st["reserved_bytes.current"], st["reserved_bytes.peak"],
                  st["resident_bytes.peak"])
+            # Driver time since the last line, the three largest kinds.
+            ns = {k[len("call_ns."):]: v for k, v in st.items()
+                  if k.startswith("call_ns.")}
+            last, self.last_ns = self.last_ns, ns
+            top = sorted(((v - last.get(k, 0), k) for k, v in ns.items()),
+                         reverse=True)[:3]
+            driver = "; driver ms " + ", ".join(
+                "%s %.0f" % (k, d / 1e6) for d, k in top if d)
         else:
             t = self.torch.cuda
             r = (t.memory_reserved(self.device),
                  t.max_memory_reserved(self.device),
                  t.max_memory_allocated(self.device))
         return "reserved %.2f peak %.2f, blocks on the device peak %.2f " \
-            "GiB" % tuple(x / 2**30 for x in r)
+            "GiB%s" % (tuple(x / 2**30 for x in r) + (driver,))
 
     def reset(self):
         gc.collect()

@@ -8,6 +8,7 @@ Sizes: "full" fits an H200 with room to spare; "quick" is tiny, for smoke
 tests.
 """
 
+import json
 import math
 import os
 import random
@@ -41,6 +42,9 @@ WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep",
              "gpt_save_on_cpu",
              "gpt_offload", "generate")
 DTYPE = torch.bfloat16
+# BENCH_OFFLOAD='{"max_inflight": 268435456}': offload_activations()
+# options for gpt_offload (trying settings; the results name them).
+OFFLOAD_OPTS = json.loads(os.environ.get("BENCH_OFFLOAD") or "{}")
 
 
 class Attention(nn.Module):
@@ -107,7 +111,7 @@ class GPT(nn.Module):
                 # The same scope as save_on_cpu: each block's saved
                 # tensors; libgmlake only (benchlib.ONLY).
                 import gmlake.torch
-                with gmlake.torch.offload_activations():
+                with gmlake.torch.offload_activations(**OFFLOAD_OPTS):
                     x = blk(x)
             else:
                 x = blk(x)
@@ -240,7 +244,9 @@ def gpt_workload(size, how, rng):
                      "against)",
              "offload": "GPT, activations spilled to the host and fetched "
                         "back at the same address "
-                        "(gmlake.torch.offload_activations(), lag 4)"}
+                        "(gmlake.torch.offload_activations(%s))" %
+                        (", ".join("%s=%s" % kv for kv in OFFLOAD_OPTS.items())
+                         or "defaults: lag 4, max_inflight 1 GiB")}
     stats = None
     if how == "offload":
         import gmlake.activations

@@ -66,8 +66,13 @@ Design, and why:
   bytes (1 GiB) are spilling, pack waits for completions first. Without
   that wait the peak is the peak of not offloading at all; with it
   forward runs at the bus's pace.
-  Leaving the context spills nothing more either, and does not wait:
-  spills in flight complete on their own and are reaped at the next pack
+  Leaving the context (without an exception) spills what still waits for
+  its lag and nothing else refers to: the code after the context (a
+  loss, typically, the step's peak) saves nothing through these hooks,
+  and would otherwise run with those storages on the device. It waits
+  for completions as pack does, so no more than max_inflight bytes are
+  still spilling when the loss runs; backward then fetches them first.
+  Spills in flight complete on their own and are reaped at the next pack
   or unpack (or by synchronize()). With a PyTorch that cannot count
   (users=None), the lag is all there is: then code that reads a saved
   tensor more than `lag` saves later faults, and in-place mode or a larger
@@ -379,6 +384,20 @@ class Offloader:
         """Bytes of spills submitted and not yet completed."""
         return self._spilling
 
+    def spill_waiting(self):
+        """Spill every packed storage waiting for its lag that nothing
+        else refers to (leaving offload_activations). Nothing without a
+        count of users: then the lag is all that keeps a storage forward
+        still reads from being unmapped."""
+        self._enter()
+        try:
+            if self.users == "torch":
+                self.users = torch_users()
+            if self.users is not None:
+                self._spill_lagged(lag=0)
+        finally:
+            self._leave()
+
     # ------------------------------------------------------------------
     # Inside: the caller holds the lock (_enter/_leave)
 
@@ -435,8 +454,8 @@ class Offloader:
         while self._dirty:
             self._rings[self._dirty.pop()].submit()
 
-    def _spill_lagged(self):
-        limit = self._seq - self.lag
+    def _spill_lagged(self, lag=None):
+        limit = self._seq - (self.lag if lag is None else lag)
         if self.users == "torch":
             self.users = torch_users()
         if self.users is not None:
@@ -718,12 +737,16 @@ class offload_activations:
         try:
             self._hooks.__exit__(*exc)
         finally:
-            off.configure(**self._saved)
-            off._enter()
             try:
-                off._reap_ready()
+                if exc[0] is None:
+                    off.spill_waiting()
             finally:
-                off._leave()
+                off.configure(**self._saved)
+                off._enter()
+                try:
+                    off._reap_ready()
+                finally:
+                    off._leave()
         return False
 
 

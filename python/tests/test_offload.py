@@ -417,15 +417,17 @@ class TestHooks(EmuCase):
         gc.collect()
         self.assertEqual(self.off.tracked(), 0)
 
+    def counted(self, size, seed):
+        """A CountedTensor over a new block, and users() counting them."""
+        self.off.users = lambda t: t.untyped_storage().users
+        t = self.tensor(size, seed)
+        c = CountedTensor(t.untyped_storage(), self.DEVICE)
+        c.digest = t.digest
+        return c
+
     def test_spills_only_what_nobody_else_holds(self):
         self.off.configure(lag=0)
-        self.off.users = lambda t: t.untyped_storage().users
-
-        def counted(size, seed):
-            t = self.tensor(size, seed)
-            c = CountedTensor(t.untyped_storage(), self.DEVICE)
-            c.digest = t.digest
-            return c
+        counted = self.counted
         a, b, c = (counted((2 + i) * MiB, 60 + i) for i in range(3))
         digests = [x.digest for x in (a, b, c)]
         storages = [x.untyped_storage() for x in (a, b, c)]
@@ -448,6 +450,31 @@ class TestHooks(EmuCase):
         for h, d, st in zip((hc, hb, ha), reversed(digests),
                             reversed(storages)):
             self.off.unpack(h)
+            self.assertEqual(self.digest(self.ctx, st.data_ptr(),
+                                         st.nbytes()), d)
+
+    def test_spill_waiting(self):
+        """Leaving the context spills what waits for its lag unless a
+        tensor of the program still holds it, and nothing when users
+        cannot be counted."""
+        self.off.configure(lag=4)
+        a, b, c = (self.counted((2 + i) * MiB, 90 + i) for i in range(3))
+        digests = [x.digest for x in (a, b, c)]
+        hs = [self.off.pack(x) for x in (a, b, c)]
+        del b, c                    # forward still holds a
+        self.assertEqual(self.off.stats["spills"], 0)      # lag 4
+        self.off.spill_waiting()
+        self.assertEqual(self.off.stats["spills"], 2)
+        self.off.synchronize()
+        self.assertEqual([self.state(h.tensor) for h in hs],
+                         [offload.RESIDENT] + [offload.SPILLED] * 2)
+        self.off.users = None
+        del a
+        self.off.spill_waiting()
+        self.assertEqual(self.off.stats["spills"], 2)
+        for h, d in zip(reversed(hs), reversed(digests)):
+            self.off.unpack(h)
+            st = h.tensor.untyped_storage()
             self.assertEqual(self.digest(self.ctx, st.data_ptr(),
                                          st.nbytes()), d)
 
@@ -697,6 +724,16 @@ class TestContext(unittest.TestCase):
         self.assertEqual(torch.log[0], ("enter", off.pack, off.unpack))
         self.assertEqual(torch.log[1], ("exit",))
         self.assertEqual((off.lag, off.inplace), (4, False))  # restored
+        # Leaving spills what waits, unless forward raised.
+        with mock.patch.object(off, "spill_waiting") as spill, \
+                mock.patch.dict(sys.modules, {"torch": torch}):
+            with gmlake.torch.offload_activations(offloader=off):
+                pass
+            self.assertEqual(spill.call_count, 1)
+            with self.assertRaises(KeyError):
+                with gmlake.torch.offload_activations(offloader=off):
+                    raise KeyError("forward failed")
+            self.assertEqual(spill.call_count, 1)
         with self.assertRaises(ValueError):
             gmlake.torch.offload_activations(prefetch=-2)
 
