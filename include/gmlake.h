@@ -67,7 +67,10 @@ struct gmlake_config {
 	int offload_engine;		/* enum gmlake_offload_engine; 0: probe */
 	size_t host_pin;		/* host bytes pinned when offload
 					   starts; 0: one growth step */
-	uint64_t reserved[7];
+	unsigned spare_keep_ms;		/* spilled chunks kept this long
+					   unused for a fetch; 5000 */
+	unsigned reserved32;
+	uint64_t reserved[6];
 };
 
 int gmlake_config_init(struct gmlake_config *cfg);

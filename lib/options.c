@@ -45,6 +45,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_DEVICE_LIMIT", OPT_SIZE, FIELD(device_limit) },
 	{ "GMLAKE_HOST_LIMIT", OPT_SIZE, FIELD(host_limit) },
 	{ "GMLAKE_HOST_PIN", OPT_SIZE, FIELD(host_pin) },
+	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms) },
 	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
 };
 
@@ -187,6 +188,7 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->log_level = GMLAKE_LOG_WARN;
 	cfg->publish = true;
 	cfg->host_limit = (size_t)16 << 30;
+	cfg->spare_keep_ms = 5000;
 }
 
 GML_EXPORT int gmlake_config_init(struct gmlake_config *cfg)

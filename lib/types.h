@@ -232,8 +232,7 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b);
 void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b);
 void gml_zombies_reap(gmlake_ctx *ctx);
 /* Spilled chunks kept for the next fetch or segment, released after
- * GML_SPARE_KEEP_NS unused, on trim, under pressure and at destroy. */
-#define GML_SPARE_KEEP_NS (100ull * 1000 * 1000)
+ * cfg.spare_keep_ms unused, on trim, under pressure and at destroy. */
 void gml_spares_release(gmlake_ctx *ctx);
 /* Unmap the stale positions whose work completed (all: every one, the
  * caller having waited for all streams). */

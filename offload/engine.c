@@ -723,9 +723,13 @@ static void reap(struct gml_offload *off)
 }
 
 /*
- * Spilled chunks wait GML_SPARE_KEEP_NS for a fetch or an allocation to
- * take them, then go back to the driver: reserved memory falls soon after
- * the spills end. Stale positions (a fetch moved their chunk before its
+ * Spilled chunks wait cfg.spare_keep_ms for a fetch or an allocation to
+ * take them, then go back to the driver: reserved memory falls once the
+ * spills and fetches end. The wait is long (5 s) because a chunk made
+ * again costs far more than keeping one: on the H200 the first access
+ * grant of a new chunk took about 0.4 ms, 20 times that of a reused one,
+ * and releasing between training steps made some steps a second slower.
+ * Stale positions (a fetch moved their chunk before its
  * work there completed) are unmapped once it did. The milliseconds until
  * the next look, or -1: none due.
  */
@@ -734,7 +738,7 @@ static void reap(struct gml_offload *off)
 static int tend_spares(struct gml_offload *off)
 {
 	gmlake_ctx *ctx = off->ctx;
-	uint64_t age;
+	uint64_t age, keep;
 	int ms = -1;
 
 	if (gml_ctx_lock(ctx))
@@ -745,11 +749,12 @@ static int tend_spares(struct gml_offload *off)
 			ms = STALE_LOOK_MS;
 	}
 	if (ctx->nspares) {
+		keep = (uint64_t)ctx->cfg.spare_keep_ms * 1000000;
 		age = gml_now_ns() - ctx->spare_ns;
-		if (age >= GML_SPARE_KEEP_NS) {
+		if (age >= keep) {
 			gml_spares_release(ctx);
 		} else {
-			int due = (int)((GML_SPARE_KEEP_NS - age) / 1000000) + 1;
+			int due = (int)((keep - age) / 1000000) + 1;
 
 			if (ms < 0 || due < ms)
 				ms = due;

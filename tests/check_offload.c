@@ -19,6 +19,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #include "error.h"
 #include "gmlake-offload.h"
@@ -136,14 +137,31 @@ static void held_fini(struct held *h)
 /* ---------------------------------------------------------------------- */
 /* Core                                                                   */
 
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
 START_TEST(test_spill_fetch_segment)
 {
-	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	enum { KEEP_MS = 1000 };
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx;
 	struct gmlake_offload ring;
 	struct gmlake_stats st0, st;
 	size_t size = 8 * TH_MiB - 4096;
-	void *p = th_alloc(ctx, size, NULL);
+	uint64_t t0;
+	void *p;
 	char byte;
+
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.host_limit = 64 * TH_MiB;
+	cfg.spare_keep_ms = KEEP_MS;
+	ctx = th_ctx_cfg(&cfg);
+	p = th_alloc(ctx, size, NULL);
 
 	th_fill_ok(ctx, p, size, 11, NULL);
 	ring_init(&ring, ctx, 8);
@@ -193,7 +211,9 @@ START_TEST(test_spill_fetch_segment)
 	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
 	ck_assert_int_eq(fetch(&ring, p), 0);	/* resident: nothing to do */
 
-	/* Unused, they go back to the driver: reserved memory falls. */
+	/* Unused for spare_keep_ms, they go back to the driver: reserved
+	 * memory falls. */
+	t0 = now_ms();
 	ck_assert_int_eq(spill(&ring, p), 0);
 	for (int ms = 0;; ms++) {
 		th_stats(ctx, &st);
@@ -205,6 +225,7 @@ START_TEST(test_spill_fetch_segment)
 			      (long long)st.reserved_bytes.current);
 		usleep(1000);
 	}
+	ck_assert_uint_ge(now_ms() - t0, KEEP_MS);
 	th_check(ctx);
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_release],
 			  st0.calls[GMLAKE_CALL_mem_release] + 4);

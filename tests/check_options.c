@@ -113,7 +113,9 @@ START_TEST(test_defaults)
 	ck_assert_uint_eq(cfg.host_limit, 16 * TH_GiB);
 	ck_assert_int_eq(cfg.offload_engine, GMLAKE_OFFLOAD_ENGINE_NONE);
 	ck_assert_uint_eq(cfg.host_pin, 0);
-	for (i = 0; i < 7; i++)
+	ck_assert_uint_eq(cfg.spare_keep_ms, 5000);
+	ck_assert_uint_eq(cfg.reserved32, 0);
+	for (i = 0; i < 6; i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
 	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
 }
@@ -272,6 +274,20 @@ START_TEST(test_stitch_cache)
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), 256);
+}
+END_TEST
+
+START_TEST(test_spare_keep)
+{
+	static const struct opt o =
+		OPT("GMLAKE_SPARE_KEEP_MS", spare_keep_ms, uint_at);
+	static const struct val good[] = {
+		{ "0", 0 }, { "250", 250 }, { "3600000", 3600000 },
+	};
+	static const char *const bad[] = { "x", "-1", "1s", "4294967296" };
+
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), 5000);
 }
 END_TEST
 
@@ -815,6 +831,7 @@ static Suite *options_suite(void)
 	tcase_add_loop_test(tc, test_size_values, 0, N_SIZE_OPTS);
 	tcase_add_loop_test(tc, test_size_invalid, 0, N_SIZE_OPTS);
 	tcase_add_test(tc, test_stitch_cache);
+	tcase_add_test(tc, test_spare_keep);
 	tcase_add_test(tc, test_device);
 	tcase_add_test(tc, test_backend);
 	tcase_add_test(tc, test_log_level);
