@@ -2,10 +2,14 @@
 # SPDX-License-Identifier: MIT
 """What one allocation and free cost through PyTorch, per allocator.
 
-    python3 bench/alloc_cost.py --lib build-gpu/libgmlake.so
+    LD_LIBRARY_PATH=build-gpu/runtime-libs \
+        python3 bench/alloc_cost.py --lib build-gpu/libgmlake.so
 
 Each allocator (PyTorch default, expandable segments, libgmlake through
-the pluggable-allocator hook) runs in a process of its own: torch.empty
+the pluggable-allocator hook, and bench/null_alloc.c through the same hook:
+the least an allocator there can cost, which tells PyTorch's share of
+libgmlake's figure from libgmlake's own; built with cc when one is found)
+runs in a process of its own: torch.empty
 and del of the same sizes, in two patterns, timed on the host (no kernel
 runs, so the figures are the allocators' host cost alone plus PyTorch's
 tensor creation, the same for all):
@@ -24,16 +28,19 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ALLOCATORS = (("default", "PyTorch default"),
               ("expandable", "PyTorch expandable segments"),
-              ("gmlake", "libgmlake"))
+              ("gmlake", "libgmlake"),
+              ("null", "null allocator, same hook"))
 LOOP_SIZES = (512, 64 << 10, 1 << 20, 8 << 20, 64 << 20)
 N = 20000
 ROUNDS = 5
@@ -89,23 +96,41 @@ def main():
         if args.child == "gmlake":
             import gmlake.torch
             gmlake.torch.enable(args.lib)
+        elif args.child == "null":
+            import torch
+            alloc = torch.cuda.memory.CUDAPluggableAllocator(
+                args.lib, "null_alloc", "null_free")
+            torch.cuda.memory.change_current_allocator(alloc)
         return child()
     rows = {}
+    tmp = tempfile.mkdtemp(prefix="alloc_cost.")
+    null = os.path.join(tmp, "null_alloc.so")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc or subprocess.call([cc, "-shared", "-fPIC", "-O2", "-o", null,
+                                  os.path.join(HERE, "null_alloc.c"),
+                                  "-ldl"]):
+        sys.stderr.write("alloc_cost: no C compiler built null_alloc.c; "
+                         "its row is left out\n")
+        null = None
     for name, label in ALLOCATORS:
+        if name == "null" and not null:
+            continue
         env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if name == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         if name == "gmlake":
             env["GMLAKE_BACKEND"] = "cuda"
+        lib = null if name == "null" else args.lib
         r = subprocess.run([sys.executable, os.path.abspath(__file__),
-                            "--lib", args.lib, "--child", name], env=env,
+                            "--lib", lib, "--child", name], env=env,
                            stdout=subprocess.PIPE, timeout=600)
         if r.returncode:
             sys.stderr.write("alloc_cost: the %s child failed (exit %d)\n" %
                              (label, r.returncode))
             return 1
         rows[label] = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    shutil.rmtree(tmp, ignore_errors=True)
     cols = list(next(iter(rows.values())))
     print("| allocator | " + " | ".join(c + " ns" for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
