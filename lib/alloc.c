@@ -1041,6 +1041,7 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 		return ret;
 	gml_stale_reap(ctx, true);
 	gml_spares_release(ctx);
+	gml_small_trim(ctx, -1);
 	for (v = ctx->stitched; v; v = next) {
 		next = v->next;
 		if (!v->live)

@@ -280,6 +280,36 @@ static int check_block(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 	return check_large(ctx, sc->backing, t);
 }
 
+/* The idle small chunks: empty, and counted like those of live blocks. */
+static int check_idle_small(gmlake_ctx *ctx, struct tally *t)
+{
+	int ret;
+
+	for (int s = 0; s < ctx->nstreams; s++) {
+		struct gml_schunk *sc = ctx->spools[s].idle;
+
+		if (!sc)
+			continue;
+		if (sc->used || !sc->first || sc->first->next ||
+		    !sc->first->free || sc->first->alloc_size != ctx->chunk)
+			return gml_set_error(-EFAULT, "idle small chunk %#lx of "
+					     "stream %d is not empty",
+					     (unsigned long)sc->backing->ptr, s);
+		if (gml_ptrmap_get(&t->seen, (uintptr_t)sc))
+			return gml_set_error(-EFAULT, "idle small chunk %#lx "
+					     "holds a live block",
+					     (unsigned long)sc->backing->ptr);
+		ret = gml_ptrmap_put(&t->seen, (uintptr_t)sc, sc);
+		if (ret)
+			return ret;
+		t->schunks++;
+		ret = check_large(ctx, sc->backing, t);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
 static int check_blocks(gmlake_ctx *ctx, struct tally *t)
 {
 	struct gml_block *lists[2] = { ctx->live, ctx->deferred };
@@ -402,6 +432,8 @@ int gml_ctx_check_locked(gmlake_ctx *ctx)
 		ret = check_views(ctx, ctx->dying, false, &t);
 	if (!ret)
 		ret = check_blocks(ctx, &t);
+	if (!ret)
+		ret = check_idle_small(ctx, &t);
 	if (!ret)
 		ret = check_view_live(&t, ctx->segs);
 	if (!ret)

@@ -552,6 +552,7 @@ GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 	if (!ret && idx >= 0) {
 		ctx->streams[idx].handle = (gmlake_stream_t)&ctx->streams;
 		ctx->streams[idx].dead = true;
+		gml_small_trim(ctx, idx);	/* nothing asks it again */
 	}
 out_leave:
 	ctx_leave(ctx);
@@ -615,6 +616,7 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		live_del(&ctx->deferred, b);
 		gml_block_release(ctx, b, &none);
 	}
+	gml_small_trim(ctx, -1);
 	gml_off_fini(ctx);
 	gml_views_fini(ctx);
 	gml_spares_release(ctx);

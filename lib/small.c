@@ -3,8 +3,12 @@
  * Small blocks (below small_size): packed into one-chunk large blocks, one
  * pool per stream, with best fit, split and coalesce in 512-byte units, as
  * caching allocators do. A small chunk that empties goes back to the large
- * pool at once, guarded by its stream, so it costs no driver call to move
- * memory between small and large use.
+ * pool, guarded by its stream, so it costs no driver call to move memory
+ * between small and large use; but one emptied chunk per stream stays
+ * (idle) until another empties or the cache is trimmed, since a tensor
+ * allocated and freed over and over would otherwise take and give back a
+ * large block each time (about 2 us of a 4 us allocation through PyTorch
+ * on the H200).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -130,6 +134,8 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		i = lower_bound(sp, &key);
 	}
 	p = sp->free[i];
+	if (p->sc == sp->idle)
+		sp->idle = NULL;
 	if (p->alloc_size - rsize >= SMALL_ALIGN) {
 		rest = calloc(1, sizeof(*rest));
 		if (!rest)
@@ -192,15 +198,38 @@ void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 		absorb(sp, prev, b);
 		b = prev;
 	}
-	if (sc->used == 0) {
+	if (sc->used == 0 && sp->idle) {
 		gml_large_free(ctx, sc->backing, g);
 		free(b);
 		free(sc);
 		gml_gauge_add(&ctx->st.small_chunks, -1);
 		return;
 	}
+	if (sc->used == 0) {
+		sp->idle = sc;
+		sp->idle_guard = *g;
+	}
 	if (pool_insert(sp, b))
 		b->free = true;
+}
+
+void gml_small_trim(gmlake_ctx *ctx, int stream)
+{
+	for (int s = stream < 0 ? 0 : stream;
+	     s < (stream < 0 ? ctx->nstreams : stream + 1); s++) {
+		struct gml_spool *sp = &ctx->spools[s];
+		struct gml_schunk *sc = sp->idle;
+
+		if (!sc)
+			continue;
+		sp->idle = NULL;
+		/* Empty, its pieces merged back into the first. */
+		pool_remove(sp, sc->first);
+		gml_large_free(ctx, sc->backing, &sp->idle_guard);
+		free(sc->first);
+		free(sc);
+		gml_gauge_add(&ctx->st.small_chunks, -1);
+	}
 }
 
 void gml_spools_fini(gmlake_ctx *ctx)

@@ -161,6 +161,8 @@ struct gml_schunk {
 struct gml_spool {
 	struct gml_block **free;
 	size_t count, cap;
+	struct gml_schunk *idle;	/* emptied, kept for the next request */
+	struct gml_guard idle_guard;	/* of the free that emptied it */
 };
 
 struct gmlake_ctx {
@@ -251,6 +253,9 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		    struct gml_block **out);
 void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 		    const struct gml_guard *g);
+/* Give the idle small chunk of stream (-1: of every stream) back to the
+ * large pool. */
+void gml_small_trim(gmlake_ctx *ctx, int stream);
 void gml_spools_fini(gmlake_ctx *ctx);
 
 /* ctx.c */

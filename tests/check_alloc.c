@@ -255,6 +255,66 @@ START_TEST(test_small_packing)
 }
 END_TEST
 
+/*
+ * One emptied small chunk per stream stays for the next small request
+ * instead of going back to the large pool; a second one goes back, and
+ * trim and the stream's end give the idle one back.
+ */
+START_TEST(test_small_idle_chunk)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(64));
+	/* Two to a chunk: four fill two chunks. */
+	size_t half = TH_MiB - 512;
+	struct gmlake_stats st, st0;
+	gmlake_stream_t s;
+	void *p[4], *first;
+	int i;
+
+	first = th_alloc(ctx, 4096, NULL);
+	th_free(ctx, first);
+	th_stats(ctx, &st0);
+	ck_assert_int_eq(st0.small_chunks.current, 1);		/* kept */
+	for (i = 0; i < 100; i++) {
+		void *q = th_alloc(ctx, 4096, NULL);
+
+		ck_assert_ptr_eq(q, first);
+		th_free(ctx, q);
+	}
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 1);
+	ck_assert_int_eq(st.chunks.current, st0.chunks.current);
+	ck_assert_int_eq(st.allocated_bytes.current, 0);
+
+	for (i = 0; i < 4; i++)
+		p[i] = th_alloc(ctx, half, NULL);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 2);
+	for (i = 0; i < 4; i++)
+		th_free(ctx, p[i]);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 1);	/* one stays */
+
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 0);
+	ck_assert_int_eq(st.reserved_bytes.current, 0);
+
+	/* A stream's idle chunk goes when the stream does. */
+	TH_OK(ctx, gmlake_stream_create(ctx, &s));
+	th_free(ctx, th_alloc(ctx, 4096, s));
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 1);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 0);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* Small and large blocks side by side; large ones stay chunk aligned. */
 START_TEST(test_small_and_large_mixed)
 {
@@ -1431,6 +1491,7 @@ static Suite *alloc_suite(bool emu)
 	tc = th_tcase(s, "Small");
 	tcase_add_test(tc, test_small_packing);
 	tcase_add_test(tc, test_small_and_large_mixed);
+	tcase_add_test(tc, test_small_idle_chunk);
 
 	tc = th_tcase(s, "Fit");
 	tcase_add_test(tc, test_first_fit);
