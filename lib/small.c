@@ -116,6 +116,17 @@ out_free:
 	return ret;
 }
 
+/* Give an empty chunk back to the large pool, its one piece with it. */
+static void schunk_release(gmlake_ctx *ctx, struct gml_spool *sp,
+			   struct gml_schunk *sc, const struct gml_guard *g)
+{
+	pool_remove(sp, sc->first);
+	gml_large_free(ctx, sc->backing, g);
+	free(sc->first);
+	free(sc);
+	gml_gauge_add(&ctx->st.small_chunks, -1);
+}
+
 int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		    struct gml_block **out)
 {
@@ -134,12 +145,23 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		i = lower_bound(sp, &key);
 	}
 	p = sp->free[i];
-	if (p->sc == sp->idle)
-		sp->idle = NULL;
 	if (p->alloc_size - rsize >= SMALL_ALIGN) {
 		rest = calloc(1, sizeof(*rest));
-		if (!rest)
+		if (!rest) {
+			/* A chunk just made for this request stays idle or
+			 * goes: never empty and unaccounted for. */
+			if (!p->sc->used && p->sc != sp->idle) {
+				static const struct gml_guard none = { -1, 0 };
+
+				if (sp->idle) {
+					schunk_release(ctx, sp, p->sc, &none);
+				} else {
+					sp->idle = p->sc;
+					sp->idle_guard = none;
+				}
+			}
 			return gml_set_error(-ENOMEM, "no host memory for a block");
+		}
 		pool_remove(sp, p);
 		rest->small = true;
 		rest->sc = p->sc;
@@ -159,6 +181,8 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 	} else {
 		pool_remove(sp, p);
 	}
+	if (p->sc == sp->idle)
+		sp->idle = NULL;
 	p->free = false;
 	p->size = size;
 	p->sc->used += p->alloc_size;
@@ -198,11 +222,9 @@ void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 		absorb(sp, prev, b);
 		b = prev;
 	}
-	if (sc->used == 0 && sp->idle) {
-		gml_large_free(ctx, sc->backing, g);
-		free(b);
-		free(sc);
-		gml_gauge_add(&ctx->st.small_chunks, -1);
+	/* A destroyed stream asks for nothing more: its chunks go. */
+	if (sc->used == 0 && (sp->idle || ctx->streams[b->stream].dead)) {
+		schunk_release(ctx, sp, sc, g);
 		return;
 	}
 	if (sc->used == 0) {
@@ -223,12 +245,7 @@ void gml_small_trim(gmlake_ctx *ctx, int stream)
 		if (!sc)
 			continue;
 		sp->idle = NULL;
-		/* Empty, its pieces merged back into the first. */
-		pool_remove(sp, sc->first);
-		gml_large_free(ctx, sc->backing, &sp->idle_guard);
-		free(sc->first);
-		free(sc);
-		gml_gauge_add(&ctx->st.small_chunks, -1);
+		schunk_release(ctx, sp, sc, &sp->idle_guard);
 	}
 }
 

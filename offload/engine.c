@@ -30,6 +30,7 @@
 #endif
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
@@ -754,7 +755,8 @@ static int tend_spares(struct gml_offload *off)
 		if (age >= keep) {
 			gml_spares_release(ctx);
 		} else {
-			int due = (int)((keep - age) / 1000000) + 1;
+			uint64_t left = (keep - age) / 1000000 + 1;
+			int due = left > INT_MAX ? INT_MAX : (int)left;
 
 			if (ms < 0 || due < ms)
 				ms = due;

@@ -311,6 +311,13 @@ START_TEST(test_small_idle_chunk)
 	th_check(ctx);
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.small_chunks.current, 0);
+	/* So does one emptied after its stream is gone. */
+	TH_OK(ctx, gmlake_stream_create(ctx, &s));
+	p[0] = th_alloc(ctx, 4096, s);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
+	th_free(ctx, p[0]);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.small_chunks.current, 0);
 	th_destroy(ctx);
 }
 END_TEST

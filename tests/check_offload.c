@@ -226,6 +226,7 @@ START_TEST(test_spill_fetch_segment)
 		usleep(1000);
 	}
 	ck_assert_uint_ge(now_ms() - t0, KEEP_MS);
+	ck_assert_uint_lt(now_ms() - t0, KEEP_MS + 2500);
 	th_check(ctx);
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_release],
 			  st0.calls[GMLAKE_CALL_mem_release] + 4);

@@ -284,7 +284,9 @@ START_TEST(test_spare_keep)
 	static const struct val good[] = {
 		{ "0", 0 }, { "250", 250 }, { "3600000", 3600000 },
 	};
-	static const char *const bad[] = { "x", "-1", "1s", "4294967296" };
+	static const char *const bad[] = {
+		"x", "-1", "1s", "2147483648", "4294967296",
+	};
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), 5000);

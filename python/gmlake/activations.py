@@ -98,7 +98,10 @@ Design, and why:
   unpacked, whether their fetch is still in flight or done: counting only
   fetches in flight let each unpack fetch `prefetch` more whenever the
   bus ran ahead of backward, until most of the saved tensors were back on
-  the device at once. Completions are reaped into the records they belong to,
+  the device at once. Storages packed after the one unpacked (backward
+  has passed them: they belong to nodes off its path, such as a metric's)
+  are neither fetched ahead nor kept in the window. Completions are
+  reaped into the records they belong to,
   keyed by user_data, whatever order they come in; a spill that completes
   after someone asked for its fetch gets the fetch submitted at once. A
   fetch that fails (res < 0: no device memory, say) raises OffloadError
@@ -337,6 +340,11 @@ class Offloader:
                 self._lagq.clear()
             self._reap_ready()
             self._claim(rec)
+            # Fetched ahead, packed after rec, not unpacked: backward went
+            # past them (their nodes are off its path), so they leave the
+            # window instead of holding it shut.
+            for r in [r for r in self._ahead if r.last_pack > rec.last_pack]:
+                self._claim(r)
             if rec.state in MOVING:
                 self._want(rec, _off.FETCH)
             if self._stack:
@@ -434,6 +442,7 @@ class Offloader:
                 sqe = ring.get_sqe()
         uid = next(self._ids)
         if op == _off.SPILL:
+            self._claim(rec)    # saved again after its prefetch
             ring.prep_spill(sqe, rec.ptr, self.inplace)
             rec.state = SPILLING
             self._spilling += rec.nbytes
@@ -517,8 +526,9 @@ class Offloader:
         for rec in reversed(stack):
             if n >= self.prefetch:
                 break
-            if rec is current or rec.ahead or rec.want is not None:
-                continue
+            if rec is current or rec.ahead or rec.want is not None or \
+                    rec.last_pack > current.last_pack:
+                continue        # needed now, on its way, or passed
             if (rec.state == SPILLED and rec.error is None) or \
                     rec.state == SPILLING:
                 self._want(rec, _off.PREFETCH)

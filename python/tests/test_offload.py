@@ -530,6 +530,44 @@ class TestHooks(EmuCase):
         for t in ts:
             self.intact(t)
 
+    def test_window_skips_what_backward_passed(self):
+        """Saved tensors whose nodes backward never runs (off the loss's
+        path) are not fetched ahead and do not hold the window shut."""
+        self.off.configure(lag=0, prefetch=2)
+        ts = [self.tensor(2 * MiB, 30 + i) for i in range(6)]
+        hs = [self.off.pack(t) for t in ts]
+        self.off.synchronize()
+        for i in (2, 1, 0):     # 5, 4 and 3 are never unpacked
+            self.assertIs(self.off.unpack(hs[i]), ts[i])
+            self.off.synchronize()
+        self.assertEqual(self.off.stats["fetches"], 1)
+        self.assertEqual(self.off.stats["prefetches"], 2)
+        for t in ts[:3]:
+            self.intact(t)
+        for t in ts[3:]:
+            self.assertEqual(self.state(t), offload.SPILLED)
+
+    def test_repacked_after_prefetch(self):
+        """A storage saved again after its prefetch and spilled again is
+        prefetched again, not counted ahead forever."""
+        self.off.configure(lag=0, prefetch=1)
+        ts = [self.tensor(2 * MiB, 40 + i) for i in range(3)]
+        hs = [self.off.pack(t) for t in ts]
+        self.off.synchronize()
+        self.off.unpack(hs[2])          # fetches 2, prefetches 1
+        self.off.synchronize()
+        self.assertEqual(self.state(ts[1]), offload.RESIDENT)
+        hs.append(self.off.pack(ts[1]))     # saved again: spills again
+        self.off.synchronize()
+        self.assertEqual(self.state(ts[1]), offload.SPILLED)
+        self.assertEqual(self.off._ahead, [])
+        self.off.unpack(hs[3])
+        self.assertEqual(self.off.stats["prefetches"], 2)  # t1, then t0
+        for h in (hs[1], hs[0]):
+            self.off.unpack(h)
+        for t in ts:
+            self.intact(t)
+
     def test_shared_storage_once(self):
         t = self.tensor(4 * MiB, 20)
         views = [t.view(), t.view(), t]
