@@ -16,7 +16,12 @@ print and writes, under --out (default bench/results):
   python3 bench/bench.py --lib ... --sweep      # also the capacity sweep
 
 The definitions of every figure are in benchlib.py. BENCH_VERBOSE=1
-prints each step's time on stderr; a child still running after
+prints each step's time on stderr (for libgmlake with the memory peaks
+and the driver calls that took longest in the step); BENCH_PROBE=1 makes
+gpt_offload record the offloader's records at backward's largest
+resident_bytes (results.json, offload.probe); BENCH_OFFLOAD='{"lag": 2}'
+gives gpt_offload's offload_activations() those options. A child still
+running after
 BENCH_DUMP_AFTER seconds (default: 20 s before its timeout,
 BENCH_CHILD_TIMEOUT, 480 s in full mode) prints every thread's Python
 stack there.
