@@ -7,8 +7,9 @@
  * between small and large use; but one emptied chunk per stream stays
  * (idle) until another empties or the cache is trimmed, since a tensor
  * allocated and freed over and over would otherwise take and give back a
- * large block each time (about 2 us of a 4 us allocation through PyTorch
- * on the H200).
+ * large block each time (on the H200, through PyTorch, such a small
+ * request cost about 2 us more than a 1 MiB one: bench/results/
+ * alloc_cost.md).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
