@@ -1208,6 +1208,44 @@ static int chunk_handle_get(gmlake_ctx *ctx, gml_handle *h)
 }
 
 /*
+ * Debug log, after a request served by new chunks raised the peak of
+ * reserved memory: the free chunks the cache still holds, and why they
+ * did not serve it (cached stitched ranges map them, or their last work
+ * is still queued). What to read when reserved memory climbs past what
+ * the live blocks need.
+ */
+void gml_log_peak_slack(gmlake_ctx *ctx, const char *what, size_t size,
+			int64_t peak_before)
+{
+	uint64_t free_n = 0, in_views = 0, busy = 0;
+
+	if (gml_log_level < GMLAKE_LOG_DEBUG ||
+	    ctx->st.reserved_bytes.peak <= peak_before)
+		return;
+	for (struct gml_view *v = ctx->segs; v; v = v->next)
+		for (uint32_t i = 0; i < v->n; i++) {
+			struct gml_chunk *c = v->chunks[i];
+
+			if (!c || c->owner)
+				continue;
+			free_n++;
+			in_views += c->nviews > 0;
+			busy += c->guard.stream >= 0 &&
+				!gml_stream_done(ctx, c->guard.stream,
+						 c->guard.seq);
+		}
+	if (free_n)
+		gml_log(GMLAKE_LOG_DEBUG, "%s of %zu bytes raised reserved to "
+			"%lld MiB with %llu free chunks left (%llu in cached "
+			"stitched ranges, %llu with work queued), %u stale",
+			what, size,
+			(long long)(ctx->st.reserved_bytes.peak >> 20),
+			(unsigned long long)free_n,
+			(unsigned long long)in_views,
+			(unsigned long long)busy, ctx->nstale);
+}
+
+/*
  * A segment block's chunk leaves its home (the block's range) and is given
  * back to the driver, so no stitched view may map it: unmap the unused
  * ones (waiting for their work). -EBUSY when a view in use maps it.

@@ -223,6 +223,7 @@ GML_EXPORT int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
 			    gmlake_stream_t stream)
 {
 	struct gml_block *b;
+	int64_t peak;
 	int idx, ret;
 
 	if (!ctx || !ptr)
@@ -238,10 +239,13 @@ GML_EXPORT int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
 		goto out_leave;
 	if (ctx->deferred)
 		process_deferred(ctx, false);
+	peak = ctx->st.reserved_bytes.peak;
 	if (size < ctx->cfg.small_size)
 		ret = gml_small_alloc(ctx, size, idx, &b);
 	else
 		ret = gml_large_alloc(ctx, size, idx, &b);
+	if (!ret)
+		gml_log_peak_slack(ctx, "an allocation", size, peak);
 	if (ret == -ENOMEM)
 		ret = oom_error(ctx, size);
 	if (ret)

@@ -236,6 +236,8 @@ void gml_zombies_reap(gmlake_ctx *ctx);
 /* Spilled chunks kept for the next fetch or segment, released after
  * cfg.spare_keep_ms unused, on trim, under pressure and at destroy. */
 void gml_spares_release(gmlake_ctx *ctx);
+void gml_log_peak_slack(gmlake_ctx *ctx, const char *what, size_t size,
+			int64_t peak_before);
 /* Unmap the stale positions whose work completed (all: every one, the
  * caller having waited for all streams). */
 void gml_stale_reap(gmlake_ctx *ctx, bool all);

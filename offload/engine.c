@@ -590,12 +590,14 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 {
 	gmlake_ctx *ctx = off->ctx;
 	struct gml_block *b;
+	int64_t peak;
 	int ret;
 
 	ret = req_begin(ctx, req, GML_OFF_SPILLED, GML_OFF_RESIDENT);
 	if (ret)
 		return ret;
 	b = req->b;
+	peak = ctx->st.reserved_bytes.peak;
 	if (b->inplace_mapped) {
 		ret = gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
 		if (ret)
@@ -612,6 +614,7 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 	}
 	b->off_state = GML_OFF_FETCHING;
 	gml_gauge_add(&ctx->st.resident_bytes, (int64_t)b->alloc_size);
+	gml_log_peak_slack(ctx, "a fetch", b->alloc_size, peak);
 	req->size = b->size;
 	ret = after_all(ctx, off->h2d);
 	if (!ret && b->inplace)

@@ -206,6 +206,50 @@ START_TEST(test_cross_stream_pending)
 }
 END_TEST
 
+/*
+ * At debug level, a request that raises reserved memory while free chunks
+ * stay behind says so, and why they did not serve (here: their work on A
+ * is still queued).
+ */
+START_TEST(test_peak_slack_logged)
+{
+	struct gmlake_config cfg;
+	struct th_capture cap;
+	gmlake_ctx *ctx;
+	gmlake_stream_t a, b;
+	struct pending pd;
+	void *x, *y;
+	char *text;
+
+	th_config(&cfg, CAP_CHUNKS(4));
+	cfg.log_level = GMLAKE_LOG_DEBUG;
+	ctx = th_ctx_cfg(&cfg);
+	a = th_stream(ctx);
+	b = th_stream(ctx);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
+	th_hold(ctx, a, true);
+	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	th_capture_begin(&cap, STDERR_FILENO);
+	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &x, 1, "raises the peak");
+	text = th_capture_end(&cap);
+	ck_assert_msg(strstr(text, "an allocation of 4194304 bytes raised "
+			      "reserved to 8 MiB with 2 free chunks left (0 in "
+			      "cached stitched ranges, 2 with work queued)"),
+		      "stderr: %s", text);
+	free(text);
+	/* No new peak, nothing said. */
+	th_free(ctx, y);
+	th_capture_begin(&cap, STDERR_FILENO);
+	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &x, 1, "the same again");
+	text = th_capture_end(&cap);
+	ck_assert_msg(!strstr(text, "raised reserved"), "stderr: %s", text);
+	free(text);
+	release_and_check(ctx, a, &pd, 1, "freed on A, allocated on B");
+	th_free(ctx, y);
+	destroy_all(ctx, a, b);
+}
+END_TEST
+
 /* The same for small blocks, which share chunks. */
 START_TEST(test_cross_stream_small)
 {
@@ -640,6 +684,7 @@ static Suite *stream_suite(bool emu)
 
 	tc = th_tcase(s, "CrossStream");
 	tcase_add_test(tc, test_cross_stream_pending);
+	tcase_add_test(tc, test_peak_slack_logged);
 	tcase_add_test(tc, test_cross_stream_small);
 	tcase_add_test(tc, test_cross_stream_stitch);
 	tcase_add_test(tc, test_cross_stream_stitched_reuse);
