@@ -1214,14 +1214,10 @@ static int chunk_handle_get(gmlake_ctx *ctx, gml_handle *h)
  * is still queued). What to read when reserved memory climbs past what
  * the live blocks need.
  */
-void gml_log_peak_slack(gmlake_ctx *ctx, const char *what, size_t size,
-			int64_t peak_before)
+void gml_log_peak_slack_now(gmlake_ctx *ctx, const char *what, size_t size)
 {
 	uint64_t free_n = 0, in_views = 0, busy = 0;
 
-	if (gml_log_level < GMLAKE_LOG_DEBUG ||
-	    ctx->st.reserved_bytes.peak <= peak_before)
-		return;
 	for (struct gml_view *v = ctx->segs; v; v = v->next)
 		for (uint32_t i = 0; i < v->n; i++) {
 			struct gml_chunk *c = v->chunks[i];

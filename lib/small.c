@@ -152,13 +152,13 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 			/* A chunk just made for this request stays idle or
 			 * goes: never empty and unaccounted for. */
 			if (!p->sc->used && p->sc != sp->idle) {
-				static const struct gml_guard none = { -1, 0 };
+				struct gml_guard own = { stream, 0 };
 
 				if (sp->idle) {
-					schunk_release(ctx, sp, p->sc, &none);
+					schunk_release(ctx, sp, p->sc, &own);
 				} else {
 					sp->idle = p->sc;
-					sp->idle_guard = none;
+					sp->idle_guard = own;
 				}
 			}
 			return gml_set_error(-ENOMEM, "no host memory for a block");
@@ -203,11 +203,29 @@ static void absorb(struct gml_spool *sp, struct gml_block *b,
 	free(next);
 }
 
+/*
+ * The guard under which an emptied chunk leaves its stream: all the work
+ * queued there so far, for its other pieces were freed on that stream with
+ * work of theirs maybe still queued. g covers it when the free was on the
+ * chunk's stream; a deferred free (g: no stream) marks the stream now.
+ */
+static struct gml_guard leaving_guard(gmlake_ctx *ctx, struct gml_schunk *sc,
+				      const struct gml_guard *g)
+{
+	struct gml_guard own = { sc->stream, 0 };
+
+	if (g->stream == sc->stream)
+		return *g;
+	gml_stream_mark(ctx, sc->stream, true, &own.seq);
+	return own;
+}
+
 void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 		    const struct gml_guard *g)
 {
 	struct gml_spool *sp = &ctx->spools[b->stream];
 	struct gml_schunk *sc = b->sc;
+	struct gml_guard leave;
 
 	sc->used -= b->alloc_size;
 	free(b->extra);
@@ -223,14 +241,16 @@ void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 		absorb(sp, prev, b);
 		b = prev;
 	}
+	if (sc->used == 0)
+		leave = leaving_guard(ctx, sc, g);
 	/* A destroyed stream asks for nothing more: its chunks go. */
 	if (sc->used == 0 && (sp->idle || ctx->streams[b->stream].dead)) {
-		schunk_release(ctx, sp, sc, g);
+		schunk_release(ctx, sp, sc, &leave);
 		return;
 	}
 	if (sc->used == 0) {
 		sp->idle = sc;
-		sp->idle_guard = *g;
+		sp->idle_guard = leave;
 	}
 	if (pool_insert(sp, b))
 		b->free = true;

@@ -37,6 +37,7 @@
 #include <stdint.h>
 
 #include "drv.h"
+#include "error.h"
 #include "gmlake.h"
 #include "ptrmap.h"
 
@@ -236,8 +237,16 @@ void gml_zombies_reap(gmlake_ctx *ctx);
 /* Spilled chunks kept for the next fetch or segment, released after
  * cfg.spare_keep_ms unused, on trim, under pressure and at destroy. */
 void gml_spares_release(gmlake_ctx *ctx);
-void gml_log_peak_slack(gmlake_ctx *ctx, const char *what, size_t size,
-			int64_t peak_before);
+void gml_log_peak_slack_now(gmlake_ctx *ctx, const char *what, size_t size);
+/* At debug level, after a request that raised the reserved peak: what free
+ * chunks stayed behind (gml_log_peak_slack_now); nothing otherwise. */
+static inline void gml_log_peak_slack(gmlake_ctx *ctx, const char *what,
+				      size_t size, int64_t peak_before)
+{
+	if (gml_log_level >= GMLAKE_LOG_DEBUG &&
+	    ctx->st.reserved_bytes.peak > peak_before)
+		gml_log_peak_slack_now(ctx, what, size);
+}
 /* Unmap the stale positions whose work completed (all: every one, the
  * caller having waited for all streams). */
 void gml_stale_reap(gmlake_ctx *ctx, bool all);

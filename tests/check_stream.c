@@ -207,6 +207,41 @@ START_TEST(test_cross_stream_pending)
 END_TEST
 
 /*
+ * A small chunk emptied by a deferred free (a block another stream used)
+ * leaves its stream only after the work queued there: another piece of it,
+ * freed on that stream, may still be read by a held copy.
+ */
+START_TEST(test_small_deferred_empty)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	size_t half = TH_MiB - 512;	/* two to a chunk */
+	struct pending pd;
+	void *x, *y, *p, *q, *z;
+
+	x = th_alloc_filled(ctx, half, 1, a);
+	y = th_alloc_filled(ctx, half, 2, a);		/* x's chunk */
+	p = th_alloc(ctx, half, a);
+	q = th_alloc(ctx, half, a);			/* a second chunk */
+	TH_OK(ctx, gmlake_record_stream(ctx, x, b));
+	th_hold(ctx, b, true);
+	th_free(ctx, x);			/* deferred: b is busy */
+	th_free(ctx, p);
+	th_free(ctx, q);			/* idle: a's spare chunk */
+	th_hold(ctx, a, true);
+	read_then_free(ctx, &pd, y, half, 2, a);
+	th_hold(ctx, b, false);
+	th_sync(ctx, b);
+	/* x's release empties its chunk: not b's while a reads y there. */
+	expect_alloc_apart(ctx, &z, 2 * TH_MiB, b, &y, 1,
+			   "chunk emptied by a deferred free");
+	release_and_check(ctx, a, &pd, 1, "read of y");
+	th_free(ctx, z);
+	destroy_all(ctx, a, b);
+}
+END_TEST
+
+/*
  * At debug level, a request that raises reserved memory while free chunks
  * stay behind says so, and why they did not serve (here: their work on A
  * is still queued).
@@ -685,6 +720,7 @@ static Suite *stream_suite(bool emu)
 	tc = th_tcase(s, "CrossStream");
 	tcase_add_test(tc, test_cross_stream_pending);
 	tcase_add_test(tc, test_peak_slack_logged);
+	tcase_add_test(tc, test_small_deferred_empty);
 	tcase_add_test(tc, test_cross_stream_small);
 	tcase_add_test(tc, test_cross_stream_stitch);
 	tcase_add_test(tc, test_cross_stream_stitched_reuse);

@@ -345,6 +345,8 @@ class Offloader:
             # window instead of holding it shut.
             for r in [r for r in self._ahead if r.last_pack > rec.last_pack]:
                 self._claim(r)
+                if r.want == _off.PREFETCH:     # still spilling: no fetch
+                    r.want = None
             if rec.state in MOVING:
                 self._want(rec, _off.FETCH)
             if self._stack:
@@ -520,7 +522,10 @@ class Offloader:
         back and not yet unpacked, taking the next spilled ones in
         backward order."""
         stack = self._stack
-        while stack and stack[-1].state not in (SPILLING, SPILLED):
+        # Off the top: storages back on the device, and those backward
+        # passed (so the walk below stays short).
+        while stack and (stack[-1].state not in (SPILLING, SPILLED) or
+                         stack[-1].last_pack > current.last_pack):
             stack.pop()
         n = len(self._ahead)
         for rec in reversed(stack):

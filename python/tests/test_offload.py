@@ -547,6 +547,25 @@ class TestHooks(EmuCase):
         for t in ts[3:]:
             self.assertEqual(self.state(t), offload.SPILLED)
 
+    def test_window_frees_what_backward_passed(self):
+        """A storage fetched ahead whose node backward then skips leaves
+        the window when backward goes past it, so the next one comes
+        ahead."""
+        self.off.configure(lag=0, prefetch=1)
+        ts = [self.tensor(2 * MiB, 50 + i) for i in range(4)]
+        hs = [self.off.pack(t) for t in ts]
+        self.off.synchronize()
+        self.off.unpack(hs[3])          # fetches 3, 2 comes ahead
+        self.off.synchronize()
+        self.off.unpack(hs[1])          # 2 is passed: 0 comes ahead
+        self.off.synchronize()
+        self.assertEqual(self.state(ts[0]), offload.RESIDENT)
+        self.off.unpack(hs[0])
+        self.assertEqual(self.off.stats["fetches"], 2)     # 3 and 1
+        self.assertEqual(self.off.stats["prefetches"], 2)  # 2 and 0
+        for i in (3, 1, 0):
+            self.intact(ts[i])
+
     def test_repacked_after_prefetch(self):
         """A storage saved again after its prefetch and spilled again is
         prefetched again, not counted ahead forever."""
