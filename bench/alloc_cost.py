@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+import bench  # each allocator's environment, as the benchmark sets it
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 ALLOCATORS = (("default", "PyTorch default"),
@@ -115,15 +117,10 @@ def main():
     for name, label in ALLOCATORS:
         if name == "null" and not null:
             continue
-        env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
-        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if name == "expandable":
-            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        if name == "gmlake":
-            env["GMLAKE_BACKEND"] = "cuda"
         lib = null if name == "null" else args.lib
         r = subprocess.run([sys.executable, os.path.abspath(__file__),
-                            "--lib", lib, "--child", name], env=env,
+                            "--lib", lib, "--child", name],
+                           env=bench.child_env(name, lib),
                            stdout=subprocess.PIPE, timeout=600)
         if r.returncode:
             sys.stderr.write("alloc_cost: the %s child failed (exit %d)\n" %

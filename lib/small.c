@@ -128,6 +128,23 @@ static void schunk_release(gmlake_ctx *ctx, struct gml_spool *sp,
 	gml_gauge_add(&ctx->st.small_chunks, -1);
 }
 
+/*
+ * sc is empty (its one piece sc->first): it becomes its stream's idle chunk
+ * under guard g, or goes back when the stream has one already or is
+ * destroyed (nothing asks it again). Whether it went.
+ */
+static bool schunk_emptied(gmlake_ctx *ctx, struct gml_spool *sp,
+			   struct gml_schunk *sc, const struct gml_guard *g)
+{
+	if (sp->idle || ctx->streams[sc->stream].dead) {
+		schunk_release(ctx, sp, sc, g);
+		return true;
+	}
+	sp->idle = sc;
+	sp->idle_guard = *g;
+	return false;
+}
+
 int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		    struct gml_block **out)
 {
@@ -154,12 +171,7 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 			if (!p->sc->used && p->sc != sp->idle) {
 				struct gml_guard own = { stream, 0 };
 
-				if (sp->idle) {
-					schunk_release(ctx, sp, p->sc, &own);
-				} else {
-					sp->idle = p->sc;
-					sp->idle_guard = own;
-				}
+				schunk_emptied(ctx, sp, p->sc, &own);
 			}
 			return gml_set_error(-ENOMEM, "no host memory for a block");
 		}
@@ -225,7 +237,6 @@ void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 {
 	struct gml_spool *sp = &ctx->spools[b->stream];
 	struct gml_schunk *sc = b->sc;
-	struct gml_guard leave;
 
 	sc->used -= b->alloc_size;
 	free(b->extra);
@@ -241,16 +252,11 @@ void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 		absorb(sp, prev, b);
 		b = prev;
 	}
-	if (sc->used == 0)
-		leave = leaving_guard(ctx, sc, g);
-	/* A destroyed stream asks for nothing more: its chunks go. */
-	if (sc->used == 0 && (sp->idle || ctx->streams[b->stream].dead)) {
-		schunk_release(ctx, sp, sc, &leave);
-		return;
-	}
 	if (sc->used == 0) {
-		sp->idle = sc;
-		sp->idle_guard = leave;
+		struct gml_guard leave = leaving_guard(ctx, sc, g);
+
+		if (schunk_emptied(ctx, sp, sc, &leave))
+			return;
 	}
 	if (pool_insert(sp, b))
 		b->free = true;
