@@ -401,9 +401,7 @@ class Offloader:
         still reads from being unmapped."""
         self._enter()
         try:
-            if self.users == "torch":
-                self.users = torch_users()
-            if self.users is not None:
+            if self._counting():
                 self._spill_lagged(lag=0)
         finally:
             self._leave()
@@ -465,11 +463,16 @@ class Offloader:
         while self._dirty:
             self._rings[self._dirty.pop()].submit()
 
-    def _spill_lagged(self, lag=None):
-        limit = self._seq - (self.lag if lag is None else lag)
+    def _counting(self):
+        """Whether tensors on a storage can be counted (users="torch" is
+        looked up here, the first time)."""
         if self.users == "torch":
             self.users = torch_users()
-        if self.users is not None:
+        return self.users is not None
+
+    def _spill_lagged(self, lag=None):
+        limit = self._seq - (self.lag if lag is None else lag)
+        if self._counting():
             self._drain()
             if self._deferred:      # a handle is dying: counts are off
                 return
