@@ -1,0 +1,30 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A memory tier below the device (the offload manager in offload/). The
+ * allocator reaches a tier only through the hooks it registered on first
+ * use, as mimalloc's deferred-free hook lets its allocator call out, so
+ * lib/ never names offload/. Every hook runs with the context lock held.
+ */
+#ifndef GML_TIER_H
+#define GML_TIER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "gmlake.h"
+
+struct gml_block;
+
+struct gml_tier_ops {
+	/* Move blocks out until chunks more chunks could be had, never
+	 * keep; true when something moved (the caller tries again). */
+	bool (*reclaim)(gmlake_ctx *ctx, uint32_t chunks,
+			struct gml_block *keep);
+	/* b is about to be freed: the tier forgets it. */
+	void (*block_gone)(gmlake_ctx *ctx, struct gml_block *b);
+	/* Stop moving and wait for what is in flight. */
+	void (*quiesce)(gmlake_ctx *ctx);
+	/* The context goes: free the tier's state. */
+	void (*fini)(gmlake_ctx *ctx);
+};
+#endif
