@@ -546,7 +546,7 @@ GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 	}
 	idx = gml_stream_find(ctx, stream);
 	if (idx >= 0) {
-		ret = gml_stream_wait(ctx, idx, ctx->streams[idx].next_seq);
+		ret = gml_stream_wait(ctx, idx, gml_stream_last(ctx, idx));
 		if (ret)
 			goto out_leave;
 	}
@@ -609,7 +609,7 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 	if (ctx->cfg.show_stats)
 		gml_stats_at_destroy(ctx);
 	for (int i = 0; i < ctx->nstreams; i++)
-		gml_stream_wait(ctx, i, ctx->streams[i].next_seq);
+		gml_stream_wait(ctx, i, gml_stream_last(ctx, i));
 	while ((b = ctx->live)) {
 		live_del(&ctx->live, b);
 		gml_ptrmap_del(&ctx->blocks, b->ptr);

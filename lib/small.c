@@ -155,6 +155,7 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 	size_t i;
 	int ret;
 
+	ctx->poll_gen++;
 	i = lower_bound(sp, &key);
 	if (i == sp->count) {
 		ret = schunk_new(ctx, stream);

@@ -8,6 +8,14 @@
  * While a context has seen only one stream no other stream can reuse its
  * memory, so frees record nothing (seq 0). When a second stream appears,
  * one barrier event per existing stream covers every seq 0 guard before it.
+ *
+ * Events stay few, as FSDP's many frees on several streams need: a free
+ * records one only while fewer than two of its stream's are in flight;
+ * otherwise it gets the open seq, which the stream's next event covers,
+ * recorded by a later free or on demand by whoever asks about that seq.
+ * An event recorded later completes later, which is safe. A fit looking
+ * at many chunks polls each stream once per allocation (ctx->poll_gen,
+ * gml_guard_ready_scan), not once per chunk.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -90,6 +98,8 @@ static int record(gmlake_ctx *ctx, int idx, uint64_t *seq)
 	s->pending[tail].seq = ++s->next_seq;
 	s->pending[tail].ev = e;
 	s->count++;
+	if (s->open_seq && s->open_seq <= s->next_seq)
+		s->open_seq = 0;	/* this event covers it */
 	*seq = s->next_seq;
 	return 0;
 }
@@ -109,9 +119,19 @@ static void poll_stream(gmlake_ctx *ctx, struct gml_stream *s)
 	}
 }
 
-bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq)
+/* At most one poll of s per allocation or free. */
+static void poll_stream_once(gmlake_ctx *ctx, struct gml_stream *s)
+{
+	if (s->poll_gen == ctx->poll_gen)
+		return;
+	s->poll_gen = ctx->poll_gen;
+	poll_stream(ctx, s);
+}
+
+static bool stream_done(gmlake_ctx *ctx, int idx, uint64_t seq, bool scan)
 {
 	struct gml_stream *s = &ctx->streams[idx];
+	uint64_t rec;
 
 	if (s->dead)
 		return true;
@@ -124,8 +144,37 @@ bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq)
 	}
 	if (s->done_seq >= seq)
 		return true;
-	poll_stream(ctx, s);
+	if (seq > s->next_seq) {
+		/* The open seq: its event is recorded now, so it cannot
+		 * have completed yet. */
+		if (!record(ctx, idx, &rec))
+			s->poll_gen = ctx->poll_gen;
+		return false;
+	}
+	if (scan)
+		poll_stream_once(ctx, s);
+	else
+		poll_stream(ctx, s);
 	return s->done_seq >= seq;
+}
+
+bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq)
+{
+	return stream_done(ctx, idx, seq, false);
+}
+
+bool gml_guard_ready_scan(gmlake_ctx *ctx, const struct gml_guard *g,
+			  int want)
+{
+	return g->stream < 0 || g->stream == want ||
+	       stream_done(ctx, g->stream, g->seq, true);
+}
+
+uint64_t gml_stream_last(gmlake_ctx *ctx, int idx)
+{
+	struct gml_stream *s = &ctx->streams[idx];
+
+	return s->open_seq ? s->open_seq : s->next_seq;
 }
 
 /* Block until guard (idx, seq) completed: by its event, else the stream. */
@@ -136,6 +185,8 @@ int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq)
 
 	if (s->dead || gml_stream_done(ctx, idx, seq))
 		return 0;
+	if (seq != SEQ_NEVER && seq > s->next_seq && !record(ctx, idx, &seq))
+		seq = s->next_seq;	/* the open seq's event, just made */
 	while (s->count && s->pending[s->head].seq <= seq &&
 	       seq != SEQ_NEVER && seq != 0) {
 		ret = gml_event_sync(&ctx->dev, s->pending[s->head].ev);
@@ -153,6 +204,11 @@ int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq)
 		event_put(ctx, s->pending[s->head].ev);
 		s->head = (s->head + 1) % s->cap;
 		s->count--;
+	}
+	/* The whole stream is done, the open seq with it. */
+	if (s->open_seq) {
+		s->next_seq = s->open_seq;
+		s->open_seq = 0;
 	}
 	s->done_seq = s->next_seq;
 	return 0;
@@ -178,6 +234,16 @@ int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
 	}
 	if (ctx->nstreams == 1 && !force && !ctx->mark_always) {
 		*seq = 0;
+		return 0;
+	}
+	ctx->poll_gen++;
+	if (ctx->streams[idx].count >= 2)
+		poll_stream_once(ctx, &ctx->streams[idx]);
+	if (ctx->streams[idx].count >= 2) {
+		struct gml_stream *s = &ctx->streams[idx];
+
+		s->open_seq = s->next_seq + 1;
+		*seq = s->open_seq;
 		return 0;
 	}
 	if (record(ctx, idx, seq)) {

@@ -73,6 +73,8 @@ struct gml_chunk {
 struct gml_view {
 	gml_va va;
 	uint32_t n;			/* positions */
+	uint32_t cap;			/* positions the range reserves: a
+					   segment grows at its end up to it */
 	struct gml_chunk **chunks;	/* NULL: a released position */
 	uint8_t *mapped;		/* per position: still mapped */
 	bool stitched;
@@ -98,6 +100,10 @@ struct gml_stream {
 	uint64_t next_seq;		/* last sequence recorded */
 	uint64_t done_seq;		/* all up to here completed */
 	uint64_t barrier;		/* covers seq 0 guards; 0: none yet */
+	uint64_t open_seq;		/* handed to frees, not recorded yet
+					   (the next record covers it); 0:
+					   none */
+	uint64_t poll_gen;		/* ctx->poll_gen when last polled */
 	struct { uint64_t seq; gml_event ev; } *pending;
 	size_t head, count, cap;	/* ring of recorded events */
 };
@@ -187,6 +193,8 @@ struct gmlake_ctx {
 	struct gml_spool *spools;	/* one per stream index */
 	bool mark_always;		/* frees record events on one stream
 					   too (the offload manager runs) */
+	uint64_t poll_gen;		/* one event query per stream per
+					   allocation or free */
 
 	struct gml_ptrmap blocks;	/* ptr -> live block */
 	struct gml_block *live;		/* live blocks */
@@ -214,8 +222,14 @@ int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx);
 int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq);
 void gml_streams_mark_always(gmlake_ctx *ctx);
 bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq);
+/* The seq that covers every free on stream idx so far. */
+uint64_t gml_stream_last(gmlake_ctx *ctx, int idx);
 int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq);
 bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want);
+/* The same, polling each stream at most once per allocation: for fits
+ * that look at many chunks. */
+bool gml_guard_ready_scan(gmlake_ctx *ctx, const struct gml_guard *g,
+			  int want);
 void gml_events_trim(gmlake_ctx *ctx);
 void gml_streams_fini(gmlake_ctx *ctx);
 

@@ -683,6 +683,48 @@ START_TEST(test_grow_shortfall)
 }
 END_TEST
 
+/*
+ * A request the free run at the end of the newest segment cannot hold
+ * grows the segment there, within the budget: the block starts in that
+ * run and runs on into the new chunks, with no new range and no stitch.
+ */
+START_TEST(test_grow_at_end)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	struct gmlake_stats s0, s1;
+	void *a, *b, *c;
+
+	a = th_alloc(ctx, 4 * TH_MiB, NULL);
+	b = th_alloc(ctx, 4 * TH_MiB, NULL);
+	ck_assert_ptr_eq(b, (char *)a + 4 * TH_MiB);
+	th_fill_ok(ctx, a, 4 * TH_MiB, 220, NULL);
+	th_free(ctx, b);
+	th_stats(ctx, &s0);
+	c = th_alloc(ctx, 8 * TH_MiB, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(c, b);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current + 2);
+	ck_assert_uint_eq(s1.grows, s0.grows + 1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_va_reserve],
+			  s0.calls[GMLAKE_CALL_va_reserve]);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
+			  s0.calls[GMLAKE_CALL_mem_map] + 2);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_set_access],
+			  s0.calls[GMLAKE_CALL_set_access] + 1);
+	th_fill_ok(ctx, c, 8 * TH_MiB, 221, NULL);
+	th_verify_ok(ctx, a, 4 * TH_MiB, 220, NULL);
+	th_verify_ok(ctx, c, 8 * TH_MiB, 221, NULL);
+	th_free(ctx, c);
+	/* Freed, the end's run is whole again: one block over all of it. */
+	c = th_alloc(ctx, 8 * TH_MiB, NULL);
+	ck_assert_ptr_eq(c, b);
+	th_free(ctx, c);
+	th_free(ctx, a);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* The whole device in one block after fragmentation, then pieces again. */
 START_TEST(test_stitch_whole_device)
 {
@@ -1325,7 +1367,8 @@ START_TEST(test_stats_gauges)
 			  s0.calls[GMLAKE_CALL_mem_create] + 8);
 	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
 			  s0.calls[GMLAKE_CALL_mem_map] + 8);
-	ck_assert_uint_ge(s1.calls[GMLAKE_CALL_va_reserve],
+	/* Growth maps at the end of the segment's reserved range. */
+	ck_assert_uint_le(s1.calls[GMLAKE_CALL_va_reserve],
 			  s0.calls[GMLAKE_CALL_va_reserve] + 1);
 	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_set_access],
 			  s0.calls[GMLAKE_CALL_set_access] + 1);
@@ -1509,6 +1552,7 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_stitch_fragmented);
 	tcase_add_test(tc, test_stitch_cache_no_alias);
 	tcase_add_test(tc, test_grow_shortfall);
+	tcase_add_test(tc, test_grow_at_end);
 	if (emu)
 		tcase_add_test(tc, test_stitch_whole_device);
 

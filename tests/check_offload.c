@@ -251,7 +251,8 @@ END_TEST
 /*
  * A fetch takes free chunks the cache holds before it makes new ones:
  * backward frees memory as it fetches, and new chunks would lift reserved
- * memory to where it was without offloading. The segment it empties goes.
+ * memory to where it was without offloading. The positions it empties are
+ * unmapped.
  */
 START_TEST(test_fetch_takes_cached_chunks)
 {
@@ -275,8 +276,8 @@ START_TEST(test_fetch_takes_cached_chunks)
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create],
 			  st0.calls[GMLAKE_CALL_mem_create]);
 	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
-	ck_assert_uint_eq(st.calls[GMLAKE_CALL_va_free],
-			  st0.calls[GMLAKE_CALL_va_free] + 1);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap],
+			  st0.calls[GMLAKE_CALL_mem_unmap] + 4);
 	/* Memory for more is made as before. */
 	q = th_alloc_filled(ctx, 8 * TH_MiB, 23, NULL);
 	th_check(ctx);
@@ -291,7 +292,7 @@ END_TEST
 /*
  * ... even chunks whose last work has not run yet: the fetch's copy waits
  * for all work, and the chunk's old position stays mapped until that work
- * is done, then goes (and with it the emptied segment).
+ * is done, then goes.
  */
 START_TEST(test_fetch_takes_busy_chunks)
 {
@@ -319,8 +320,8 @@ START_TEST(test_fetch_takes_busy_chunks)
 	th_verify_ok(h.ctx, h.p, 8 * TH_MiB, 41, NULL);
 	for (int ms = 0;; ms++) {
 		th_stats(h.ctx, &st);
-		if (st.calls[GMLAKE_CALL_va_free] ==
-		    st0.calls[GMLAKE_CALL_va_free] + 1)
+		if (st.calls[GMLAKE_CALL_mem_unmap] ==
+		    st0.calls[GMLAKE_CALL_mem_unmap] + 4)
 			break;
 		ck_assert_msg(ms < 10000, "stale positions still mapped "
 			      "after 10 s");
@@ -438,12 +439,14 @@ START_TEST(test_fetch_evicts_unused_stitched)
 	struct gmlake_offload ring;
 	struct gmlake_stats st0, st;
 	void *p = th_alloc_filled(ctx, 8 * TH_MiB, 31, NULL);
-	void *x1, *x2, *y;
+	void *x1, *x2, *m, *y;
 
 	ring_init(&ring, ctx, 8);
 	ck_assert_int_eq(spill(&ring, p), 0);
-	/* Two segments of p's chunks, then one view stitched over both. */
+	/* Two free runs apart (m between them stays), then one view
+	 * stitched over both: growing would pass the budget. */
 	x1 = th_alloc(ctx, 4 * TH_MiB, NULL);
+	m = th_alloc(ctx, 4 * TH_MiB, NULL);
 	x2 = th_alloc(ctx, 4 * TH_MiB, NULL);
 	th_free(ctx, x1);
 	th_free(ctx, x2);
@@ -461,6 +464,7 @@ START_TEST(test_fetch_evicts_unused_stitched)
 			  st0.calls[GMLAKE_CALL_mem_create]);
 	ck_assert_int_eq(st.reserved_bytes.current, st0.reserved_bytes.current);
 	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, m);
 	th_free(ctx, p);
 	th_destroy(ctx);
 }
