@@ -93,11 +93,7 @@ class ShapeCycle:
 
     def __init__(self, rng, draw, count):
         self.rng = rng
-        self.shapes = []
-        while len(self.shapes) < count:
-            shape = draw()
-            if shape not in self.shapes:
-                self.shapes.append(shape)
+        self.shapes = distinct_shapes(draw, count)
         self.order = []
 
     def __len__(self):
@@ -108,6 +104,64 @@ class ShapeCycle:
             self.order = list(self.shapes)
             self.rng.shuffle(self.order)
         return self.order.pop()
+
+
+def distinct_shapes(draw, count, tries=10000):
+    """count different shapes from draw() (a seeded function), in the
+    order first drawn; ValueError when draw() does not give that many."""
+    shapes = []
+    for _ in range(tries):
+        if len(shapes) == count:
+            break
+        shape = draw()
+        if shape not in shapes:
+            shapes.append(shape)
+    if len(shapes) < count:
+        raise ValueError("only %d different shapes in %d draws, not %d" %
+                         (len(shapes), tries, count))
+    return shapes
+
+
+def shape_sequence(shapes, steps, rng, tries=1000):
+    """The shape of each of `steps` steps, drawn at random from `shapes`
+    with rng (as a data loader's batches come), every shape at least
+    once: the first seeded draw that has them all."""
+    if steps < len(shapes):
+        raise ValueError("%d steps cannot visit %d shapes" %
+                         (steps, len(shapes)))
+    keys = {shape_key(s) for s in shapes}
+    for _ in range(tries):
+        seq = [rng.choice(shapes) for _ in range(steps)]
+        if {shape_key(s) for s in seq} == keys:
+            return seq
+    raise ValueError("no sequence of %d steps visits all %d shapes" %
+                     (steps, len(shapes)))
+
+
+def shape_key(shape):
+    """A hashable key of a shape as a step returns it or as results.json
+    keeps it (tuples come back from JSON as lists)."""
+    return json.dumps(shape, sort_keys=True)
+
+
+def settle_flags(r):
+    """For each step time of result r, whether it is a settling step: the
+    first step at its shape (step_shapes), or, in results without shapes,
+    among the first `warmup` steps."""
+    n = len(r.get("step_times") or [])
+    shapes = r.get("step_shapes")
+    if shapes is None:
+        warm = r.get("warmup", 1)
+        return [i < warm for i in range(n)]
+    if len(shapes) != n:
+        raise ValueError("%s, %s: %d shapes for %d step times" % (
+            r.get("workload"), r.get("allocator"), len(shapes), n))
+    seen, flags = set(), []
+    for s in shapes:
+        k = shape_key(s)
+        flags.append(k not in seen)
+        seen.add(k)
+    return flags
 
 
 def median_ms(step_seconds, skip=1):

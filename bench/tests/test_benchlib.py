@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: MIT
-"""The benchmark's pure parts: fragmentation, tables, capacity search."""
+"""The benchmark's pure parts: fragmentation, tables, capacity search,
+shape sets and settling steps, and bench.py's parent side, without torch."""
 
 import json
 import os
+import random
 import sys
 import tempfile
 import unittest
@@ -14,6 +16,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
 import benchlib  # noqa: E402
 
 G = 1 << 30
+
+
+def result(workload, allocator, times, shapes=None, index=0, **kw):
+    """A child's result record: step times in ms."""
+    r = dict(workload=workload, allocator=allocator, index=index, ok=True,
+             oom=False, step_times=[t / 1000.0 for t in times],
+             step_shapes=shapes if shapes is not None else [[1]] * len(times))
+    r.update(kw)
+    return r
 
 
 class TestMath(unittest.TestCase):
@@ -57,7 +68,6 @@ class TestMath(unittest.TestCase):
         self.assertIsNone(benchlib.median_ms([]))
 
     def test_shape_cycle_rounds(self):
-        import random
         draws = iter([(1, 2), (1, 2), (3, 4), (5, 6), (7, 8), (9, 9)])
         cycle = benchlib.ShapeCycle(random.Random(7), lambda: next(draws), 4)
         self.assertEqual(len(cycle), 4)
@@ -203,8 +213,131 @@ class TestTables(unittest.TestCase):
         self.assertIn("| lora | libgmlake | 8.00 | 64 | 3 | 4 | 1 |", text)
 
 
-if __name__ == "__main__":
-    unittest.main()
+class TestShapes(unittest.TestCase):
+    """Shape sets, per-step sequences, settling steps."""
+
+    def test_distinct_shapes(self):
+        draws = iter([1, 1, 2, 1, 3])
+        self.assertEqual(benchlib.distinct_shapes(lambda: next(draws), 3),
+                         [1, 2, 3])
+        with self.assertRaises(ValueError):
+            benchlib.distinct_shapes(lambda: 5, 2, tries=50)
+
+    def test_sequence_visits_every_shape_and_repeats(self):
+        shapes = [(1, 2), (3, 4), (5, 6), (7, 8)]
+        seq = benchlib.shape_sequence(shapes, 24, random.Random(3))
+        self.assertEqual(len(seq), 24)
+        self.assertEqual(sorted(set(seq)), shapes)
+        self.assertEqual(seq, benchlib.shape_sequence(shapes, 24,
+                                                      random.Random(3)))
+        self.assertNotEqual(seq, benchlib.shape_sequence(shapes, 24,
+                                                         random.Random(4)))
+        self.assertEqual(sorted(set(benchlib.shape_sequence(
+            shapes, 4, random.Random(1)))), shapes)   # each once
+        with self.assertRaises(ValueError):
+            benchlib.shape_sequence(shapes, 3, random.Random(1))
+
+    def test_settle_flags(self):
+        r = result("w", "gmlake", [9, 1, 8, 1, 1, 7],
+                   shapes=[[1, 2], [1, 2], [3, 4], [1, 2], [3, 4], [[5], 6]])
+        self.assertEqual(benchlib.settle_flags(r),
+                         [True, False, True, False, False, True])
+        # Tuples (a step's return) and lists (from JSON) are one shape.
+        r["step_shapes"] = [(1, 2), [1, 2], (3, 4), [3, 4], (1, 2), [5]]
+        self.assertEqual(benchlib.settle_flags(r),
+                         [True, False, True, False, False, True])
+        # Fixed shapes (None): only the first step settles.
+        r["step_shapes"] = [None] * 6
+        self.assertEqual(benchlib.settle_flags(r), [True] + [False] * 5)
+        # Results of format 1: the first `warmup` steps.
+        del r["step_shapes"]
+        r["warmup"] = 4
+        self.assertEqual(benchlib.settle_flags(r), [True] * 4 + [False] * 2)
+        r["step_shapes"] = [[1]] * 5
+        with self.assertRaises(ValueError):
+            benchlib.settle_flags(r)
+
+
+class TestEcosystem(unittest.TestCase):
+    """The ecosystem workloads' shapes, without torch."""
+
+    def setUp(self):
+        import ecosystem
+        self.eco = ecosystem
+
+    def test_import_needs_no_torch(self):
+        for name in self.eco.WORKLOADS:
+            self.assertIn(name, self.eco.BUILDERS)
+            self.assertIn(name, self.eco.REQUIRES)
+        if "torch" not in sys.modules:
+            self.assertNotIn("timm", sys.modules)
+            with self.assertRaises(ValueError):
+                self.eco.build("nope", "full", 1, 4)    # before any import
+
+    def test_shapes_in_range(self):
+        for size in ("full", "quick"):
+            for name in self.eco.WORKLOADS:
+                spec = self.eco.SHAPES[size][name]
+                shapes = self.eco.shape_set(name, size, 1234)
+                self.assertEqual(len(shapes), spec["count"])
+                self.assertEqual(shapes, self.eco.shape_set(name, size, 1234))
+                for s in shapes:
+                    self._check(name, spec, s)
+        # A different seed, different shapes (for most workloads at least).
+        self.assertNotEqual(self.eco.shape_set("eco_vit", "full", 1),
+                            self.eco.shape_set("eco_vit", "full", 2))
+
+    def _check(self, name, spec, s):
+        if name == "eco_vit":
+            b, res = s
+            self.assertIn(b, spec["batch"])
+            self.assertEqual(res % 16, 0)
+            self.assertIn(res, spec["res"])
+        elif name == "eco_maskrcnn":
+            self.assertEqual(len(s), spec["images"])
+            for h, w, n in s:
+                for side in (h, w):
+                    self.assertGreaterEqual(side, spec["side"][0])
+                    self.assertLessEqual(side, spec["side"][1])
+                self.assertGreaterEqual(n, spec["boxes"][0])
+        elif name == "eco_sage":
+            n, e = s
+            self.assertTrue(spec["nodes"][0] <= n <= spec["nodes"][1])
+            self.assertEqual(e, n * spec["degree"])
+        else:
+            b, t = s
+            self.assertLessEqual(b * t, spec["tokens"])
+
+    def test_full_shapes_are_the_brief(self):
+        full = self.eco.SHAPES["full"]
+        self.assertEqual(full["eco_vit"]["res"][0], 192)
+        self.assertEqual(full["eco_vit"]["res"][-1], 320)
+        self.assertEqual((min(full["eco_vit"]["batch"]),
+                          max(full["eco_vit"]["batch"])), (24, 64))
+        self.assertEqual(full["eco_maskrcnn"]["side"], (400, 1100))
+        self.assertEqual(full["eco_sage"]["nodes"], (100000, 400000))
+        llama = self.eco.MODELS["full"]["llama"]
+        self.assertEqual((llama["num_hidden_layers"], llama["hidden_size"],
+                          llama["vocab_size"]), (12, 2048, 32000))
+
+    def test_sequences_have_steady_steps(self):
+        for size in ("full", "quick"):
+            self.assertEqual(sorted(self.eco.STEPS[size]),
+                             sorted(self.eco.WORKLOADS))
+            for name in self.eco.WORKLOADS:
+                steps = self.eco.STEPS[size][name]
+                seq = self.eco.sequence(name, size, 1234, steps)
+                self.assertEqual(len(seq), steps)
+                r = result(name, "gmlake", [1] * steps, shapes=seq)
+                flags = benchlib.settle_flags(r)
+                self.assertEqual(sum(flags),
+                                 self.eco.SHAPES[size][name]["count"])
+                if size == "full":
+                    self.assertGreaterEqual(flags.count(False), 20)
+
+    def test_free_port(self):
+        p = self.eco.free_port()
+        self.assertTrue(0 < p < 65536)
 
 
 class TestBenchCli(unittest.TestCase):
@@ -283,3 +416,7 @@ class TestBenchCli(unittest.TestCase):
         self.assertEqual(got["default"]["peak_reserved"], 5 * G)
         with open(os.path.join(out, "results.md")) as f:
             self.assertIn("3 rounds", f.read())
+
+
+if __name__ == "__main__":
+    unittest.main()
