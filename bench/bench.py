@@ -47,9 +47,9 @@ them. The same by hand, and other uses:
   python3 bench/bench.py --lib ... --sweep      # also the capacity sweep
 
 While a child runs, a line on stderr says what it is doing (on a
-terminal only). It exits 0 when every workload ran, 1 when one failed (the results say
-which), 2 when it could not start (no PyTorch, a module a workload needs,
-a bad option).
+terminal only). bench.py exits 0 when every workload ran, 1 when one
+failed (the results say which), 2 when it could not start (no PyTorch, a
+module a workload needs, a bad option).
 
 Environment: BENCH_VERBOSE=1 prints each step's time on stderr (for
 libgmlake with the memory peaks and the driver calls that took longest in

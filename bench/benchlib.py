@@ -862,9 +862,10 @@ def results_markdown(data):
                   "emptied cache. The batch doubles from 1 until a trial "
                   "fails, then bisects.\n",
                   sweep_table(sweeps)]
-    notes = []
+    notes, noted = [], set()
     for m in merged:
-        if m.get("note") and m["allocator"] == merged[0]["allocator"]:
+        if m.get("note") and m["workload"] not in noted:
+            noted.add(m["workload"])
             notes.append("%s: %s" % (m["workload"], m["note"]))
     for r in rounds:
         notes += ["round %s: %s" % (r["round"], n)

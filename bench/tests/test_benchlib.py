@@ -223,7 +223,7 @@ def three_rounds():
             if a == "gmlake":
                 res.append(result("gpt_offload", a, [90, 30, 30], [None] * 3,
                                   index=2, peak_reserved=4 * G,
-                                  spilled_peak=2 * G))
+                                  spilled_peak=2 * G, note="offloaded"))
             else:
                 res.append(dict(workload="gpt_offload", allocator=a,
                                 index=2, ok=False, oom=False,
@@ -382,7 +382,8 @@ class TestReport(unittest.TestCase):
         self.assertIn("| w1 | all | 0.5 | 0.12 |  | 0.12 | 9.0 |", text)
         self.assertIn("|  | set_access | 0.5 | 0.12 | 250.0 | 0.12 |  |",
                       text)
-        self.assertIn("- round 2: n2\n- round 3: n3\n", text)
+        self.assertIn("## Notes\n\n- gpt_offload: offloaded\n- round 1: n1\n"
+                      "- round 2: n2\n- round 3: n3\n", text)
         self.assertIn("*Mean step ms* is the mean of all steady steps", text)
         self.assertNotIn("| gpt_offload | PyTorch default", text)
 
