@@ -5,36 +5,79 @@ PyTorch's default, PyTorch's expandable segments, and libgmlake.
 
 An allocator cannot be changed once CUDA is initialized, so every
 allocator runs in its own child process (this script with --child), with
-the same seeds, shapes and steps. The parent collects what the children
-print and writes, under --out (default bench/results):
-  results.md    the table, the exact command, GPU and versions;
-  results.json  the raw numbers;
-  chart.png     peak reserved and fragmentation (needs matplotlib).
+the same seeds, shapes and steps. A round runs every allocator once, in
+the order --allocators gives in odd rounds and reversed in even ones.
+Every round goes into --out's results.json (per-step times and shapes,
+libgmlake's driver calls per step), which is rewritten after each child,
+with results.md (every round there merged, see benchlib.py for each
+figure) and chart.png (needs matplotlib). --out defaults to a new folder
+bench/out/<date-time>, never the committed bench/results.
 
-  python3 bench/bench.py --lib BUILD/lib/.libs/libgmlake.so            # full
-  python3 bench/bench.py --lib BUILD/lib/.libs/libgmlake.so --quick    # smoke
+Workloads (--workloads, comma-separated names or groups):
+  gpt  the default: GPT, LoRA, generation and activation offload
+       (workloads.py);
+  eco  models from the ecosystem (ecosystem.py): timm ViT-L, torchvision
+       Mask R-CNN, torch_geometric GraphSAGE, transformers Llama under
+       FSDP2, torch.compile; one round of them takes about 5-8 minutes on
+       an H200;
+  all  both.
+
+On the GPU machine, after `tools/gpu.sh build` on the build machine, run
+each round as its own invocation, K = 1, 2, 3 (at least three rounds):
+
+  GML_GPU_OUT=DIR tools/gpu.sh bench --workloads eco --round K
+
+writes DIR/bench/results.json with round K. Then, anywhere (no torch
+needed), merge the rounds:
+
+  python3 bench/bench.py --report R1 R2 R3 --out bench/results/eco-COMMIT
+
+where R1 R2 R3 are the results.json files (or their folders) of the
+rounds. A round may also come in parts, one invocation each with the same
+--round K and different workloads (--workloads eco_vit,eco_maskrcnn,
+eco_sage, then --workloads eco_llama_fsdp,eco_compile): the report joins
+them. The same by hand, and other uses:
+
+  python3 bench/bench.py --lib BUILD/libgmlake.so --workloads eco \\
+      --round K --out DIR       # round K, added to DIR/results.json
+  python3 bench/bench.py --report --out DIR      # DIR/results.md again
+  python3 bench/bench.py --lib ... --quick --workloads eco   # smoke test
+  python3 bench/bench.py --lib ...              # the gpt workloads
+  python3 bench/bench.py --lib ... --rounds 3   # rounds 1-3 in one call
   python3 bench/bench.py --lib ... --sweep      # also the capacity sweep
 
-The definitions of every figure are in benchlib.py. BENCH_VERBOSE=1
-prints each step's time on stderr (for libgmlake with the memory peaks
-and the driver calls that took longest in the step); BENCH_PROBE=1 makes
-gpt_offload record the offloader's records at backward's largest
-resident_bytes (results.json, offload.probe); BENCH_OFFLOAD='{"lag": 2}'
-gives gpt_offload's offload_activations() those options. A child still
-running after
-BENCH_DUMP_AFTER seconds (default: 20 s before its timeout,
-BENCH_CHILD_TIMEOUT, 480 s in full mode) prints every thread's Python
-stack there.
+While a child runs, a line on stderr says what it is doing (on a
+terminal only). bench.py exits 0 when every workload ran, 1 when one
+failed (the results say which), 2 when it could not start (no PyTorch, a
+module a workload needs, a bad option).
+
+Environment: BENCH_VERBOSE=1 prints each step's time on stderr (for
+libgmlake with the memory peaks and the driver calls that took longest in
+the step); BENCH_PROBE=1 makes gpt_offload record the offloader's records
+at backward's largest resident_bytes (results.json, offload.probe);
+BENCH_OFFLOAD='{"lag": 2}' gives gpt_offload's offload_activations() those
+options; BENCH_CHILD_TIMEOUT (seconds a child may run; default from its
+workloads, child_timeout()); a child still running after BENCH_DUMP_AFTER
+seconds (default: 20 s before its timeout) prints every thread's Python
+stack there; BENCH_COMPILE_CACHE (torch.compile's cache folder, warmed
+once per machine before the first round that runs eco_compile, so that
+every allocator compiles from the same warm cache); BENCH_COMMIT (the
+commit the results name, where git cannot tell).
 """
 
 import argparse
 import datetime
 import gc
+import importlib.util
 import json
 import os
+import queue
 import shlex
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,19 +86,34 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "python"))
 
 import benchlib  # noqa: E402
+import ecosystem  # noqa: E402
 
 MARK = "BENCH-RESULT "
-# Measured steps of each workload, after its warm-up round (one step per
-# distinct shape, workloads.SHAPE_COUNT, or one step at fixed shapes).
-STEPS = {"full": {"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
-                  "gpt_keep": 12, "gpt_save_on_cpu": 12, "gpt_offload": 12,
-                  "generate": 16},
-         "quick": {"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4, "gpt_keep": 4,
-                   "gpt_save_on_cpu": 4, "gpt_offload": 4, "generate": 4}}
+# Steps of each workload. gpt_*, lora, generate: measured steps after a
+# warm-up round (one step per distinct shape, workloads.SHAPE_COUNT, or
+# one step at fixed shapes). eco_*: all steps, settling steps included
+# (ecosystem.STEPS).
+STEPS = {"full": dict({"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
+                       "gpt_keep": 12, "gpt_save_on_cpu": 12,
+                       "gpt_offload": 12, "generate": 16},
+                      **ecosystem.STEPS["full"]),
+         "quick": dict({"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4,
+                        "gpt_keep": 4, "gpt_save_on_cpu": 4,
+                        "gpt_offload": 4, "generate": 4},
+                       **ecosystem.STEPS["quick"])}
 # gpt_offload last: a child that fails there has done the rest.
-WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep",
-             "gpt_save_on_cpu",
-             "generate", "gpt_offload")
+GPT = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep", "gpt_save_on_cpu",
+       "generate", "gpt_offload")
+WORKLOADS = GPT + ecosystem.WORKLOADS
+GROUPS = {"gpt": GPT, "eco": ecosystem.WORKLOADS, "all": WORKLOADS}
+# Seconds a workload may take in a child, building included (the child's
+# timeout is their sum, child_timeout()).
+BUDGET = {"full": dict(dict.fromkeys(GPT, 70), eco_vit=60, eco_maskrcnn=60,
+                       eco_sage=45, eco_llama_fsdp=75, eco_compile=150),
+          "quick": dict(dict.fromkeys(GPT, 10),
+                        **dict.fromkeys(ecosystem.WORKLOADS, 40))}
+# A child's start (imports, CUDA) and the most any child may take.
+CHILD_START, CHILD_MAX = 45, 480
 # Capacity sweep: per workload, the memory cap; each trial is one round of
 # its sequence lengths at one batch (workloads.build_sweep).
 SWEEP = {"full": dict(caps_gib={"gpt_ckpt": 24.0, "lora": 12.0}, limit=1024),
@@ -66,10 +124,57 @@ SWEEP = {"full": dict(caps_gib={"gpt_ckpt": 24.0, "lora": 12.0}, limit=1024),
 # as it goes, in its warm-up too); GMLAKE_HOST_LIMIT and GMLAKE_HOST_PIN
 # override.
 HOST_LIMIT, HOST_PIN = "64G", "32G"
-# Seconds a child may run (BENCH_CHILD_TIMEOUT overrides).
-TIMEOUT = {"full": 480, "quick": 100}
-if os.environ.get("BENCH_CHILD_TIMEOUT"):
-    TIMEOUT = dict.fromkeys(TIMEOUT, int(os.environ["BENCH_CHILD_TIMEOUT"]))
+
+
+def child_timeout(size, names, sweep=False):
+    """Seconds a child running workloads `names` (or their capacity
+    sweep: the most a child may take) may take."""
+    if os.environ.get("BENCH_CHILD_TIMEOUT"):
+        return int(os.environ["BENCH_CHILD_TIMEOUT"])
+    if sweep:
+        return CHILD_MAX
+    return min(CHILD_MAX, CHILD_START + sum(BUDGET[size][n] for n in names))
+
+
+def expand_workloads(spec):
+    """The workload names of a --workloads value (names and groups), in
+    order, each once; ValueError on an unknown one."""
+    if not spec:
+        return list(GPT)
+    names = []
+    for item in spec.split(","):
+        item = item.strip()
+        if item in GROUPS:
+            new = GROUPS[item]
+        elif item in WORKLOADS:
+            new = (item,)
+        else:
+            raise ValueError("unknown workload %r (known: %s; groups: %s)" %
+                             (item, ", ".join(WORKLOADS),
+                              ", ".join(GROUPS)))
+        names += [n for n in new if n not in names]
+    return names
+
+
+def requires(names):
+    """The Python modules the workloads need: torch, and each ecosystem
+    workload's library."""
+    mods = ["torch"]
+    for n in names:
+        mods += [m for m in ecosystem.REQUIRES.get(n, ()) if m not in mods]
+    return mods
+
+
+def missing_modules(mods):
+    """Those of mods this Python cannot import (not imported here)."""
+    return [m for m in mods if importlib.util.find_spec(m) is None]
+
+
+def compile_cache_dir():
+    """torch.compile's cache folder for every child (Inductor's and
+    Triton's), kept on the machine between runs."""
+    return os.environ.get("BENCH_COMPILE_CACHE") or os.path.join(
+        tempfile.gettempdir(), "gmlake-bench-compile")
 
 
 # ---------------------------------------------------------------------------
@@ -79,6 +184,22 @@ def emit(kind, data):
     data = dict(data, kind=kind)
     sys.stdout.write(MARK + json.dumps(data) + "\n")
     sys.stdout.flush()
+
+
+def jsonable(shape):
+    """A step's shape as results.json keeps it (tuples as lists)."""
+    return json.loads(json.dumps(shape))
+
+
+def call_delta(old, new):
+    """libgmlake's driver calls between two Memory.snapshot()s:
+    {kind: [calls, ns]} of the kinds that made calls."""
+    d = {}
+    for kind, (n, ns) in new.items():
+        n0, ns0 = old.get(kind, (0, 0))
+        if n != n0 or ns != ns0:
+            d[kind] = [n - n0, ns - ns0]
+    return d
 
 
 class Memory:
@@ -97,6 +218,25 @@ class Memory:
     def driver_used(self):
         free, total = self.torch.cuda.mem_get_info(self.device)
         return total - free
+
+    def snapshot(self):
+        """libgmlake: {kind: (calls, ns)} of its driver calls so far;
+        PyTorch: (num_device_alloc, num_device_free)."""
+        if self.allocator == "gmlake":
+            try:
+                st = self.gmlake.stats(self.device)
+            except RuntimeError:
+                return {}   # nothing allocated through libgmlake yet
+            return {k[len("call_ns."):]: (st["calls." + k[len("call_ns."):]],
+                                          v)
+                    for k, v in st.items() if k.startswith("call_ns.")}
+        st = self.torch.cuda.memory_stats(self.device)
+        return (st.get("num_device_alloc", 0), st.get("num_device_free", 0))
+
+    def delta(self, old, new):
+        if self.allocator == "gmlake":
+            return call_delta(old, new)
+        return [new[0] - old[0], new[1] - old[1]]
 
     def now(self):
         """GiB reserved now and at peak, and the peak of live blocks on
@@ -145,6 +285,7 @@ class Memory:
                      "host_peak": st["host_bytes.peak"],
                      "stitches": st["stitches"],
                      "stitch_reuses": st["stitch_reuses"],
+                     "stitch_repairs": st.get("stitch_repairs"),
                      "map_calls": st["calls.mem_map"],
                      "driver_ms": sum(v for k, v in st.items()
                                       if k.startswith("call_ns.")) / 1e6,
@@ -187,46 +328,85 @@ def cuda_ok(torch):
         return False
 
 
+def build_workload(name, size, seed):
+    """The workload's state and how many steps to run."""
+    if name in ecosystem.WORKLOADS:
+        state = ecosystem.build(name, size, seed, STEPS[size][name])
+        return state, state["steps"]
+    import workloads
+    state = workloads.build(name, size, seed)
+    return state, state["warmup"] + STEPS[size][name]
+
+
+def run_steps(name, args, mem, state, total, r):
+    """Run and time the workload's steps into r: step_times (s),
+    step_shapes, and per step libgmlake's driver calls (step_calls) or
+    PyTorch's device allocations and frees (step_segments); the highest
+    driver-side use seen (returned). With args.warmup, one step at each
+    of the workload's shapes, nothing else recorded."""
+    torch = mem.torch
+    used = mem.driver_used()
+    if args.warmup:
+        for shape in state["shapes"]:
+            state["step_at"](shape)
+        torch.cuda.synchronize()
+        return used
+    times, shapes, per_step = r["step_times"], r["step_shapes"], []
+    r["step_calls" if args.allocator == "gmlake" else "step_segments"] = \
+        per_step
+    snap = mem.snapshot()
+    for i in range(total):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        shape = state["step"]()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        shapes.append(jsonable(shape))
+        new = mem.snapshot()
+        per_step.append(mem.delta(snap, new))
+        snap = new
+        used = max(used, mem.driver_used())
+        emit("progress", dict(workload=name, step=i + 1, steps=total))
+        if os.environ.get("BENCH_VERBOSE"):
+            sys.stderr.write("bench: %s %s step %d %s: %.1f ms, %s\n"
+                             % (args.allocator, name, len(times),
+                                json.dumps(shapes[-1]), times[-1] * 1000,
+                                mem.now()))
+    return used
+
+
 def run_workload(name, index, args, mem):
     import torch
-    import workloads
-    steps = STEPS[args.size][name]
     r = dict(workload=name, index=index, allocator=args.allocator,
-             steps=steps, ok=False, oom=False)
+             ok=False, oom=False, step_times=[], step_shapes=[])
     if not benchlib.applies(name, args.allocator):
-        r.update(skipped=benchlib.ONLY[name][1], steps_done=0,
-                 step_times=[], step_ms=None)
+        r.update(skipped=benchlib.ONLY[name][1], steps_done=0)
         return r
     mem.reset()
-    base = mem.driver_used()
-    used = base
-    times = []
+    base = used = mem.driver_used()
     state = None
+    emit("progress", dict(workload=name, step=0, steps=None))
     try:
         with guard(args.allocator):
-            state = workloads.build(name, args.size, args.seed)
+            state, total = build_workload(name, args.size, args.seed)
             r["note"] = state["note"]
-            r["warmup"] = warmup = state["warmup"]
-            for _ in range(warmup + steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                state["step"]()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                used = max(used, mem.driver_used())
-                if os.environ.get("BENCH_VERBOSE"):
-                    sys.stderr.write("bench: %s %s step %d: %.1f ms, %s\n"
-                                     % (args.allocator, name, len(times),
-                                        times[-1] * 1000, mem.now()))
+            r["steps"] = total
+            if state.get("warmup"):
+                r["warmup"] = state["warmup"]
+            used = run_steps(name, args, mem, state, total, r)
         r["ok"] = True
     except Exception as e:  # report, go on with the next workload
         r["oom"] = is_oom(torch, e)
         r["error"] = "%s: %s" % (type(e).__name__, str(e)[:2000])
     if state and state.get("stats"):
         r["offload"] = state["stats"]()
-    r["steps_done"] = len(times)
-    r["step_times"] = times
-    r["step_ms"] = benchlib.median_ms(times, skip=r.get("warmup", 1))
+    if state and state.get("close"):
+        try:
+            state["close"]()
+        except Exception as e:
+            r.setdefault("error", "closing: %s: %s" % (type(e).__name__,
+                                                       str(e)[:500]))
+    r["steps_done"] = len(r["step_times"])
     del state
     if not cuda_ok(torch):
         r["cuda_broken"] = True
@@ -296,11 +476,15 @@ def run_sweep(name, args, mem):
 
 
 def child(args):
+    sweep = args.child == "sweep"
+    items = [] if sweep else [item.split(":")
+                              for item in args.workloads.split(",")]
     # A child that hangs shows where, on stderr, before the parent's
     # timeout kills it.
     import faulthandler
     faulthandler.dump_traceback_later(
-        float(os.environ.get("BENCH_DUMP_AFTER", TIMEOUT[args.size] - 20)),
+        float(os.environ.get("BENCH_DUMP_AFTER", child_timeout(
+            args.size, [n for _, n in items], sweep) - 20)),
         exit=False)
     if args.allocator == "gmlake":
         import gmlake.torch
@@ -310,6 +494,7 @@ def child(args):
         emit("fatal", dict(error="no CUDA device visible to PyTorch"))
         return 1
     torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     mem = Memory(args.allocator)
     props = torch.cuda.get_device_properties(mem.device)
     emit("meta", dict(allocator=args.allocator, torch=torch.__version__,
@@ -324,8 +509,7 @@ def child(args):
             if s.get("cuda_broken"):
                 return 3
         return 0
-    for item in args.workloads.split(","):
-        index, name = item.split(":")
+    for index, name in items:
         r = run_workload(name, int(index), args, mem)
         emit("result", r)
         if r.get("cuda_broken"):
@@ -334,7 +518,7 @@ def child(args):
 
 
 # ---------------------------------------------------------------------------
-# Parent: a child per allocator, restarts, the report.
+# Parent: a child per allocator, restarts, rounds, the report.
 
 def gmlake_settings():
     """The offload settings the libgmlake child runs with."""
@@ -353,40 +537,146 @@ def child_env(allocator, lib):
         env["GMLAKE_BACKEND"] = "cuda"
         # save_on_cpu pins what it needs; give the offloader room alike.
         env.update(gmlake_settings())
+    # Every child compiles from the same caches (see warm_compile_cache).
+    cache = compile_cache_dir()
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
+    env.setdefault("TRITON_CACHE_DIR", os.path.join(cache, "triton"))
+    env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     env["PYTHONPATH"] = os.pathsep.join(
         [HERE, os.path.join(REPO, "python")] +
         ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
-def run_child(args, allocator, what, extra):
+class Progress:
+    """One line on stream, rewritten in place while a child runs; nothing
+    at all when stream is not a terminal."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.on = hasattr(stream, "isatty") and stream.isatty()
+        self.shown = False
+
+    def show(self, text):
+        if self.on:
+            self.stream.write("\r" + text[:150] + "\x1b[K")
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self):
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def progress_text(label, record, seconds):
+    """The progress line: what runs, its step, seconds so far."""
+    what = label
+    if record:
+        what += ": " + record["workload"]
+        if record.get("steps"):
+            what += " step %d/%d" % (record["step"], record["steps"])
+        else:
+            what += " building"
+    return "%s, %d s" % (what, seconds)
+
+
+def _kill(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_process(cmd, env, timeout, label, stderr=None):
+    """Run cmd (in a session of its own, so that a timeout kills what it
+    started too) until it exits or `timeout` seconds pass. Returns (rc or
+    "timeout", the records of its MARK lines); other lines of its stdout
+    are printed, indented. Progress records update a progress line on
+    stderr (a terminal only) and are not returned."""
+    stderr = stderr or sys.stderr
+    progress = Progress(stderr)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                            bufsize=1, start_new_session=True)
+    lines = queue.Queue()
+
+    def reader():
+        with proc.stdout:
+            for line in proc.stdout:
+                lines.put(line)
+        lines.put(None)
+    threading.Thread(target=reader, daemon=True).start()
+    start = time.monotonic()
+    records, last, rc, quiet = [], None, None, 0
+    try:
+        while True:
+            waited = time.monotonic() - start
+            if rc is None and waited > timeout:
+                _kill(proc)
+                proc.wait()
+                rc = "timeout"
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                # Done once the child is gone and its pipe stays quiet
+                # (something it started may hold the pipe open).
+                if rc is None:
+                    rc = proc.poll()
+                quiet = quiet + 1 if rc is not None else 0
+                if quiet >= 4:
+                    break
+                progress.show(progress_text(label, last, waited))
+                continue
+            if line is None:
+                break
+            if line.startswith(MARK):
+                r = json.loads(line[len(MARK):])
+                if r.get("kind") == "progress":
+                    last = r
+                    progress.show(progress_text(label, last, waited))
+                else:
+                    records.append(r)
+                continue
+            progress.clear()
+            print("   " + line.rstrip("\n"), flush=True)
+    except BaseException:
+        _kill(proc)
+        raise
+    finally:
+        progress.clear()
+    if rc is None:
+        rc = proc.wait()
+    return rc, records
+
+
+def result_line(r):
+    """One line of a child's result, for the terminal."""
+    s = benchlib.step_summary(r.get("step_times") or [],
+                              benchlib.settle_flags(r))
+    return "   %-16s %-14s mean %s ms, median %s ms, %d settling steps " \
+        "%s ms; reserved %s GiB, fragmentation %s %%" % (
+            r["workload"], benchlib.status(r),
+            benchlib._cell(s["mean_ms"], "%.1f"),
+            benchlib._cell(s["median_ms"], "%.1f"), s["settle_steps"],
+            benchlib._cell(s["settle_ms"], "%.0f"),
+            benchlib._cell(benchlib.gib(r.get("peak_reserved"))),
+            benchlib._cell(r.get("fragmentation"), "%.1f"))
+
+
+def run_child(args, allocator, what, extra, names=(), label=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", what,
            "--allocator", allocator, "--size", args.size,
            "--seed", str(args.seed), "--lib", args.lib] + extra
-    out = []
-    print("== %s: %s" % (benchlib.ALLOCATOR_NAMES[allocator], what),
-          flush=True)
-    try:
-        proc = subprocess.run(cmd, env=child_env(allocator, args.lib),
-                              stdout=subprocess.PIPE, text=True,
-                              timeout=TIMEOUT[args.size])
-        rc, text = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        rc = "timeout"
-        text = e.stdout.decode() if isinstance(e.stdout, bytes) else \
-            (e.stdout or "")
-    for line in text.splitlines():
-        if line.startswith(MARK):
-            out.append(json.loads(line[len(MARK):]))
-        else:
-            print("   " + line)
+    label = label or benchlib.ALLOCATOR_NAMES[allocator]
+    print("== %s: %s %s" % (label, what, ",".join(names)), flush=True)
+    rc, out = run_process(cmd, child_env(allocator, args.lib),
+                          child_timeout(args.size, names, what == "sweep"),
+                          label)
     for r in out:
         if r["kind"] == "result":
-            print("   %-16s ok=%s oom=%s reserved=%s frag=%s step=%s ms" % (
-                r["workload"], r["ok"], r["oom"],
-                benchlib._cell(benchlib.gib(r.get("peak_reserved"))),
-                benchlib._cell(r.get("fragmentation"), "%.1f"),
-                benchlib._cell(r.get("step_ms"), "%.1f")), flush=True)
+            print(result_line(r), flush=True)
     return rc, out
 
 
@@ -404,7 +694,7 @@ def run_allocator(args, allocator, names, meta, notes):
             break
         spec = ",".join("%d:%s" % (i, n) for i, n in todo)
         rc, out = run_child(args, allocator, "workloads",
-                            ["--workloads", spec])
+                            ["--workloads", spec], [n for _, n in todo])
         done, fatal = set(), False
         for r in out:
             if r["kind"] == "meta":
@@ -436,6 +726,38 @@ def run_allocator(args, allocator, names, meta, notes):
     return results
 
 
+def warm_compile_cache(args, names, rnd):
+    """Before the first round on this machine that runs eco_compile: one
+    step at each of its shapes under PyTorch's default allocator, not
+    measured, so that every allocator's child compiles from the same warm
+    caches (else the first child of the round would compile cold)."""
+    if "eco_compile" not in names:
+        return
+    stamp = os.path.join(compile_cache_dir(), "bench-warm-%s-%d" %
+                         (args.size, args.seed))
+    if os.path.exists(stamp):
+        rnd["notes"].append("torch.compile's caches were warm from an "
+                            "earlier run on this machine")
+        return
+    t0 = time.time()
+    rc, out = run_child(args, "default", "workloads",
+                        ["--workloads", "%d:eco_compile" %
+                         names.index("eco_compile"), "--warmup"],
+                        ["eco_compile"], "torch.compile warm-up")
+    ok = rc == 0 and any(r["kind"] == "result" and r.get("ok")
+                         for r in out)
+    if ok:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write("warmed %s\n" % datetime.datetime.now().isoformat())
+    rnd["notes"].append(
+        "before the allocators, torch.compile's caches were warmed by one "
+        "step at each eco_compile shape under PyTorch's default "
+        "allocator, not measured (%.0f s)%s" % (
+            time.time() - t0, "" if ok else "; that failed (exit %s), so "
+            "the round's first child compiled cold" % rc))
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", help="libgmlake.so (default: GMLAKE_LIBRARY, "
@@ -446,26 +768,47 @@ def parse(argv):
                    help="also the capacity sweep under a memory cap")
     p.add_argument("--only-sweep", action="store_true",
                    help="the capacity sweep only")
-    p.add_argument("--workloads", help="comma-separated subset of: %s" %
-                   ",".join(WORKLOADS))
+    p.add_argument("--workloads", help="comma-separated names or groups "
+                   "(%s); default gpt. Names: %s" %
+                   (", ".join(GROUPS), ", ".join(WORKLOADS)))
     p.add_argument("--allocators", default=",".join(benchlib.ALLOCATORS),
-                   help="comma-separated subset of: %s" %
+                   help="comma-separated subset of: %s; odd rounds run "
+                   "them in this order, even rounds in reverse" %
                    ",".join(benchlib.ALLOCATORS))
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run every allocator this many times, the order "
-                   "reversed every other round; step times are the median "
-                   "of the rounds' (for workloads whose times vary from "
-                   "run to run)")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    rounds = p.add_mutually_exclusive_group()
+    rounds.add_argument("--round", type=int, metavar="K",
+                        help="run round K (1, 2, ...) only, into --out's "
+                        "results.json (replacing round K's run of the same "
+                        "workloads there)")
+    rounds.add_argument("--rounds", type=int, metavar="N",
+                        help="run rounds 1 to N in this call (default 1)")
+    p.add_argument("--report", nargs="*", metavar="RESULTS",
+                   help="run nothing: merge the rounds of every RESULTS (a "
+                   "results.json or its folder; default --out's) into "
+                   "--out's results.json and results.md")
+    p.add_argument("--out", help="folder for results.json, results.md and "
+                   "chart.png (default: a new folder bench/out/<date-time>)")
     p.add_argument("--child", choices=("workloads", "sweep"),
                    help=argparse.SUPPRESS)
     p.add_argument("--allocator", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
+    p.add_argument("--warmup", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.child:
         args.size = "quick" if args.quick else "full"
     return args
+
+
+def default_out(now=None):
+    """A new folder name under bench/out for this run's results."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(HERE, "out", stamp)
+    n = 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(HERE, "out", "%s-%d" % (stamp, n))
+    return path
 
 
 def shown_path(path):
@@ -500,14 +843,162 @@ def shown_command(argv):
     return " ".join(shlex.quote(w) for w in words)
 
 
+def source_commit():
+    """The commit of the sources that ran (BENCH_COMMIT, else git's HEAD,
+    "-dirty" with changes to tracked files); None where neither tells."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=7",
+                               "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
+                                "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+class Store:
+    """--out's results.json and results.md, written again after every
+    child, so that a run cut short keeps what it did."""
+
+    def __init__(self, out):
+        self.out = out
+        self.path = os.path.join(out, "results.json")
+        self.data = None
+        if os.path.exists(self.path):
+            self.data = benchlib.as_rounds(benchlib.load_json(self.path))
+
+    def has(self, k, names):
+        """Whether round k's run of any of workloads `names` is here."""
+        probe = dict(round=k, results=[dict(workload=n) for n in names])
+        return any(benchlib.clash(r, probe)
+                   for r in (self.data or {}).get("rounds", []))
+
+    def put(self, rnd):
+        os.makedirs(self.out, exist_ok=True)
+        self.data, _ = benchlib.add_round(self.data, rnd)
+        write_report(self.out, self.data, self.path)
+
+
+def write_report(out, data, json_path=None):
+    """results.json (unless json_path is None), results.md, chart.png."""
+    os.makedirs(out, exist_ok=True)
+    if json_path:
+        benchlib.write_json(json_path, data)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(benchlib.results_markdown(data))
+    return benchlib.chart(benchlib.merge(data["rounds"]),
+                          os.path.join(out, "chart.png"))
+
+
+def run_round(args, k, names, allocators, store, argv, sweep):
+    """Round k: every allocator's child in the round's order, then the
+    capacity sweep if `sweep`; returns the round's record (also in the
+    store)."""
+    start = time.time()
+    rnd = dict(round=k, order=benchlib.round_order(allocators, k),
+               complete=False, command=shown_command(argv), mode=args.size,
+               seed=args.seed, library=shown_path(args.lib),
+               commit=source_commit(),
+               gmlake_env=" ".join("%s=%s" % kv
+                                   for kv in gmlake_settings().items()),
+               date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+               notes=[], results=[], sweeps=[])
+    if store.has(k, [] if args.only_sweep else names):
+        rnd["notes"].append("replaces an earlier round %d of these "
+                            "workloads in this results.json" % k)
+    print("== round %d: %s" % (k, ", ".join(
+        benchlib.ALLOCATOR_NAMES[a] for a in rnd["order"])), flush=True)
+    if not args.only_sweep:
+        warm_compile_cache(args, names, rnd)
+        for a in rnd["order"]:
+            rnd["results"] += run_allocator(args, a, names, rnd,
+                                            rnd["notes"])
+            rnd["wall_s"] = round(time.time() - start, 1)
+            store.put(rnd)
+    if sweep:
+        run_sweeps(args, names, allocators, rnd)
+    for r in rnd["results"]:
+        if r.get("error"):
+            rnd["notes"].append("%s, %s: %s" % (benchlib.ALLOCATOR_NAMES.get(
+                r["allocator"]), r["workload"], r["error"][:300]))
+    rnd["complete"] = True
+    rnd["wall_s"] = round(time.time() - start, 1)
+    store.put(rnd)
+    return rnd
+
+
+def run_sweeps(args, names, allocators, rnd):
+    todo = [n for n in SWEEP[args.size]["caps_gib"]
+            if not args.workloads or n in names]
+    if not todo:
+        rnd["notes"].append("no capacity sweep: it runs %s only" %
+                            ", ".join(SWEEP[args.size]["caps_gib"]))
+        return
+    for a in allocators:
+        rc, out = run_child(args, a, "sweep",
+                            ["--workloads", ",".join(todo)], todo)
+        got = [r for r in out if r["kind"] == "sweep"]
+        rnd["sweeps"] += got
+        for r in out:
+            if r["kind"] == "meta":
+                note_meta(rnd, r)
+        if len(got) < len(todo):
+            rnd["notes"].append("%s sweep: the child exited with %s after "
+                                "%d of %d workloads" % (a, rc, len(got),
+                                                        len(todo)))
+
+
+def failed(rnd):
+    """Whether anything of round rnd failed: a workload that did not run
+    to its end, a sweep that stopped."""
+    if any(benchlib.status(r) in ("error", "out of memory")
+           for r in rnd["results"]):
+        return True
+    return any(s.get("error") or s.get("cuda_broken")
+               for s in rnd["sweeps"]) or any(
+        "sweep: the child exited" in n for n in rnd["notes"])
+
+
+def report(args):
+    """--report: merge rounds from results.json files into --out."""
+    inputs = args.report or ([args.out] if args.out else [])
+    if not inputs:
+        sys.stderr.write("bench.py: --report needs results to read: "
+                         "--report RESULTS... or --out DIR\n")
+        return 2
+    try:
+        datas = [benchlib.load_json(p) for p in inputs]
+        data = benchlib.merge_data(datas)
+    except (OSError, ValueError) as e:
+        sys.stderr.write("bench.py: %s\n" % e)
+        return 2
+    out = args.out or default_out()
+    json_path = os.path.join(out, "results.json")
+    same = [p for p in inputs if os.path.abspath(
+        os.path.join(p, "results.json") if os.path.isdir(p) else p) ==
+        os.path.abspath(json_path)]
+    msg = write_report(out, data, None if same else json_path)
+    print(benchlib.console_summary(data))
+    n = len(benchlib.round_ids(data["rounds"]))
+    print("%s; %d round%s; report in %s" % (msg, n, "" if n == 1 else "s",
+                                            out))
+    return 0
+
+
 def main(argv=None):
-    args = parse(argv if argv is not None else sys.argv[1:])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
     if args.child:
         return child(args)
-    import gmlake
     try:
-        args.lib = gmlake.find_library(args.lib)
-    except gmlake.LibraryNotFoundError as e:
+        names = expand_workloads(args.workloads)
+    except ValueError as e:
         sys.stderr.write("bench.py: %s\n" % e)
         return 2
     allocators = args.allocators.split(",")
@@ -515,66 +1006,54 @@ def main(argv=None):
         if a not in benchlib.ALLOCATORS:
             sys.stderr.write("bench.py: unknown allocator %r\n" % a)
             return 2
-    if args.rounds < 1:
-        sys.stderr.write("bench.py: --rounds must be at least 1, not %d\n" %
-                         args.rounds)
-        return 2
-    names = args.workloads.split(",") if args.workloads else \
-        list(WORKLOADS)
-    for n in names:
-        if n not in WORKLOADS:
-            sys.stderr.write("bench.py: unknown workload %r (known: %s)\n" %
-                             (n, ", ".join(WORKLOADS)))
+    for opt in ("round", "rounds"):
+        if getattr(args, opt) is not None and getattr(args, opt) < 1:
+            sys.stderr.write("bench.py: --%s must be at least 1, not %d\n"
+                             % (opt, getattr(args, opt)))
             return 2
+    if args.report is not None:
+        return report(args)
+    missing = missing_modules(requires(names))
+    if missing:
+        sys.stderr.write(
+            "bench.py: cannot run: %s not importable by %s. The benchmark "
+            "runs on a GPU machine with PyTorch%s (--report needs neither)."
+            "\n" % (", ".join(missing), sys.executable,
+                    " and the ecosystem workloads' libraries"
+                    if missing != ["torch"] else ""))
+        return 2
+    import gmlake
+    try:
+        args.lib = gmlake.find_library(args.lib)
+    except gmlake.LibraryNotFoundError as e:
+        sys.stderr.write("bench.py: %s\n" % e)
+        return 2
+    args.out = args.out or default_out()
+    try:
+        store = Store(args.out)
+    except (OSError, ValueError) as e:
+        sys.stderr.write("bench.py: %s: %s\n" % (args.out, e))
+        return 2
+    ks = [args.round] if args.round else list(range(1, (args.rounds or 1)
+                                                     + 1))
     start = time.time()
-    meta = dict(command=shown_command(sys.argv),
-                mode=args.size, library=shown_path(args.lib),
-                gmlake_env=" ".join("%s=%s" % kv
-                                    for kv in gmlake_settings().items()),
-                rounds=args.rounds,
-                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
-    notes, results, sweeps = [], [], []
-    if not args.only_sweep:
-        for k in range(args.rounds):
-            for a in allocators if k % 2 == 0 else allocators[::-1]:
-                results += run_allocator(args, a, names, meta, notes)
-        results = benchlib.merge_rounds(results)
-    if args.sweep or args.only_sweep:
-        todo = [n for n in SWEEP[args.size]["caps_gib"]
-                if not args.workloads or n in names]
-        for a in allocators:
-            rc, out = run_child(args, a, "sweep",
-                                ["--workloads", ",".join(todo)])
-            got = [r for r in out if r["kind"] == "sweep"]
-            sweeps += got
-            for r in out:
-                if r["kind"] == "meta":
-                    note_meta(meta, r)
-            if len(got) < len(todo):
-                notes.append("%s sweep: the child exited with %s after %d "
-                             "of %d workloads" % (a, rc, len(got), len(todo)))
-    for r in results:
-        if r.get("error"):
-            notes.append("%s, %s: %s" % (benchlib.ALLOCATOR_NAMES.get(
-                r["allocator"]), r["workload"], r["error"][:300]))
-        if r.get("note") and r["allocator"] == allocators[0]:
-            notes.append("%s: %s" % (r["workload"], r["note"]))
-    meta["notes"] = notes
-    meta["wall_s"] = round(time.time() - start, 1)
-    os.makedirs(args.out, exist_ok=True)
-    benchlib.write_json(os.path.join(args.out, "results.json"),
-                        dict(meta=meta, results=results, sweeps=sweeps))
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(benchlib.results_markdown(meta, results, sweeps))
-    print(benchlib.chart(results, os.path.join(args.out, "chart.png")))
-    print(benchlib.results_table(results))
-    offload = benchlib.offload_table(results)
+    bad = False
+    for k in ks:
+        bad |= failed(run_round(args, k, names, allocators, store,
+                                [sys.argv[0]] + argv,
+                                (args.sweep or args.only_sweep) and
+                                k == ks[-1]))
+    print(benchlib.console_summary(store.data))
+    offload = benchlib.offload_table(benchlib.merge(store.data["rounds"]))
     if offload:
         print(offload)
+    sweeps = [s for r in store.data["rounds"] for s in r.get("sweeps", [])]
     if sweeps:
         print(benchlib.sweep_table(sweeps))
-    print("wall time %.0f s; results in %s" % (meta["wall_s"], args.out))
-    return 0
+    print("wall time %.0f s; results in %s%s" % (
+        time.time() - start, args.out,
+        "; some workloads failed" if bad else ""))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 """The benchmark's models and training/inference steps (needs torch).
 
 Every workload is built by build(name, size, seed) and returns a dict with
-"step" (one training or generation step; shapes drawn from a seeded
-random.Random, so every allocator sees the same sequence) and "note".
+"step" (one training or generation step, returning the shape it ran at;
+shapes drawn from a seeded random.Random, so every allocator sees the same
+sequence), "warmup" (steps in its first round: one per distinct shape) and
+"note".
 Sizes: "full" fits an H200 with room to spare; "quick" is tiny, for smoke
 tests.
 """
@@ -232,7 +234,9 @@ def gpt_workload(size, how, rng):
                     "plain" if how == "keep" else how)
 
     def step():
-        train(*(shapes.next() if shapes else (s["plain_b"], s["plain_t"])))
+        shape = shapes.next() if shapes else (s["plain_b"], s["plain_t"])
+        train(*shape)
+        return shape
     notes = {"ckpt": "GPT, activation checkpointing, variable batch and "
                      "sequence length",
              "plain": "GPT, no checkpointing, fixed shapes",
@@ -367,7 +371,9 @@ def lora_workload(size, rng):
         opt.zero_grad(set_to_none=True)
 
     def step():
-        train(*shapes.next())
+        shape = shapes.next()
+        train(*shape)
+        return shape
     return dict(step=step, train=train, note="LoRA fine-tuning, gradient "
                 "checkpointing, variable shapes: " + how, keep=(model, opt),
                 warmup=len(shapes))
@@ -381,7 +387,8 @@ def generate_workload(size, rng):
 
     @torch.no_grad()
     def step():
-        b, t, new = shapes.next()
+        shape = shapes.next()
+        b, t, new = shape
         idx = torch.randint(0, m["vocab"], (b, t), device="cuda")
         caches = [dict() for _ in model.layers]
         logits = model(idx, caches)
@@ -389,6 +396,7 @@ def generate_workload(size, rng):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             logits = model(nxt, caches)
         del caches, logits
+        return shape
     return dict(step=step, note="greedy generation, KV cache grown by "
                 "concatenation every token, variable batch and prompt",
                 keep=(model,), warmup=len(shapes))

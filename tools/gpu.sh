@@ -17,8 +17,15 @@
 #   tools/gpu.sh bench [BENCH-ARGS...]
 #	On the GPU machine: python3 bench/bench.py with build-gpu/libgmlake.so
 #	(PyTorch's allocators against libgmlake on real models), writing to
-#	${GML_GPU_OUT:-/tmp}/bench; BENCH-ARGS go to bench.py (--quick,
-#	--sweep, --workloads ...).
+#	${GML_GPU_OUT:-/tmp}/bench (results.json, results.md); BENCH-ARGS go
+#	to bench.py (--workloads gpt|eco|all|NAMES, --round K, --rounds N,
+#	--quick, --sweep, --report ...). One round of the ecosystem workloads
+#	in one call (K = 1, 2, 3, each call its own):
+#	    GML_GPU_OUT=DIR tools/gpu.sh bench --workloads eco --round K
+#	then merge the rounds' results.json anywhere, without a GPU:
+#	    python3 bench/bench.py --report R1 R2 R3 --out DIR
+#	With --report, bench needs no build: it reads the results in
+#	${GML_GPU_OUT:-/tmp}/bench (or those named) and runs nothing.
 #
 #   tools/gpu.sh run
 #	On the GPU machine, in the repository root, with build-gpu/ copied
@@ -285,6 +292,13 @@ do_run() {
 }
 
 do_bench() {
+	local a
+	for a in "$@"; do
+		if [ "$a" = --report ]; then
+			python3 bench/bench.py --out "$out/bench" "$@"
+			return
+		fi
+	done
 	if [ ! -f "$build/libgmlake.so" ]; then
 		echo "gpu.sh: $build/libgmlake.so missing; run 'tools/gpu.sh build' first" >&2
 		exit 1
