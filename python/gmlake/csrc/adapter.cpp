@@ -935,6 +935,10 @@ void install(const std::string& path) {
   api.gmlake_torch_set_sync_hook(&hook_sync);
   auto alloc = std::make_shared<GmlakeAllocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(alloc);
+  // Code that asks for the CUDA device allocator by type
+  // (c10::GetAllocator, c10::getDeviceAllocator) gets it too; PyTorch's
+  // own registers at priority 0.
+  c10::SetAllocator(c10::DeviceType::CUDA, alloc.get(), 1);
   // Kept for the life of the process: tensors are freed until the end.
   installed_allocator = new std::shared_ptr<GmlakeAllocator>(alloc);
 }
