@@ -16,7 +16,9 @@
 #ifndef GMLAKE_TORCH_H
 #define GMLAKE_TORCH_H
 
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include <gmlake.h>
 
@@ -40,8 +42,18 @@ void gmlake_torch_empty_cache(void);
 /* torch.cuda.set_per_process_memory_fraction(): a device limit of
  * fraction times the device's memory (0 < fraction <= 1). */
 void gmlake_torch_memory_fraction(double fraction, int device);
+/* torch.cuda.get_per_process_memory_fraction(): the fraction set last
+ * (1 when none was). 0 or -EINVAL. */
+int gmlake_torch_memory_fraction_get(int device, double *fraction);
 /* Tensor.record_stream(): gmlake_record_stream() on the owning context. */
 void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream);
+
+/*
+ * The log level of allocation failures (enum gmlake_log_level; default
+ * GMLAKE_LOG_ERROR, since PyTorch's pluggable allocator drops them). A
+ * caller that raises them itself (the C++ adapter) lowers it.
+ */
+void gmlake_torch_set_fail_level(int level);
 
 /*
  * The context serving device (for gmlake_stats_get() and friends; owned
@@ -55,6 +67,175 @@ int gmlake_torch_ctx_get(int device, gmlake_ctx **ctx);
  * failures there have been so far (0: none, buf gets ""), or -EINVAL.
  */
 int gmlake_torch_error(char *buf, size_t size);
+
+/*
+ * Statistics under PyTorch's names (torch.cuda.memory_stats(): the
+ * "all" aggregate of its StatArrays, and its counters), made from the
+ * device's gmlake_stats and the counts these entry points keep. A device
+ * with nothing allocated yet reads all zeros. Blocks parked in a private
+ * pool (below) count as free here, as PyTorch counts its pools' free
+ * blocks. The caller sets version and size.
+ */
+#define GMLAKE_TORCH_STATS_VERSION 1
+
+/* Stat arrays of PyTorch's DeviceStats, in its order. */
+#define GMLAKE_TORCH_FOREACH_STAT(X)					\
+	X(allocation)		/* live blocks */			\
+	X(segment)		/* physical chunks */			\
+	X(active)		/* live blocks */			\
+	X(inactive_split)	/* always 0: every free chunk can go */	\
+	X(allocated_bytes)						\
+	X(reserved_bytes)						\
+	X(active_bytes)							\
+	X(inactive_split_bytes)						\
+	X(requested_bytes)
+
+/* Counters of PyTorch's DeviceStats. */
+#define GMLAKE_TORCH_FOREACH_COUNT(X)					\
+	X(num_alloc_retries)	/* allocations retried after a trim */	\
+	X(num_ooms)		/* allocations that failed */		\
+	X(num_sync_all_streams)	/* trims (they wait for all streams) */	\
+	X(num_device_alloc)	/* chunks created */			\
+	X(num_device_free)	/* chunks released */
+
+/* PyTorch's struct Stat: allocated - freed == current. */
+struct gmlake_torch_stat {
+	int64_t current;
+	int64_t peak;
+	int64_t allocated;
+	int64_t freed;
+};
+
+struct gmlake_torch_stats {
+	uint32_t version;	/* GMLAKE_TORCH_STATS_VERSION */
+	uint32_t size;		/* sizeof(struct gmlake_torch_stats) */
+#define GMLAKE_TORCH_STATS_STAT(name) struct gmlake_torch_stat name;
+	GMLAKE_TORCH_FOREACH_STAT(GMLAKE_TORCH_STATS_STAT)
+#undef GMLAKE_TORCH_STATS_STAT
+#define GMLAKE_TORCH_STATS_COUNT(name) int64_t name;
+	GMLAKE_TORCH_FOREACH_COUNT(GMLAKE_TORCH_STATS_COUNT)
+#undef GMLAKE_TORCH_STATS_COUNT
+	uint64_t reserved[16];
+};
+
+/* Fill *st for device. 0, or -EINVAL (device, version or size). */
+int gmlake_torch_stats_get(int device, struct gmlake_torch_stats *st);
+/* torch.cuda.reset_peak_memory_stats(): gmlake_stats_reset_peaks(). */
+int gmlake_torch_stats_reset_peaks(int device);
+/* torch.cuda.reset_accumulated_memory_stats(): the allocated and freed
+ * figures and the counters start again from 0. */
+int gmlake_torch_stats_reset_accumulated(int device);
+/* The largest request the device can serve now: the cache's largest
+ * (gmlake_cache_info()), or its free chunks together with the driver's
+ * free memory where they stitch, under the device limit; 0 before the
+ * first allocation. 0 or -EINVAL. */
+int gmlake_torch_cache_info(int device, size_t *largest);
+
+/*
+ * Private pools (CUDA graphs, torch.cuda.MemPool without an allocator of
+ * its own), named by PyTorch's MempoolId_t (id0, id1). Memory allocated
+ * into a pool belongs to it: freed, it is parked in the pool (still held
+ * from the allocator, so nothing outside the pool is handed those bytes,
+ * which a captured graph writes again at each replay) and serves later
+ * allocations into the same pool on the same stream; it goes back to the
+ * allocator when the pool's last user releases it. While any pool takes
+ * allocations on a device the entry points neither trim nor wait for
+ * streams there (graph capture forbids it).
+ *
+ * begin: the pool is created or gains a user, and allocations the caller
+ * routes to it (gmlake_torch_pool_alloc) begin; end: they end on this
+ * routing (the pool stays); incref: a user without routing (MemPool,
+ * ensureExistsAndIncrefPool); release: one user less; at none the
+ * parked blocks are freed, after the sync hook if one is set, and live
+ * ones are freed for real when they are freed. 0 (release: the users
+ * left) or -errno: -EINVAL for a bad device, -ENOENT for an unknown pool,
+ * -ENOMEM.
+ */
+int gmlake_torch_pool_begin(int device, uint64_t id0, uint64_t id1);
+int gmlake_torch_pool_end(int device, uint64_t id0, uint64_t id1);
+int gmlake_torch_pool_incref(int device, uint64_t id0, uint64_t id1);
+int gmlake_torch_pool_release(int device, uint64_t id0, uint64_t id1);
+/* Users of the pool (0 for an unknown one), or -EINVAL. */
+int gmlake_torch_pool_use_count(int device, uint64_t id0, uint64_t id1);
+/* gmlake_torch_alloc() into a pool: a parked block of the pool on stream
+ * that fits (at most twice size) first. NULL on failure, as there. */
+void *gmlake_torch_pool_alloc(size_t size, int device, gmlake_stream_t stream,
+			      uint64_t id0, uint64_t id1);
+/* Whether the pool's live (not parked) blocks are exactly the n pointers
+ * of expected (in any order, repeats ignored): 1 or 0; -EINVAL, -ENOMEM. */
+int gmlake_torch_pool_check_live(int device, uint64_t id0, uint64_t id1,
+				 void *const *expected, size_t n);
+/* Give the parked blocks of a pool without users back (emptyCache of a
+ * pool); a pool in use keeps them. 0 or -EINVAL. */
+int gmlake_torch_pool_empty(int device, uint64_t id0, uint64_t id1);
+/* The pool ptr (a block's start) was allocated into: 1 live, 2 parked, 0
+ * none (id gets 0, 0); -EINVAL. */
+int gmlake_torch_pool_of(int device, const void *ptr, uint64_t id[2]);
+/* Whether allocations go to some pool on device now. */
+bool gmlake_torch_pool_routing(int device);
+/* Called before the blocks of a released pool are freed: the caller's
+ * device-wide synchronize (kernels of a replayed graph may run on any
+ * stream). NULL: none; the emulated device needs none. */
+void gmlake_torch_set_sync_hook(int (*sync)(int device));
+
+/*
+ * Allocation history for memory visualizers (PyTorch's
+ * torch.cuda.memory._record_memory_history()): a ring per device of the
+ * events of the entry points, PyTorch's trace actions in its order.
+ */
+enum gmlake_torch_action {
+	GMLAKE_TORCH_ALLOC = 0,
+	GMLAKE_TORCH_FREE_REQUESTED = 1,
+	GMLAKE_TORCH_FREE_COMPLETED = 2,
+	GMLAKE_TORCH_SEGMENT_ALLOC = 3,	/* a snapshot range appeared */
+	GMLAKE_TORCH_SEGMENT_FREE = 4,	/* ... went */
+	GMLAKE_TORCH_SEGMENT_MAP = 5,	/* (not recorded) */
+	GMLAKE_TORCH_SEGMENT_UNMAP = 6,	/* (not recorded) */
+	GMLAKE_TORCH_SNAPSHOT = 7,
+	GMLAKE_TORCH_OOM = 8,		/* addr: free device bytes */
+	GMLAKE_TORCH_ACTION_COUNT
+};
+
+struct gmlake_torch_event {
+	uint32_t action;	/* enum gmlake_torch_action */
+	int32_t device;
+	uint64_t addr;
+	uint64_t size;
+	gmlake_stream_t stream;
+	uint64_t pool_id[2];	/* the private pool, or 0, 0 */
+	uint64_t time;		/* hooks.clock(), else CLOCK_REALTIME ns */
+	void *context;		/* hooks.context(), or NULL */
+};
+
+/* Optional hooks of a history's owner, called without library locks. */
+struct gmlake_torch_history_hooks {
+	uint64_t (*clock)(void);
+	void *(*context)(int action);	/* e.g. a stack trace, or NULL */
+	void *(*context_dup)(void *context);	/* for history_read */
+	void (*context_free)(void *context);
+};
+
+/*
+ * Start recording on every device, max_entries events each (older ones
+ * drop), leaving out the actions whose bits (1 << action) skip_mask has;
+ * clear drops what was recorded. hooks may be NULL; it is copied. Started
+ * again, the settings change and the events stay. 0, -EINVAL, -ENOMEM.
+ */
+int gmlake_torch_history_start(size_t max_entries, uint32_t skip_mask,
+			       const struct gmlake_torch_history_hooks *hooks,
+			       bool clear);
+/* Stop recording (clear: and drop the events). */
+void gmlake_torch_history_stop(bool clear);
+bool gmlake_torch_history_enabled(void);
+/*
+ * Copy device's events, oldest first, into ev (n of them at most; their
+ * contexts through context_dup, which the caller frees); ev NULL: count
+ * only. Returns how many (there are), or -EINVAL.
+ */
+int gmlake_torch_history_read(int device, struct gmlake_torch_event *ev,
+			      size_t n);
+/* Record a SNAPSHOT event on device (a snapshot was taken). */
+void gmlake_torch_history_mark(int device);
 
 #ifdef __cplusplus
 }

@@ -18,7 +18,14 @@
  * non-zero number of elements, but its data is not allocated yet" at its
  * first use. So every failure here is logged to stderr at once, with the
  * request size and the allocator's state, and kept for gmlake_torch_error()
- * (any thread) so that the Python side can name the real cause.
+ * (any thread) so that the Python side can name the real cause. The C++
+ * adapter (python/gmlake/csrc) turns it into PyTorch's OutOfMemoryError.
+ *
+ * Statistics under PyTorch's names (gmlake_torch_stats_get) come from the
+ * context's counters and the few this file keeps (retries, out-of-memory
+ * failures, trims). Allocations into a private pool go through
+ * torch_pool.c; every entry point records its events in history.c while
+ * PyTorch's memory history is on.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -33,13 +40,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gmlake-snapshot.h"
 #include "gmlake-torch.h"
 #include "error.h"
 #include "torch.h"
 #include "types.h"
-
-/* Device ordinals served; PyTorch's DeviceIndex is an int8_t. */
-#define GML_TORCH_MAX_DEVICES 128
 
 static _Atomic(gmlake_ctx *) torch_ctx[GML_TORCH_MAX_DEVICES];
 /* Serializes context creation and fractions set before it. */
@@ -50,8 +55,20 @@ static atomic_int torch_device_count = -1;
 static atomic_bool torch_exiting;
 static pthread_once_t torch_atexit_once = PTHREAD_ONCE_INIT;
 
+/* What PyTorch counts that a context does not, and where
+ * reset_accumulated_memory_stats left every figure. */
+struct torch_counts {
+	atomic_llong retries, ooms, trims;
+};
+static struct torch_counts torch_counts[GML_TORCH_MAX_DEVICES];
+/* Raw figures at the last reset (allocated: total, freed: total -
+ * current), under torch_lock. */
+static struct gmlake_torch_stats torch_base[GML_TORCH_MAX_DEVICES];
+
 /* The last failure of any entry point, for every thread. */
 static pthread_mutex_t torch_err_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Where allocation failures are logged (gmlake_torch_set_fail_level). */
+static atomic_int torch_fail_level = GMLAKE_LOG_ERROR;
 static char torch_err[768];
 static int torch_nerr;
 
@@ -195,6 +212,13 @@ static int get_ctx(int device, bool create, gmlake_ctx **out)
 	return ctx_create(device, out);
 }
 
+gmlake_ctx *gml_torch_ctx_peek(int device)
+{
+	if (device < 0 || device >= GML_TORCH_MAX_DEVICES)
+		return NULL;
+	return atomic_load_explicit(&torch_ctx[device], memory_order_acquire);
+}
+
 GML_EXPORT int gmlake_torch_ctx_get(int device, gmlake_ctx **ctx)
 {
 	if (!ctx)
@@ -225,8 +249,8 @@ static void get_state(gmlake_ctx *ctx, struct torch_state *s)
  * grows past. A request that cannot fit beside what is allocated fails at
  * once; out of memory gets one retry after a trim, as in PyTorch.
  */
-static int alloc_limited(gmlake_ctx *ctx, size_t size, gmlake_stream_t stream,
-			 void **p)
+static int alloc_limited(gmlake_ctx *ctx, int device, size_t size,
+			 gmlake_stream_t stream, void **p)
 {
 	struct torch_state s;
 	int ret;
@@ -240,7 +264,12 @@ static int alloc_limited(gmlake_ctx *ctx, size_t size, gmlake_stream_t stream,
 					     "allocated");
 	}
 	ret = gmlake_alloc(ctx, p, size, stream);
-	if (ret == -ENOMEM && !gmlake_trim(ctx))
+	/* A trim waits for every stream: never while a graph captures. */
+	if (ret != -ENOMEM || gmlake_torch_pool_routing(device))
+		return ret;
+	atomic_fetch_add(&torch_counts[device].retries, 1);
+	atomic_fetch_add(&torch_counts[device].trims, 1);
+	if (!gmlake_trim(ctx))
 		ret = gmlake_alloc(ctx, p, size, stream);
 	return ret;
 }
@@ -252,12 +281,22 @@ static void report_oom(gmlake_ctx *ctx, int device, size_t size)
 	struct torch_state s;
 
 	snprintf(cause, sizeof(cause), "%s", gmlake_last_error());
+	atomic_fetch_add(&torch_counts[device].ooms, 1);
+	if (gml_history_on()) {
+		size_t free_b = 0, total = 0;
+
+		pthread_mutex_lock(&ctx->lock);
+		ctx->dev.ops->mem_info(ctx->dev.priv, &free_b, &total);
+		pthread_mutex_unlock(&ctx->lock);
+		gml_history_add(device, GMLAKE_TORCH_OOM, free_b, size, NULL,
+				0, 0);
+	}
 	get_state(ctx, &s);
 	if (s.limit)
 		fmt_bytes(lim, sizeof(lim), (double)s.limit);
 	else
 		snprintf(lim, sizeof(lim), "none");
-	torch_fail(-ENOMEM, GMLAKE_LOG_ERROR,
+	torch_fail(-ENOMEM, atomic_load(&torch_fail_level),
 		   "device %d: out of memory allocating %s (%zu bytes): %s "
 		   "allocated, %s reserved (peak %s), device limit %s; cause: "
 		   "%s", device, fmt_bytes(req, sizeof(req), (double)size), size,
@@ -267,8 +306,21 @@ static void report_oom(gmlake_ctx *ctx, int device, size_t size)
 		   cause);
 }
 
-GML_EXPORT void *gmlake_torch_alloc(size_t size, int device,
-				    gmlake_stream_t stream)
+/* The allocator's size for the block at p (what it handed out). */
+static size_t handed_out(gmlake_ctx *ctx, void *p, size_t size)
+{
+	const struct gml_block *b;
+
+	pthread_mutex_lock(&ctx->lock);
+	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)p);
+	if (b)
+		size = b->alloc_size;
+	pthread_mutex_unlock(&ctx->lock);
+	return size;
+}
+
+void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
+			 size_t *alloc_size)
 {
 	gmlake_ctx *ctx;
 	void *p = NULL;
@@ -279,41 +331,85 @@ GML_EXPORT void *gmlake_torch_alloc(size_t size, int device,
 		return NULL;
 	ret = get_ctx(device, true, &ctx);
 	if (ret) {
-		torch_fail(ret, GMLAKE_LOG_ERROR, "device %d: no libgmlake "
+		torch_fail(ret, atomic_load(&torch_fail_level), "device %d: no libgmlake "
 			   "context to allocate %zu bytes: %s", device, size,
 			   gmlake_last_error());
 		return NULL;
 	}
-	ret = alloc_limited(ctx, size, stream, &p);
+	ret = alloc_limited(ctx, device, size, stream, &p);
 	if (ret == -ENOMEM)
 		report_oom(ctx, device, size);
 	else if (ret)
-		torch_fail(ret, GMLAKE_LOG_ERROR, "device %d: allocating %zu "
+		torch_fail(ret, atomic_load(&torch_fail_level), "device %d: allocating %zu "
 			   "bytes failed: %s", device, size, gmlake_last_error());
-	return ret ? NULL : p;
+	if (ret)
+		return NULL;
+	if (alloc_size)
+		*alloc_size = handed_out(ctx, p, size);
+	if (gml_history_on())
+		gml_history_segments(device, ctx);
+	return p;
 }
 
-GML_EXPORT void gmlake_torch_free(void *ptr, size_t size, int device,
-				  gmlake_stream_t stream)
+GML_EXPORT void *gmlake_torch_alloc(size_t size, int device,
+				    gmlake_stream_t stream)
+{
+	void *p = gml_torch_alloc_in(size, device, stream, NULL);
+
+	if (p && gml_history_on())
+		gml_history_add(device, GMLAKE_TORCH_ALLOC, (uintptr_t)p,
+				size, stream, 0, 0);
+	return p;
+}
+
+void gml_torch_free_now(void *ptr, size_t size, int device,
+			const uint64_t pool[2])
 {
 	int level = atomic_load(&torch_exiting) ? GMLAKE_LOG_DEBUG :
 						   GMLAKE_LOG_WARN;
 	gmlake_ctx *ctx;
+	size_t asked = size;
 	int ret;
 
-	(void)stream;	/* the block remembers its own */
-	if (!ptr)
-		return;
 	ret = get_ctx(device, false, &ctx);
 	if (ret) {
 		torch_fail(ret, level, "device %d: free of %p (%zu bytes) "
 			   "ignored: %s", device, ptr, size, gmlake_last_error());
 		return;
 	}
+	if (gml_history_on() && gmlake_block_size(ctx, ptr, &asked))
+		asked = size;
 	ret = gmlake_free(ctx, ptr);
-	if (ret)
+	if (ret) {
 		torch_fail(ret, level, "device %d: free of %p (%zu bytes) "
 			   "ignored: %s", device, ptr, size, gmlake_last_error());
+		return;
+	}
+	if (gml_history_on()) {
+		gml_history_add(device, GMLAKE_TORCH_FREE_REQUESTED,
+				(uintptr_t)ptr, asked, NULL, pool[0], pool[1]);
+		gml_history_add(device, GMLAKE_TORCH_FREE_COMPLETED,
+				(uintptr_t)ptr, asked, NULL, pool[0], pool[1]);
+		gml_history_segments(device, ctx);
+	}
+}
+
+GML_EXPORT void gmlake_torch_free(void *ptr, size_t size, int device,
+				  gmlake_stream_t stream)
+{
+	static const uint64_t no_pool[2];
+
+	(void)stream;	/* the block remembers its own */
+	if (!ptr)
+		return;
+	if (check_device(device)) {
+		torch_fail(-EINVAL, GMLAKE_LOG_WARN, "free of %p ignored: %s",
+			   ptr, gmlake_last_error());
+		return;
+	}
+	if (gml_pool_free(device, ptr))
+		return;
+	gml_torch_free_now(ptr, size, device, no_pool);
 }
 
 GML_EXPORT void gmlake_torch_init(int device_count)
@@ -328,9 +424,21 @@ GML_EXPORT void gmlake_torch_empty_cache(void)
 		gmlake_ctx *ctx = atomic_load_explicit(&torch_ctx[i],
 						       memory_order_acquire);
 
-		if (ctx && gmlake_trim(ctx))
+		if (!ctx)
+			continue;
+		if (gmlake_torch_pool_routing(i)) {
+			gml_log(GMLAKE_LOG_DEBUG, "torch: device %d: "
+				"empty_cache skipped while a private pool "
+				"takes allocations (graph capture)", i);
+			continue;
+		}
+		gml_pool_empty_unused(i);
+		atomic_fetch_add(&torch_counts[i].trims, 1);
+		if (gmlake_trim(ctx))
 			torch_fail(-EIO, GMLAKE_LOG_WARN, "device %d: "
 				   "empty_cache: %s", i, gmlake_last_error());
+		if (gml_history_on())
+			gml_history_segments(i, ctx);
 	}
 }
 
@@ -370,6 +478,7 @@ GML_EXPORT void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream)
 
 		if (!ctx || gmlake_block_size(ctx, ptr, &size))
 			continue;
+		gml_pool_record_stream(i, ptr);
 		if (gmlake_record_stream(ctx, ptr, stream))
 			torch_fail(-EINVAL, GMLAKE_LOG_WARN, "device %d: "
 				   "record_stream(%p): %s", i, ptr,
@@ -399,7 +508,8 @@ int gml_torch_device_count(void)
 	return atomic_load(&torch_device_count);
 }
 
-int gml_torch_reset(void)
+/* Every context destroyed, fractions and errors forgotten. */
+static int torch_reset_contexts(void)
 {
 	int ret = 0;
 
@@ -419,4 +529,212 @@ int gml_torch_reset(void)
 	pthread_mutex_unlock(&torch_err_lock);
 	atomic_store(&torch_device_count, -1);
 	return ret;
+}
+
+int gml_torch_reset(void)
+{
+	int ret;
+
+	gml_history_reset();
+	gml_pool_reset();
+	ret = torch_reset_contexts();
+	atomic_store(&torch_fail_level, GMLAKE_LOG_ERROR);
+	for (int i = 0; i < GML_TORCH_MAX_DEVICES; i++) {
+		atomic_store(&torch_counts[i].retries, 0);
+		atomic_store(&torch_counts[i].ooms, 0);
+		atomic_store(&torch_counts[i].trims, 0);
+		memset(&torch_base[i], 0, sizeof(torch_base[i]));
+	}
+	return ret;
+}
+
+GML_EXPORT void gmlake_torch_set_fail_level(int level)
+{
+	if (level < GMLAKE_LOG_ERROR)
+		level = GMLAKE_LOG_ERROR;
+	if (level > GMLAKE_LOG_DEBUG)
+		level = GMLAKE_LOG_DEBUG;
+	atomic_store(&torch_fail_level, level);
+}
+
+GML_EXPORT int gmlake_torch_memory_fraction_get(int device, double *fraction)
+{
+	int ret = check_device(device);
+
+	if (ret)
+		return ret;
+	if (!fraction)
+		return gml_set_error(-EINVAL, "gmlake_torch_memory_fraction_get: "
+				     "fraction is NULL");
+	pthread_mutex_lock(&torch_lock);
+	*fraction = torch_fraction_set[device] ? torch_fraction[device] : 1.0;
+	pthread_mutex_unlock(&torch_lock);
+	return 0;
+}
+
+/*
+ * One of PyTorch's Stats from a gauge: current and peak less adj (bytes
+ * or blocks parked in private pools, free to PyTorch's eyes), allocated
+ * and freed since the last reset (base).
+ */
+static void torch_stat(struct gmlake_torch_stat *out,
+		       const struct gmlake_stat *g,
+		       const struct gmlake_torch_stat *base, int64_t adj)
+{
+	out->current = g->current - adj;
+	out->peak = g->peak > out->current ? g->peak : out->current;
+	out->allocated = g->total - base->allocated;
+	out->freed = g->total - g->current - base->freed + adj;
+}
+
+/* The raw figures reset_accumulated starts again from. */
+static void torch_raw(const struct gmlake_stats *g,
+		      struct gmlake_torch_stats *raw, int64_t retries,
+		      int64_t ooms, int64_t trims)
+{
+#define RAW(dst, src)							\
+	raw->dst.allocated = g->src.total;				\
+	raw->dst.freed = g->src.total - g->src.current;
+	RAW(allocation, active_blocks)
+	RAW(segment, chunks)
+	RAW(active, active_blocks)
+	RAW(allocated_bytes, allocated_bytes)
+	RAW(reserved_bytes, reserved_bytes)
+	RAW(active_bytes, allocated_bytes)
+	RAW(requested_bytes, requested_bytes)
+#undef RAW
+	raw->num_alloc_retries = retries;
+	raw->num_ooms = ooms;
+	raw->num_sync_all_streams = trims;
+	raw->num_device_alloc = (int64_t)g->calls[GMLAKE_CALL_mem_create];
+	raw->num_device_free = (int64_t)g->calls[GMLAKE_CALL_mem_release];
+}
+
+GML_EXPORT int gmlake_torch_stats_get(int device,
+				      struct gmlake_torch_stats *st)
+{
+	struct gmlake_stats g = { .version = GMLAKE_STATS_VERSION,
+				  .size = sizeof(g) };
+	struct gmlake_torch_stats base;
+	int64_t nparked, preq, palloc;
+	gmlake_ctx *ctx;
+	int ret = check_device(device);
+
+	if (ret)
+		return ret;
+	if (!st || st->version != GMLAKE_TORCH_STATS_VERSION ||
+	    st->size != sizeof(*st))
+		return gml_set_error(-EINVAL, "gmlake_torch_stats_get: %s; "
+				     "this library has version %u size %zu",
+				     st ? "version or size unknown" :
+				     "st is NULL", GMLAKE_TORCH_STATS_VERSION,
+				     sizeof(*st));
+	memset((char *)st + 8, 0, sizeof(*st) - 8);
+	ctx = gml_torch_ctx_peek(device);
+	if (!ctx)
+		return 0;
+	ret = gmlake_stats_get(ctx, &g);
+	if (ret)
+		return ret;
+	pthread_mutex_lock(&torch_lock);
+	base = torch_base[device];
+	pthread_mutex_unlock(&torch_lock);
+	gml_pool_parked(device, &nparked, &preq, &palloc);
+	torch_stat(&st->allocation, &g.active_blocks, &base.allocation,
+		   nparked);
+	torch_stat(&st->segment, &g.chunks, &base.segment, 0);
+	torch_stat(&st->active, &g.active_blocks, &base.active, nparked);
+	torch_stat(&st->allocated_bytes, &g.allocated_bytes,
+		   &base.allocated_bytes, palloc);
+	torch_stat(&st->reserved_bytes, &g.reserved_bytes,
+		   &base.reserved_bytes, 0);
+	torch_stat(&st->active_bytes, &g.allocated_bytes, &base.active_bytes,
+		   palloc);
+	torch_stat(&st->requested_bytes, &g.requested_bytes,
+		   &base.requested_bytes, preq);
+	st->num_alloc_retries = atomic_load(&torch_counts[device].retries) -
+				base.num_alloc_retries;
+	st->num_ooms = atomic_load(&torch_counts[device].ooms) -
+		       base.num_ooms;
+	st->num_sync_all_streams = atomic_load(&torch_counts[device].trims) -
+				   base.num_sync_all_streams;
+	st->num_device_alloc = (int64_t)g.calls[GMLAKE_CALL_mem_create] -
+			       base.num_device_alloc;
+	st->num_device_free = (int64_t)g.calls[GMLAKE_CALL_mem_release] -
+			      base.num_device_free;
+	return 0;
+}
+
+GML_EXPORT int gmlake_torch_stats_reset_peaks(int device)
+{
+	int ret = check_device(device);
+	gmlake_ctx *ctx;
+
+	if (ret)
+		return ret;
+	ctx = gml_torch_ctx_peek(device);
+	return ctx ? gmlake_stats_reset_peaks(ctx) : 0;
+}
+
+GML_EXPORT int gmlake_torch_stats_reset_accumulated(int device)
+{
+	struct gmlake_stats g = { .version = GMLAKE_STATS_VERSION,
+				  .size = sizeof(g) };
+	struct gmlake_torch_stats raw;
+	gmlake_ctx *ctx;
+	int ret = check_device(device);
+
+	if (ret)
+		return ret;
+	ctx = gml_torch_ctx_peek(device);
+	if (!ctx)
+		return 0;
+	ret = gmlake_stats_get(ctx, &g);
+	if (ret)
+		return ret;
+	memset(&raw, 0, sizeof(raw));
+	torch_raw(&g, &raw, atomic_load(&torch_counts[device].retries),
+		  atomic_load(&torch_counts[device].ooms),
+		  atomic_load(&torch_counts[device].trims));
+	pthread_mutex_lock(&torch_lock);
+	torch_base[device] = raw;
+	pthread_mutex_unlock(&torch_lock);
+	return 0;
+}
+
+GML_EXPORT int gmlake_torch_cache_info(int device, size_t *largest)
+{
+	size_t cached = 0, dev_free = 0, total = 0, grow, stitch_min;
+	int ret = check_device(device);
+	struct torch_state s;
+	gmlake_ctx *ctx;
+
+	if (ret)
+		return ret;
+	if (!largest)
+		return gml_set_error(-EINVAL, "gmlake_torch_cache_info: "
+				     "largest is NULL");
+	*largest = 0;
+	ctx = gml_torch_ctx_peek(device);
+	if (!ctx)
+		return 0;
+	ret = gmlake_cache_info(ctx, &cached, largest);
+	if (ret)
+		return ret;
+	/* Growth adds just the shortfall, and chunks stitch. */
+	get_state(ctx, &s);
+	pthread_mutex_lock(&ctx->lock);
+	if (ctx->dev.ops->mem_info(ctx->dev.priv, &dev_free, &total))
+		dev_free = 0;
+	stitch_min = ctx->cfg.stitch_min;
+	pthread_mutex_unlock(&ctx->lock);
+	grow = cached + dev_free;
+	if (s.limit)
+		grow = (size_t)s.allocated < s.limit ?
+		       s.limit - (size_t)s.allocated : 0;
+	if (grow > cached + dev_free)
+		grow = cached + dev_free;
+	if (grow >= stitch_min && grow > *largest)
+		*largest = grow;
+	return 0;
 }

@@ -13,6 +13,7 @@
 #include <stdarg.h>
 
 #include "helpers.h"
+#include "gmlake-snapshot.h"
 #include "gmlake-torch.h"
 #include "torch.h"
 
@@ -534,6 +535,392 @@ START_TEST(test_threads)
 }
 END_TEST
 
+
+/* ---------------------------------------------------------------------- */
+/* Private pools (CUDA graphs, MemPool)                                   */
+
+#define POOL_A 7, 0
+#define POOL_B 0, 9
+
+static bool overlaps(const void *a, size_t na, const void *b, size_t nb)
+{
+	uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+
+	return x < y + nb && y < x + na;
+}
+
+static int pool_of(int device, const void *p)
+{
+	uint64_t id[2];
+	int ret = gmlake_torch_pool_of(device, p, id);
+
+	ck_assert_int_ge(ret, 0);
+	return ret;
+}
+
+/*
+ * The graph-pool corruption case: a block freed inside a capture stays
+ * the pool's, an allocation outside never gets its bytes, an allocation
+ * into the pool does; the pool's release frees it for real.
+ */
+START_TEST(test_pool_park)
+{
+	struct gmlake_stats st;
+	char msg[512];
+	void *p, *q, *r, *outside;
+
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	ck_assert(gmlake_torch_pool_routing(0));
+	ck_assert_int_eq(gmlake_torch_pool_use_count(0, POOL_A), 1);
+	p = gmlake_torch_pool_alloc(4 * TH_MiB, 0, NULL, POOL_A);
+	ck_assert_ptr_nonnull(p);
+	ck_assert_int_eq(pool_of(0, p), 1);
+	th_fill_ok(torch_ctx(0), p, 4 * TH_MiB, 3, NULL);
+	gmlake_torch_free(p, 4 * TH_MiB, 0, NULL);	/* inside the capture */
+	ck_assert_int_eq(pool_of(0, p), 2);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert(!gmlake_torch_pool_routing(0));
+
+	/* Outside: never the parked bytes, and the pattern stays. */
+	outside = torch_alloc_ok(4 * TH_MiB, 0, NULL);
+	ck_assert(!overlaps(outside, 4 * TH_MiB, p, 4 * TH_MiB));
+	q = torch_alloc_ok(2 * TH_MiB, 0, NULL);
+	ck_assert(!overlaps(q, 2 * TH_MiB, p, 4 * TH_MiB));
+	th_fill_ok(torch_ctx(0), outside, 4 * TH_MiB, 9, NULL);
+	th_verify_ok(torch_ctx(0), p, 4 * TH_MiB, 3, NULL);
+
+	/* Into the pool again (the next capture): the parked block. */
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_use_count(0, POOL_A), 2);
+	r = gmlake_torch_pool_alloc(4 * TH_MiB - 4096, 0, NULL, POOL_A);
+	ck_assert_ptr_eq(r, p);
+	ck_assert_int_eq(pool_of(0, r), 1);
+	gmlake_torch_free(r, 4 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+
+	/* Two users; the second release frees the parked block. */
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 3);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 1);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 3);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(pool_of(0, p), 0);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 2);
+	ck_assert_int_eq(gmlake_torch_pool_use_count(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), -ENOENT);
+	gmlake_torch_free(outside, 4 * TH_MiB, 0, NULL);
+	gmlake_torch_free(q, 2 * TH_MiB, 0, NULL);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	ck_assert_int_eq(nerrors(msg, sizeof(msg)), 0);
+	th_check(torch_ctx(0));
+}
+END_TEST
+
+/* Reuse inside a pool: same stream, at most twice the size, never a block
+ * another stream used. */
+START_TEST(test_pool_reuse_rules)
+{
+	gmlake_stream_t s2;
+	void *p, *big, *q, *m, *n;
+
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_B), 0);
+	p = gmlake_torch_pool_alloc(2 * TH_MiB, 0, NULL, POOL_B);
+	big = gmlake_torch_pool_alloc(16 * TH_MiB, 0, NULL, POOL_B);
+	ck_assert_ptr_nonnull(p);
+	ck_assert_ptr_nonnull(big);
+	ck_assert_int_eq(gmlake_stream_create(torch_ctx(0), &s2), 0);
+	gmlake_torch_free(p, 2 * TH_MiB, 0, NULL);
+	gmlake_torch_free(big, 16 * TH_MiB, 0, NULL);
+
+	/* Another stream: a new block. */
+	q = gmlake_torch_pool_alloc(2 * TH_MiB, 0, s2, POOL_B);
+	ck_assert(q != p && q != big);
+	/* 4 MiB: p (2 MiB) is too small, big (16 MiB) over twice. */
+	m = gmlake_torch_pool_alloc(4 * TH_MiB, 0, NULL, POOL_B);
+	ck_assert(m != p && m != big);
+	/* 9 MiB: big. */
+	n = gmlake_torch_pool_alloc(9 * TH_MiB, 0, NULL, POOL_B);
+	ck_assert_ptr_eq(n, big);
+
+	/* record_stream: that block is never handed out again. */
+	gmlake_torch_record_stream(m, s2);
+	gmlake_torch_free(m, 4 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(pool_of(0, m), 2);
+	n = gmlake_torch_pool_alloc(4 * TH_MiB, 0, NULL, POOL_B);
+	ck_assert(n != m);
+
+	gmlake_torch_free(n, 4 * TH_MiB, 0, NULL);
+	gmlake_torch_free(big, 9 * TH_MiB, 0, NULL);
+	gmlake_torch_free(q, 2 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_B), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_B), 0);
+	ck_assert_int_eq(gmlake_stream_destroy(torch_ctx(0), s2), 0);
+	gmlake_torch_empty_cache();
+	th_check(torch_ctx(0));
+}
+END_TEST
+
+/* checkPoolLiveAllocations, and a live block outliving its pool. */
+START_TEST(test_pool_live)
+{
+	struct gmlake_torch_stats ts = {
+		.version = GMLAKE_TORCH_STATS_VERSION, .size = sizeof(ts) };
+	struct gmlake_stats st;
+	void *a, *b, *exp[3];
+
+	ck_assert_int_eq(gmlake_torch_pool_incref(0, POOL_A), 0);
+	ck_assert(!gmlake_torch_pool_routing(0));
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	a = gmlake_torch_pool_alloc(3 * TH_MiB, 0, NULL, POOL_A);
+	b = gmlake_torch_pool_alloc(1000, 0, NULL, POOL_A);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 1);
+	exp[0] = b;
+	exp[1] = a;
+	exp[2] = a;
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_A, exp, 3), 1);
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_A, exp, 1), 0);
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_B, exp, 1), 0);
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_B, NULL, 0), 1);
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_A, NULL, 2),
+			 -EINVAL);
+
+	/* Parked b is free in PyTorch's figures, allocated in gmlake's. */
+	gmlake_torch_free(b, 1000, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_A, exp + 1, 2),
+			 1);
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 2);
+	ck_assert_int_eq(ts.allocation.current, 1);
+	ck_assert_int_eq(ts.requested_bytes.current, 3 * TH_MiB);
+	ck_assert_int_eq(ts.allocated_bytes.current,
+			 st.allocated_bytes.current - 1024);
+
+	/* The last user goes: b is freed, a stays until it is freed. */
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(pool_of(0, a), 1);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 1);
+	gmlake_torch_free(a, 3 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(pool_of(0, a), 0);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), -ENOENT);
+	th_check(torch_ctx(0));
+}
+END_TEST
+
+static int nsyncs;
+
+static int count_sync(int device)
+{
+	ck_assert_int_eq(device, 0);
+	nsyncs++;
+	return 0;
+}
+
+/* The sync hook runs once before a released pool's blocks go. */
+START_TEST(test_pool_sync_hook)
+{
+	void *p;
+
+	nsyncs = 0;
+	gmlake_torch_set_sync_hook(count_sync);
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	p = gmlake_torch_pool_alloc(TH_MiB, 0, NULL, POOL_A);
+	gmlake_torch_free(p, TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_int_eq(nsyncs, 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(nsyncs, 1);
+	gmlake_torch_set_sync_hook(NULL);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* PyTorch's statistics, snapshots, history                               */
+
+START_TEST(test_torch_stats)
+{
+	struct gmlake_torch_stats ts = {
+		.version = GMLAKE_TORCH_STATS_VERSION, .size = sizeof(ts) };
+	struct gmlake_torch_stats bad = { .version = 99, .size = sizeof(bad) };
+	struct gmlake_stats st;
+	void *p, *q;
+
+	/* No context yet: zeros. */
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.allocated_bytes.current, 0);
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &bad), -EINVAL);
+	ck_assert_int_eq(gmlake_torch_stats_get(-1, &ts), -EINVAL);
+
+	p = torch_alloc_ok(8 * TH_MiB, 0, NULL);
+	q = torch_alloc_ok(100, 0, NULL);
+	gmlake_torch_free(q, 100, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	stats_of(0, &st);
+	ck_assert_int_eq(ts.allocated_bytes.current, st.allocated_bytes.current);
+	ck_assert_int_eq(ts.allocated_bytes.peak, st.allocated_bytes.peak);
+	ck_assert_int_eq(ts.allocated_bytes.allocated - ts.allocated_bytes.freed,
+			 ts.allocated_bytes.current);
+	ck_assert_int_eq(ts.reserved_bytes.current, st.reserved_bytes.current);
+	ck_assert_int_eq(ts.requested_bytes.current, 8 * TH_MiB);
+	ck_assert_int_eq(ts.allocation.current, 1);
+	ck_assert_int_eq(ts.allocation.allocated, 2);
+	ck_assert_int_eq(ts.allocation.freed, 1);
+	ck_assert_int_eq(ts.segment.current, st.chunks.current);
+	ck_assert_int_eq(ts.num_device_alloc,
+			 (int64_t)st.calls[GMLAKE_CALL_mem_create]);
+	ck_assert_int_eq(ts.num_ooms, 0);
+
+	/* Out of memory counts; accumulated figures start again from 0. */
+	ck_assert_ptr_null(gmlake_torch_alloc(64 * TH_GiB, 0, NULL));
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.num_ooms, 1);
+	ck_assert_int_eq(gmlake_torch_stats_reset_accumulated(0), 0);
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.num_ooms, 0);
+	ck_assert_int_eq(ts.allocation.allocated, 0);
+	ck_assert_int_eq(ts.allocation.freed, 0);
+	ck_assert_int_eq(ts.allocation.current, 1);
+	gmlake_torch_free(p, 8 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.allocation.freed, 1);
+	ck_assert_int_eq(ts.allocated_bytes.peak, 8 * TH_MiB + 512);
+	ck_assert_int_eq(gmlake_torch_stats_reset_peaks(0), 0);
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.allocated_bytes.peak, 0);
+}
+END_TEST
+
+/* The pieces tile each range; allocated pieces are the live blocks. */
+static void check_snapshot(gmlake_ctx *ctx, int64_t *requested,
+			   size_t *nstitched)
+{
+	struct gmlake_snapshot *snap = NULL;
+
+	ck_assert_int_eq(gmlake_snapshot_take(ctx, &snap), 0);
+	ck_assert_uint_eq(snap->version, GMLAKE_SNAPSHOT_VERSION);
+	*requested = 0;
+	*nstitched = 0;
+	for (size_t i = 0; i < snap->nranges; i++) {
+		const struct gmlake_snap_range *r = &snap->ranges[i];
+		uint64_t addr = r->address, sum = 0;
+
+		ck_assert_uint_gt(r->count, 0);
+		ck_assert_uint_le(r->first + r->count, snap->npieces);
+		if (r->kind == GMLAKE_RANGE_STITCHED)
+			(*nstitched)++;
+		for (uint32_t j = 0; j < r->count; j++) {
+			const struct gmlake_snap_piece *p =
+				&snap->pieces[r->first + j];
+
+			ck_assert_uint_eq(p->address, addr);
+			addr += p->size;
+			sum += p->size;
+			if (p->state == GMLAKE_PIECE_ALLOCATED)
+				*requested += (int64_t)p->requested;
+		}
+		ck_assert_uint_eq(sum, r->size);
+	}
+	gmlake_snapshot_free(snap);
+}
+
+START_TEST(test_snapshot)
+{
+	struct gmlake_stats st;
+	size_t nstitched, cached = 0, largest = 0;
+	int64_t requested;
+	void *a[8];
+	int i;
+
+	ck_assert_int_eq(gmlake_snapshot_take(NULL, NULL), -EINVAL);
+	for (i = 0; i < 8; i++)
+		a[i] = torch_alloc_ok(i % 2 ? 6 * TH_MiB : 3000, 0, NULL);
+	/* Holes between live blocks, then a request that must stitch. */
+	for (i = 1; i < 8; i += 4)
+		gmlake_torch_free(a[i], 6 * TH_MiB, 0, NULL);
+	a[1] = torch_alloc_ok(10 * TH_MiB, 0, NULL);
+	a[5] = NULL;
+	check_snapshot(torch_ctx(0), &requested, &nstitched);
+	stats_of(0, &st);
+	ck_assert_int_eq(requested, st.requested_bytes.current);
+	ck_assert_int_eq(gmlake_cache_info(torch_ctx(0), &cached, &largest), 0);
+	ck_assert_int_eq(gmlake_torch_cache_info(0, &largest), 0);
+	ck_assert_uint_gt(largest, 0);
+	for (i = 0; i < 8; i++)
+		if (a[i])
+			gmlake_torch_free(a[i], 0, 0, NULL);
+	check_snapshot(torch_ctx(0), &requested, &nstitched);
+	ck_assert_int_eq(requested, 0);
+	gmlake_torch_empty_cache();
+	ck_assert_int_eq(gmlake_cache_info(torch_ctx(0), &cached, NULL), 0);
+	ck_assert_uint_eq(cached, 0);
+}
+END_TEST
+
+static int count_events(int device, int action)
+{
+	struct gmlake_torch_event ev[256];
+	int n = gmlake_torch_history_read(device, ev, 256), k = 0;
+
+	ck_assert_int_ge(n, 0);
+	for (int i = 0; i < n; i++)
+		k += ev[i].action == (uint32_t)action;
+	return k;
+}
+
+START_TEST(test_history)
+{
+	struct gmlake_torch_event ev[8];
+	void *p, *q;
+
+	ck_assert(!gmlake_torch_history_enabled());
+	p = torch_alloc_ok(TH_MiB, 0, NULL);	/* before: not recorded */
+	ck_assert_int_eq(gmlake_torch_history_start(0, 0, NULL, false),
+			 -EINVAL);
+	ck_assert_int_eq(gmlake_torch_history_start(100, 0, NULL, true), 0);
+	ck_assert(gmlake_torch_history_enabled());
+	q = torch_alloc_ok(32 * TH_MiB, 0, NULL);
+	gmlake_torch_free(q, 32 * TH_MiB, 0, NULL);
+	gmlake_torch_free(p, TH_MiB, 0, NULL);
+	ck_assert_ptr_null(gmlake_torch_alloc(64 * TH_GiB, 0, NULL));
+	gmlake_torch_empty_cache();
+	gmlake_torch_history_mark(0);
+	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_ALLOC), 1);
+	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_FREE_REQUESTED), 2);
+	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_FREE_COMPLETED), 2);
+	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_OOM), 1);
+	ck_assert_int_ge(count_events(0, GMLAKE_TORCH_SEGMENT_ALLOC), 1);
+	ck_assert_int_ge(count_events(0, GMLAKE_TORCH_SEGMENT_FREE), 1);
+	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_SNAPSHOT), 1);
+	ck_assert_int_eq(gmlake_torch_history_read(0, ev, 1), 1);
+	ck_assert_uint_eq(ev[0].action, GMLAKE_TORCH_SEGMENT_ALLOC);
+	ck_assert_int_eq(gmlake_torch_history_read(0, ev, 2), 2);
+	ck_assert_uint_eq(ev[1].action, GMLAKE_TORCH_ALLOC);
+	ck_assert_uint_eq(ev[1].addr, (uintptr_t)q);
+	ck_assert_uint_eq(ev[1].size, 32 * TH_MiB);
+
+	/* A small ring keeps the newest; skipped actions are left out. */
+	ck_assert_int_eq(gmlake_torch_history_start(
+				 2, 1u << GMLAKE_TORCH_FREE_REQUESTED, NULL,
+				 true), 0);
+	p = torch_alloc_ok(TH_MiB, 0, NULL);
+	gmlake_torch_free(p, TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_history_read(0, NULL, 0), 2);
+	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_FREE_REQUESTED), 0);
+	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_FREE_COMPLETED), 1);
+	gmlake_torch_history_stop(true);
+	ck_assert(!gmlake_torch_history_enabled());
+	ck_assert_int_eq(gmlake_torch_history_read(0, NULL, 0), 0);
+	ck_assert_int_eq(gmlake_torch_history_read(-1, NULL, 0), -EINVAL);
+}
+END_TEST
+
 static Suite *torch_suite(void)
 {
 	Suite *s = suite_create("torch");
@@ -567,6 +954,19 @@ static Suite *torch_suite(void)
 		tcase_add_checked_fixture(tc, setup, teardown);
 		tcase_add_test(tc, test_empty_cache);
 		tcase_add_test(tc, test_record_stream);
+
+		tc = th_tcase(s, "Pools");
+		tcase_add_checked_fixture(tc, setup, teardown);
+		tcase_add_test(tc, test_pool_park);
+		tcase_add_test(tc, test_pool_reuse_rules);
+		tcase_add_test(tc, test_pool_live);
+		tcase_add_test(tc, test_pool_sync_hook);
+
+		tc = th_tcase(s, "Figures");
+		tcase_add_checked_fixture(tc, setup, teardown);
+		tcase_add_test(tc, test_torch_stats);
+		tcase_add_test(tc, test_snapshot);
+		tcase_add_test(tc, test_history);
 	}
 	return s;
 }

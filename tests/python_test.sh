@@ -4,8 +4,11 @@
 # The Python side: python/tests (the gmlake package: library discovery,
 # stats through ctypes on the emulated device, struct layouts against C,
 # the offload ring and the activation hooks on the emulated device,
-# gmlake.torch.enable with a fake torch) and bench/tests (the benchmark's
-# pure parts). Needs python3 only; skips (77) without it.
+# gmlake.torch.enable with a fake torch; test_torch.py: PyTorch's stats
+# names, the version check, python -m gmlake.run, private pools and
+# snapshots through the C API, the snapshot-to-trace converter, the
+# adapter's build logic) and bench/tests (the benchmark's pure parts).
+# Needs python3 only (no torch, no GPU); skips (77) without it.
 #
 # Environment: srcdir, top_builddir (as make check sets them).
 

@@ -72,3 +72,43 @@ CALLS = (
 )
 
 RESERVED_WORDS = 32
+
+# include/gmlake-torch.h: struct gmlake_torch_stats, PyTorch's names.
+TORCH_STATS_VERSION = 1
+
+# GMLAKE_TORCH_FOREACH_STAT: struct gmlake_torch_stat each.
+TORCH_STATS = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+
+# GMLAKE_TORCH_FOREACH_COUNT: int64_t each.
+TORCH_COUNTS = (
+    "num_alloc_retries",
+    "num_ooms",
+    "num_sync_all_streams",
+    "num_device_alloc",
+    "num_device_free",
+)
+
+TORCH_RESERVED_WORDS = 16
+
+# enum gmlake_torch_action, in order: PyTorch's trace action names.
+TORCH_ACTIONS = (
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+    "snapshot",
+    "oom",
+)

@@ -106,6 +106,39 @@ def _message(tried):
             "lib/.libs/libgmlake.so) or install it (make install)." % ENV)
 
 
+class LibraryVersionError(LibraryNotFoundError):
+    """The libgmlake found is not the version this package was made for."""
+
+
+def _version_tuple(text):
+    parts = str(text).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_version(lib, found, want=None):
+    """Raise LibraryVersionError unless lib's major.minor matches the
+    package's (want: "MAJOR.MINOR[.PATCH]", default gmlake.__version__)."""
+    from . import _version
+    want = want or _version.VERSION
+    need = _version_tuple(want)
+    try:
+        lib.gmlake_version_major.restype = ctypes.c_int
+        lib.gmlake_version_minor.restype = ctypes.c_int
+        have = (lib.gmlake_version_major(), lib.gmlake_version_minor())
+    except AttributeError as e:
+        raise LibraryNotFoundError("%s is not libgmlake (%s)" %
+                                   (found, e)) from e
+    if need is None or have == need:
+        return have
+    raise LibraryVersionError(
+        "%s is libgmlake %d.%d, but this gmlake Python package is %s: "
+        "build and install both from the same source (or set %s to the "
+        "matching library)" % (found, have[0], have[1], want, ENV))
+
+
 def _declare(lib):
     c = ctypes
     sigs = {
@@ -123,6 +156,46 @@ def _declare(lib):
         "gmlake_last_error": (c.c_char_p, []),
         "gmlake_version_major": (c.c_int, []),
         "gmlake_version_minor": (c.c_int, []),
+        "gmlake_torch_stats_get": (c.c_int, [c.c_int, c.c_void_p]),
+        "gmlake_torch_stats_reset_peaks": (c.c_int, [c.c_int]),
+        "gmlake_torch_stats_reset_accumulated": (c.c_int, [c.c_int]),
+        "gmlake_torch_cache_info": (c.c_int, [c.c_int,
+                                              c.POINTER(c.c_size_t)]),
+        "gmlake_torch_pool_begin": (c.c_int, [c.c_int, c.c_uint64,
+                                              c.c_uint64]),
+        "gmlake_torch_pool_end": (c.c_int, [c.c_int, c.c_uint64, c.c_uint64]),
+        "gmlake_torch_pool_incref": (c.c_int, [c.c_int, c.c_uint64,
+                                               c.c_uint64]),
+        "gmlake_torch_pool_release": (c.c_int, [c.c_int, c.c_uint64,
+                                                c.c_uint64]),
+        "gmlake_torch_pool_use_count": (c.c_int, [c.c_int, c.c_uint64,
+                                                  c.c_uint64]),
+        "gmlake_torch_pool_alloc": (c.c_void_p, [c.c_size_t, c.c_int,
+                                                 c.c_void_p, c.c_uint64,
+                                                 c.c_uint64]),
+        "gmlake_torch_pool_check_live": (c.c_int, [c.c_int, c.c_uint64,
+                                                   c.c_uint64,
+                                                   c.POINTER(c.c_void_p),
+                                                   c.c_size_t]),
+        "gmlake_torch_pool_empty": (c.c_int, [c.c_int, c.c_uint64,
+                                              c.c_uint64]),
+        "gmlake_torch_pool_of": (c.c_int, [c.c_int, c.c_void_p,
+                                           c.POINTER(c.c_uint64)]),
+        "gmlake_torch_pool_routing": (c.c_bool, [c.c_int]),
+        "gmlake_torch_history_start": (c.c_int, [c.c_size_t, c.c_uint32,
+                                                 c.c_void_p, c.c_bool]),
+        "gmlake_torch_history_stop": (None, [c.c_bool]),
+        "gmlake_torch_history_enabled": (c.c_bool, []),
+        "gmlake_torch_history_read": (c.c_int, [c.c_int, c.c_void_p,
+                                                c.c_size_t]),
+        "gmlake_torch_history_mark": (None, [c.c_int]),
+        "gmlake_torch_memory_fraction_get": (c.c_int, [
+            c.c_int, c.POINTER(c.c_double)]),
+        "gmlake_snapshot_take": (c.c_int, [c.c_void_p,
+                                           c.POINTER(c.c_void_p)]),
+        "gmlake_snapshot_free": (None, [c.c_void_p]),
+        "gmlake_cache_info": (c.c_int, [c.c_void_p, c.POINTER(c.c_size_t),
+                                        c.POINTER(c.c_size_t)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -145,6 +218,8 @@ def load(path=None):
                 raise LibraryNotFoundError(
                     "libgmlake found at %s but not loadable: %s" %
                     (found, e)) from e
+            if not os.environ.get("GMLAKE_SKIP_VERSION_CHECK"):
+                check_version(lib, found)
             try:
                 _declare(lib)
             except AttributeError as e:
@@ -167,4 +242,29 @@ def torch_error(lib):
     return n, buf.value.decode(errors="replace")
 
 
-__all__ = ["LibraryNotFoundError", "find_library", "load", "_fields"]
+# Which libgmlake PyTorch uses, and through what, once gmlake.torch.enable()
+# ran. Kept here, below gmlake.torch, gmlake.activations and gmlake.offload,
+# so that those need not import each other.
+_state_lock = threading.Lock()
+_state = {"library": None, "backend": None}
+
+
+def enabled_library():
+    """The path of the libgmlake PyTorch allocates with, or None."""
+    return _state["library"]
+
+
+def enabled_backend():
+    """"adapter", "ctypes", or None when gmlake.torch.enable() did not run."""
+    return _state["backend"]
+
+
+def set_enabled(library, backend):
+    with _state_lock:
+        _state["library"] = library
+        _state["backend"] = backend
+
+
+__all__ = ["LibraryNotFoundError", "LibraryVersionError", "check_version",
+           "enabled_backend", "enabled_library", "find_library", "load",
+           "set_enabled", "_fields"]

@@ -155,3 +155,65 @@ def summary_from_dict(d, device=0):
 def memory_summary(device=0, library=None):
     """A table of the counters, like torch.cuda.memory_summary()."""
     return summary_from_dict(stats(device, library), device)
+
+
+# ---------------------------------------------------------------------------
+# PyTorch's names: struct gmlake_torch_stats (include/gmlake-torch.h)
+
+class TorchStat(ctypes.Structure):
+    """struct gmlake_torch_stat"""
+    _fields_ = [("current", ctypes.c_int64), ("peak", ctypes.c_int64),
+                ("allocated", ctypes.c_int64), ("freed", ctypes.c_int64)]
+
+
+class TorchStats(ctypes.Structure):
+    """struct gmlake_torch_stats"""
+    _fields_ = ([("version", ctypes.c_uint32), ("size", ctypes.c_uint32)] +
+                [(name, TorchStat) for name in _fields.TORCH_STATS] +
+                [(name, ctypes.c_int64) for name in _fields.TORCH_COUNTS] +
+                [("reserved",
+                  ctypes.c_uint64 * _fields.TORCH_RESERVED_WORDS)])
+
+
+POOLS = ("all", "large_pool", "small_pool")
+STAT_KINDS = ("current", "peak", "allocated", "freed")
+
+
+def raw_torch_stats(device=0, library=None):
+    """struct gmlake_torch_stats of device (zeros before its first
+    allocation)."""
+    _, lib = _lib.load(library)
+    st = TorchStats(version=_fields.TORCH_STATS_VERSION,
+                    size=ctypes.sizeof(TorchStats))
+    rc = lib.gmlake_torch_stats_get(int(device), ctypes.byref(st))
+    if rc < 0:
+        raise RuntimeError("gmlake_torch_stats_get: %s" %
+                           _lib.last_error(lib))
+    return st
+
+
+def torch_dict(st):
+    """torch.cuda.memory_stats()'s flat dict for a TorchStats.
+
+    libgmlake keeps no small and large pools apart: their entries are 0,
+    as PyTorch's cudaMallocAsync backend leaves them.
+    """
+    d = {}
+    for name in _fields.TORCH_STATS:
+        s = getattr(st, name)
+        for pool in POOLS:
+            for kind in STAT_KINDS:
+                d["%s.%s.%s" % (name, pool, kind)] = \
+                    getattr(s, kind) if pool == "all" else 0
+    for name in _fields.TORCH_COUNTS:
+        d[name] = getattr(st, name)
+    d["max_split_size"] = -1        # as PyTorch's default: no limit
+    for name in ("oversize_allocations", "oversize_segments"):
+        for kind in STAT_KINDS[:2]:
+            d["%s.%s" % (name, kind)] = 0
+    return dict(sorted(d.items()))
+
+
+def torch_memory_stats(device=0, library=None):
+    """torch.cuda.memory_stats()'s keys and meaning, from libgmlake."""
+    return torch_dict(raw_torch_stats(device, library))

@@ -129,6 +129,7 @@ import errno
 import itertools
 import threading
 
+from . import _lib
 from . import offload as _off
 
 MiB = 1 << 20
@@ -726,8 +727,7 @@ class offload_activations:
         self._hooks = None
 
     def __enter__(self):
-        from . import torch as _gtorch
-        if not _gtorch.enabled():
+        if not _lib.enabled_library():
             raise RuntimeError(
                 "gmlake.torch.offload_activations() needs libgmlake as "
                 "PyTorch's CUDA allocator: call gmlake.torch.enable() at the "
@@ -737,7 +737,7 @@ class offload_activations:
         import torch
         off = self.offloader or default_offloader()
         if off.library is None:
-            off.library = _gtorch.enabled()
+            off.library = _lib.enabled_library()
         self.offloader = off
         self._saved = off.options()
         off.configure(**self.opts)

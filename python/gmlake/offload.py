@@ -146,8 +146,7 @@ def _library(library=None):
     if library is not None and not isinstance(library, (str, bytes,
                                                         os.PathLike)):
         return _declare(library)            # a ctypes.CDLL already
-    from . import torch as _torch
-    _, lib = _lib.load(library or _torch.enabled())
+    _, lib = _lib.load(library or _lib.enabled_library())
     return _declare(lib)
 
 

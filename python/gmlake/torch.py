@@ -4,22 +4,34 @@
     import gmlake.torch
     gmlake.torch.enable()      # first thing, before any CUDA tensor
 
-enable() hands libgmlake's entry points to
-torch.cuda.memory.CUDAPluggableAllocator and makes it the process-wide
-allocator (change_current_allocator), with the optional hooks PyTorch
-exposes to Python: empty_cache, set_per_process_memory_fraction and
-Tensor.record_stream. PyTorch's allocator cannot be swapped once CUDA is
-initialized, so enable() refuses with an explanation then.
+or, without editing the script: python -m gmlake.run train.py ARGS...
 
-With a pluggable allocator torch.cuda.memory_stats() and memory_summary()
-raise; use gmlake.stats() and gmlake.memory_summary().
+enable() makes libgmlake the process-wide CUDA allocator, through one of
+two backends (backend() says which runs):
 
-Out of memory: PyTorch does not check the pointer an allocator returns,
-so libgmlake's failure shows up as "The tensor has a non-zero number of
-elements, but its data is not allocated yet" at the tensor's first use.
-libgmlake prints the real cause to stderr at once; translate_errors()
-and the excepthook enable() installs turn it into an OutOfMemoryError
-naming the request and the allocator's state.
+"adapter": a C++ implementation of PyTorch's allocator interface
+  (csrc/adapter.cpp) that forwards to libgmlake's C API. It is compiled
+  once against the installed torch (PyTorch 2.11; see gmlake._adapter)
+  and cached. With it PyTorch's own functions work on libgmlake's
+  figures: torch.cuda.memory_stats(), memory_allocated(),
+  max_memory_reserved(), memory_summary(), reset_peak_memory_stats(),
+  torch.cuda.memory._record_memory_history() / _snapshot() /
+  _dump_snapshot(), cudnn.benchmark, CUDA graphs (private pools,
+  torch.compile(mode="reduce-overhead")) and torch.cuda.MemPool without
+  an allocator of its own; out of memory raises
+  torch.cuda.OutOfMemoryError at the allocation.
+"ctypes": PyTorch's CUDAPluggableAllocator with libgmlake's C entry
+  points, where the adapter cannot be built (no compiler or ninja).
+  PyTorch's statistics, snapshot and graph functions raise there; use
+  gmlake.torch.memory_stats(), gmlake.memory_summary() and
+  gmlake.torch.snapshot(). Out of memory shows up as "The tensor has a
+  non-zero number of elements, but its data is not allocated yet" at the
+  tensor's first use; translate_errors() and the excepthook enable()
+  installs name the real cause.
+
+GMLAKE_TORCH_BACKEND=adapter|ctypes|auto (default auto: the adapter if it
+builds, else ctypes with a warning) chooses. PyTorch's allocator cannot
+be swapped once CUDA is initialized, so enable() refuses then.
 
 offload_activations() (gmlake.activations) is a context manager that
 spills the tensors autograd saves to host memory through libgmlake's
@@ -32,10 +44,12 @@ offload rings and fetches them back, at the same address, in backward:
 
 import contextlib
 import ctypes
+import os
 import sys
 import threading
+import warnings
 
-from . import _lib
+from . import _adapter, _lib, _snapshot, _stats, _version
 from .activations import Offloader, offload_activations  # noqa: F401
 
 ALLOC = "gmlake_torch_alloc"
@@ -46,10 +60,15 @@ HOOKS = (("set_reset_fn", "gmlake_torch_empty_cache"),
          ("set_record_stream_fn", "gmlake_torch_record_stream"),
          ("set_init_fn", "gmlake_torch_init"))
 NULL_DATA = "data is not allocated yet"
+BACKEND_ENV = "GMLAKE_TORCH_BACKEND"
+BACKENDS = ("auto", "adapter", "ctypes")
+# PyTorch's allocator settings, which do not apply to libgmlake.
+ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+SUPPORTED_TORCH = _version.SUPPORTED_TORCH
 
 _lock = threading.Lock()
-_enabled = None     # the library path once enabled
-_allocator = None   # keeps torch's allocator object alive
+_allocator = None   # keeps torch's pluggable allocator object alive
+_adapter_module = None
 
 
 class OutOfMemoryError(RuntimeError):
@@ -82,49 +101,147 @@ def _too_late(why):
 
 def enabled():
     """The path of the libgmlake in use, or None."""
-    return _enabled
+    return _lib.enabled_library()
 
 
-def enable(library=None, excepthook=True):
+def backend():
+    """Which backend serves PyTorch: "adapter", "ctypes", or None before
+    enable()."""
+    return _lib.enabled_backend()
+
+
+def _warn_alloc_conf():
+    for name in ALLOC_CONF_ENV:
+        if os.environ.get(name):
+            warnings.warn(
+                "gmlake: %s=%r is set, but it configures PyTorch's own "
+                "allocator and does not apply under libgmlake; libgmlake "
+                "reads GMLAKE_* variables (man gmlake(7)), e.g. "
+                "GMLAKE_DEVICE_LIMIT for a memory cap." %
+                (name, os.environ[name]), RuntimeWarning, stacklevel=3)
+
+
+def _torch_supported(torch):
+    ver = str(getattr(torch, "__version__", ""))
+    return any(ver == v or ver.startswith(v + ".") or
+               ver.startswith(v + "+") for v in SUPPORTED_TORCH)
+
+
+def _enable_ctypes(torch, path, lib):
+    global _allocator
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC, FREE)
+    raw = alloc.allocator()
+    for setter, symbol in HOOKS:
+        fn = getattr(raw, setter, None)
+        if fn is not None:
+            fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+    # PyTorch ran the init hook while building the allocator, before
+    # set_init_fn could install it: call it here.
+    lib.gmlake_torch_init(int(torch.cuda.device_count()))
+    try:
+        torch.cuda.memory.change_current_allocator(alloc)
+    except RuntimeError as e:
+        raise _too_late("PyTorch says: %s" % e) from e
+    _allocator = alloc
+
+
+def _enable_adapter(torch, path):
+    """Install the C++ adapter; AdapterUnavailable when it cannot be."""
+    global _adapter_module
+    if not _torch_supported(torch):
+        warnings.warn("gmlake: the PyTorch adapter is written for torch %s; "
+                      "this is torch %s, so it may not build" %
+                      (" or ".join(SUPPORTED_TORCH), torch.__version__),
+                      RuntimeWarning, stacklevel=3)
+    mod = _adapter.load(torch)
+    try:
+        mod.install(path)
+    except RuntimeError as e:
+        if "initialized already" in str(e):
+            raise _too_late("PyTorch says: %s" % e) from e
+        raise _adapter.AdapterUnavailable("installing it failed: %s" % e) \
+            from e
+    _adapter_module = mod
+
+
+def enable(library=None, excepthook=True, backend=None):
     """Make libgmlake PyTorch's CUDA allocator; returns the library path.
 
     library: libgmlake.so or its folder (default: GMLAKE_LIBRARY, then the
-    usual places, see gmlake.find_library). Calling it again is a no-op.
-    excepthook: wrap sys.excepthook so that an uncaught "data is not
-    allocated yet" error after a libgmlake failure also prints the cause.
+    usual places, see gmlake.find_library). backend: "auto" (default, or
+    GMLAKE_TORCH_BACKEND), "adapter" (fail if it cannot be built) or
+    "ctypes". Calling it again is a no-op. excepthook (ctypes backend):
+    wrap sys.excepthook so that an uncaught "data is not allocated yet"
+    error after a libgmlake failure also prints the cause.
     """
-    global _enabled, _allocator
     import torch
 
     with _lock:
-        if _enabled:
-            return _enabled
+        if _lib.enabled_library():
+            return _lib.enabled_library()
+        choice = backend or os.environ.get(BACKEND_ENV) or "auto"
+        if choice not in BACKENDS:
+            raise ValueError("gmlake.torch.enable: backend %r is not one of "
+                             "%s (%s)" % (choice, ", ".join(BACKENDS),
+                                          BACKEND_ENV))
         if torch.cuda.is_initialized():
             raise _too_late("CUDA is already initialized in this process")
+        _warn_alloc_conf()
         path, lib = _lib.load(library)
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC, FREE)
-        raw = alloc.allocator()
-        for setter, symbol in HOOKS:
-            fn = getattr(raw, setter, None)
-            if fn is not None:
-                fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
-        # PyTorch ran the init hook while building the allocator, before
-        # set_init_fn could install it: call it here.
-        lib.gmlake_torch_init(int(torch.cuda.device_count()))
-        try:
-            torch.cuda.memory.change_current_allocator(alloc)
-        except RuntimeError as e:
-            raise _too_late("PyTorch says: %s" % e) from e
-        _allocator = alloc
-        _enabled = path
-        if excepthook:
+        used = None
+        if choice != "ctypes":
+            try:
+                _enable_adapter(torch, path)
+                used = "adapter"
+            except _adapter.AdapterUnavailable as e:
+                if choice == "adapter":
+                    raise
+                warnings.warn(
+                    "gmlake: the PyTorch adapter is not available (%s); "
+                    "using the ctypes backend (CUDAPluggableAllocator), "
+                    "under which torch.cuda.memory_stats(), snapshots, CUDA "
+                    "graphs and OutOfMemoryError do not work" % e,
+                    RuntimeWarning, stacklevel=2)
+        if used is None:
+            _enable_ctypes(torch, path, lib)
+            used = "ctypes"
+        _lib.set_enabled(path, used)
+        if excepthook and used == "ctypes":
             _install_excepthook()
         return path
 
 
+def memory_stats(device=0, library=None):
+    """torch.cuda.memory_stats()'s dict from libgmlake's figures, on either
+    backend (with the adapter, torch.cuda.memory_stats() gives the same)."""
+    return _stats.torch_memory_stats(device, library or enabled())
+
+
+def snapshot(library=None):
+    """torch.cuda.memory._snapshot()'s dict from libgmlake, on either
+    backend: segments and stitched views, with the trace recorded since
+    record_memory_history()."""
+    return _snapshot.snapshot(library=library or enabled())
+
+
+def record_memory_history(enabled=True, max_entries=100000, skip_actions=(),
+                          clear=False, library=None):
+    """libgmlake's allocation history on or off, as
+    torch.cuda.memory._record_memory_history(); on the adapter backend,
+    PyTorch's function does the same and adds stack traces."""
+    _snapshot.record_memory_history(enabled, max_entries, skip_actions,
+                                    clear, library or _lib.enabled_library())
+
+
+def dump_snapshot(filename="dump_snapshot.pickle", library=None):
+    """Write snapshot() where torch.cuda.memory._dump_snapshot() would, for
+    pytorch.org/memory_viz."""
+    _snapshot.dump_snapshot(filename, library=library or enabled())
+
+
 def last_error(library=None):
     """(failures so far, message of the last) of libgmlake's entry points."""
-    _, lib = _lib.load(library or _enabled)
+    _, lib = _lib.load(library or _lib.enabled_library())
     return _lib.torch_error(lib)
 
 

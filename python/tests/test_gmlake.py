@@ -274,12 +274,16 @@ def fake_torch(initialized=False, swap_error=None):
 class TestEnable(unittest.TestCase):
 
     def setUp(self):
-        gmlake.torch._enabled = None
+        _lib.set_enabled(None, None)
         gmlake.torch._allocator = None
         self.hook = sys.excepthook
+        self.env = mock.patch.dict(os.environ,
+                                   {"GMLAKE_TORCH_BACKEND": "ctypes"})
+        self.env.start()
 
     def tearDown(self):
-        gmlake.torch._enabled = None
+        self.env.stop()
+        _lib.set_enabled(None, None)
         gmlake.torch._allocator = None
         sys.excepthook = self.hook
 

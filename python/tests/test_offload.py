@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import gmlake  # noqa: E402
 import gmlake.torch  # noqa: E402
-from gmlake import activations, offload  # noqa: E402
+from gmlake import _lib, activations, offload  # noqa: E402
 
 LIBRARY = os.environ.get("GMLAKE_LIBRARY")
 HAVE_LIB = bool(LIBRARY) and os.path.exists(LIBRARY)
@@ -758,10 +758,10 @@ def fake_torch():
 class TestContext(unittest.TestCase):
 
     def tearDown(self):
-        gmlake.torch._enabled = None
+        _lib.set_enabled(None, None)
 
     def test_needs_enable(self):
-        gmlake.torch._enabled = None
+        _lib.set_enabled(None, None)
         with mock.patch.dict(sys.modules, {"torch": fake_torch()}):
             with self.assertRaises(RuntimeError) as cm:
                 with gmlake.torch.offload_activations():
@@ -769,7 +769,7 @@ class TestContext(unittest.TestCase):
         self.assertIn("gmlake.torch.enable()", str(cm.exception))
 
     def test_hooks_and_options(self):
-        gmlake.torch._enabled = LIBRARY or "libgmlake.so"
+        _lib.set_enabled(LIBRARY or "libgmlake.so", "ctypes")
         off = activations.Offloader(library=LIBRARY)
         torch = fake_torch()
         with mock.patch.dict(sys.modules, {"torch": torch}):

@@ -1,0 +1,963 @@
+// SPDX-License-Identifier: MIT
+//
+// libgmlake as PyTorch's CUDA allocator: an implementation of
+// c10::cuda::CUDACachingAllocator::CUDAAllocator that forwards every call
+// to libgmlake's C API (include/gmlake-torch.h, gmlake-snapshot.h) and
+// turns its answers into PyTorch's types: a failed allocation into
+// c10::OutOfMemoryError, the statistics into DeviceStats, snapshots and the
+// allocation history into SnapshotInfo. It holds no allocator policy: the
+// private pools of CUDA graphs, the statistics under PyTorch's names and
+// the history ring are in the C library. What it keeps is what only C++
+// can: PyTorch's routing filters (std::function) of beginAllocateToPool,
+// the out-of-memory observers and the history's context recorder.
+//
+// gmlake.torch builds it once with torch.utils.cpp_extension against the
+// installed torch (PyTorch 2.11's interface) and calls install(path) with
+// the libgmlake.so that gmlake._lib loaded: the C functions are taken from
+// that library with dlsym, so one library instance serves both this
+// adapter and gmlake.stats().
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/extension.h>
+
+#include "gmlake-snapshot.h"
+#include "gmlake-torch.h"
+#include "gmlake.h"
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+namespace cda = c10::CachingDeviceAllocator;
+using c10::CaptureId_t;
+using c10::DeviceIndex;
+using c10::MempoolId_t;
+
+// The C functions used here, taken from the loaded libgmlake by name.
+#define GML_ADAPTER_FUNCS(X)               \
+  X(gmlake_version_major)                  \
+  X(gmlake_version_minor)                  \
+  X(gmlake_last_error)                     \
+  X(gmlake_block_size)                     \
+  X(gmlake_snapshot_take)                  \
+  X(gmlake_snapshot_free)                  \
+  X(gmlake_torch_alloc)                    \
+  X(gmlake_torch_free)                     \
+  X(gmlake_torch_init)                     \
+  X(gmlake_torch_empty_cache)              \
+  X(gmlake_torch_memory_fraction)          \
+  X(gmlake_torch_memory_fraction_get)      \
+  X(gmlake_torch_record_stream)            \
+  X(gmlake_torch_ctx_get)                  \
+  X(gmlake_torch_set_fail_level)           \
+  X(gmlake_torch_stats_get)                \
+  X(gmlake_torch_stats_reset_peaks)        \
+  X(gmlake_torch_stats_reset_accumulated)  \
+  X(gmlake_torch_cache_info)               \
+  X(gmlake_torch_pool_begin)               \
+  X(gmlake_torch_pool_end)                 \
+  X(gmlake_torch_pool_incref)              \
+  X(gmlake_torch_pool_release)             \
+  X(gmlake_torch_pool_use_count)           \
+  X(gmlake_torch_pool_alloc)               \
+  X(gmlake_torch_pool_check_live)          \
+  X(gmlake_torch_pool_empty)               \
+  X(gmlake_torch_pool_of)                  \
+  X(gmlake_torch_pool_routing)             \
+  X(gmlake_torch_set_sync_hook)            \
+  X(gmlake_torch_history_start)            \
+  X(gmlake_torch_history_stop)             \
+  X(gmlake_torch_history_enabled)          \
+  X(gmlake_torch_history_read)
+
+struct Api {
+#define GML_API_FIELD(name) decltype(&::name) name = nullptr;
+  GML_ADAPTER_FUNCS(GML_API_FIELD)
+#undef GML_API_FIELD
+};
+
+// Filled once by install(); plain data, never destroyed, so deleters that
+// run during interpreter shutdown still find it.
+Api api;
+std::string api_path;
+
+constexpr int kMaxDevices = 128; // lib/torch.h GML_TORCH_MAX_DEVICES
+
+std::string last_error() {
+  const char* msg = api.gmlake_last_error();
+  return msg && *msg ? msg : "no message";
+}
+
+std::string fmt_size(size_t n) {
+  static const char* const unit[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  char buf[64];
+  if (u)
+    snprintf(buf, sizeof(buf), "%.2f %s", v, unit[u]);
+  else
+    snprintf(buf, sizeof(buf), "%zu bytes", n);
+  return buf;
+}
+
+// ---------------------------------------------------------------------------
+// Frees: one deleter per device, so that a DataPtr's free needs no lookup.
+
+void free_on(void* ptr, int device) noexcept {
+  if (!ptr)
+    return;
+  try {
+    if (C10_UNLIKELY(api.gmlake_torch_pool_routing(device))) {
+      // Another thread may be capturing a graph in global mode.
+      c10::cuda::CUDAStreamCaptureModeGuard g{cudaStreamCaptureModeRelaxed};
+      api.gmlake_torch_free(ptr, 0, device, nullptr);
+      return;
+    }
+  } catch (...) {
+  }
+  api.gmlake_torch_free(ptr, 0, device, nullptr);
+}
+
+template <int D>
+void delete_on(void* ptr) {
+  free_on(ptr, D);
+}
+
+template <int... I>
+constexpr std::array<c10::DeleterFnPtr, sizeof...(I)> make_deleters(
+    std::integer_sequence<int, I...>) {
+  return {{&delete_on<I>...}};
+}
+
+constexpr auto kDeleters =
+    make_deleters(std::make_integer_sequence<int, kMaxDevices>{});
+
+// The device whose context holds ptr, or -1.
+int device_of(const void* ptr) {
+  int n = c10::cuda::device_count();
+  for (int d = 0; d < n && d < kMaxDevices; d++) {
+    gmlake_ctx* ctx = nullptr;
+    size_t size = 0;
+    if (!api.gmlake_torch_ctx_get(d, &ctx) &&
+        !api.gmlake_block_size(ctx, ptr, &size))
+      return d;
+  }
+  return -1;
+}
+
+// raw_deleter(): for pointers whose device is not known (raw_delete).
+void delete_any(void* ptr) {
+  if (!ptr)
+    return;
+  int d = device_of(ptr);
+  if (d < 0) {
+    TORCH_WARN("libgmlake: free of ", ptr, " ignored: no device holds it");
+    return;
+  }
+  free_on(ptr, d);
+}
+
+bool is_our_deleter(c10::DeleterFnPtr d) {
+  return d == &delete_any ||
+      std::find(kDeleters.begin(), kDeleters.end(), d) != kDeleters.end();
+}
+
+// ---------------------------------------------------------------------------
+// History hooks: PyTorch's clock and context recorder, called by the C ring.
+
+std::atomic<cca::CreateContextFn> g_recorder{nullptr};
+std::atomic<int> g_when{static_cast<int>(cca::RecordContext::NEVER)};
+
+using ContextPtr = std::shared_ptr<c10::GatheredContext>;
+
+uint64_t hook_clock() {
+  return static_cast<uint64_t>(c10::getApproximateTime());
+}
+
+bool wants_context(int action) {
+  auto when = static_cast<cca::RecordContext>(g_when.load());
+  switch (action) {
+    case GMLAKE_TORCH_ALLOC:
+    case GMLAKE_TORCH_SEGMENT_ALLOC:
+    case GMLAKE_TORCH_OOM:
+      return when == cca::RecordContext::ALLOC ||
+          when == cca::RecordContext::ALL;
+    case GMLAKE_TORCH_FREE_REQUESTED:
+    case GMLAKE_TORCH_FREE_COMPLETED:
+    case GMLAKE_TORCH_SEGMENT_FREE:
+      return when == cca::RecordContext::ALL;
+    default:
+      return false;
+  }
+}
+
+void* hook_context(int action) {
+  try {
+    cca::CreateContextFn rec = g_recorder.load();
+    if (!rec || !wants_context(action))
+      return nullptr;
+    ContextPtr c = rec();
+    return c ? new ContextPtr(std::move(c)) : nullptr;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+void* hook_context_dup(void* c) {
+  return c ? new ContextPtr(*static_cast<ContextPtr*>(c)) : nullptr;
+}
+
+void hook_context_free(void* c) {
+  delete static_cast<ContextPtr*>(c);
+}
+
+// Called by the C library before the parked blocks of a released pool go:
+// a replay may still run on a stream it never saw.
+int hook_sync(int device) {
+  try {
+    if (api.gmlake_torch_pool_routing(device))
+      return -EBUSY; // a capture forbids a device sync
+    c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    return 0;
+  } catch (...) {
+    return -EIO;
+  }
+}
+
+uint32_t skip_mask(const std::vector<std::string>& skip) {
+  static const char* const names[] = {
+      "alloc",
+      "free_requested",
+      "free_completed",
+      "segment_alloc",
+      "segment_free",
+      "segment_map",
+      "segment_unmap",
+      "snapshot",
+      "oom"};
+  uint32_t mask = 0;
+  for (const auto& s : skip) {
+    bool known = false;
+    for (uint32_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+      if (s == names[i]) {
+        mask |= 1u << i;
+        known = true;
+      }
+    }
+    TORCH_CHECK(known, "libgmlake: unknown trace action to skip: ", s);
+  }
+  return mask;
+}
+
+// ---------------------------------------------------------------------------
+
+void put_stat(cda::StatArray& a, const gmlake_torch_stat& s) {
+  auto& t = a[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+  t.current = s.current;
+  t.peak = s.peak;
+  t.allocated = s.allocated;
+  t.freed = s.freed;
+}
+
+struct Route {
+  DeviceIndex device;
+  MempoolId_t pool;
+  std::function<bool(cudaStream_t)> filter;
+};
+
+class GmlakeAllocator final : public cca::CUDAAllocator {
+ public:
+  // -- allocation ----------------------------------------------------------
+
+  c10::DataPtr allocate(size_t size) override {
+    DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+    void* p = malloc(size, device, stream);
+    return {p, p, kDeleters[device], c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &delete_any;
+  }
+
+  void* raw_alloc(size_t nbytes) override {
+    DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return malloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device));
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return malloc(nbytes, device, stream);
+  }
+
+  void raw_delete(void* ptr) override {
+    delete_any(ptr);
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count)
+      const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // -- setup and the cache -------------------------------------------------
+
+  void init(int device_count) override {
+    api.gmlake_torch_init(device_count);
+    initialized_ = true;
+  }
+
+  bool initialized() override {
+    return initialized_;
+  }
+
+  double getMemoryFraction(DeviceIndex device) override {
+    double f = 1.0;
+    TORCH_CHECK(
+        api.gmlake_torch_memory_fraction_get(device, &f) == 0,
+        "libgmlake: ",
+        last_error());
+    return f;
+  }
+
+  void setMemoryFraction(double fraction, DeviceIndex device) override {
+    api.gmlake_torch_memory_fraction(fraction, device);
+  }
+
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(
+      DeviceIndex /*device*/) override {
+    return {}; // libgmlake has no expandable segments
+  }
+
+  void enable(bool /*value*/) override {}
+  bool isEnabled() const override {
+    return true;
+  }
+
+  void emptyCache(MempoolId_t mempool_id) override {
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      api.gmlake_torch_empty_cache();
+      return;
+    }
+    DeviceIndex device = c10::cuda::current_device();
+    api.gmlake_torch_pool_empty(device, mempool_id.first, mempool_id.second);
+  }
+
+  void cacheInfo(DeviceIndex device, size_t* largestBlock) override {
+    size_t largest = 0;
+    TORCH_CHECK(
+        api.gmlake_torch_cache_info(device, &largest) == 0,
+        "libgmlake: ",
+        last_error());
+    *largestBlock = largest;
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    // Every block is its own base: libgmlake blocks are not carved out of
+    // a segment the caller could address.
+    int d = device_of(ptr);
+    gmlake_ctx* ctx = nullptr;
+    if (size) {
+      *size = 0;
+      if (d >= 0 && !api.gmlake_torch_ctx_get(d, &ctx))
+        api.gmlake_block_size(ctx, ptr, size);
+    }
+    return ptr;
+  }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream)
+      override {
+    if (!ptr.get() || !is_our_deleter(ptr.get_deleter()))
+      return; // not ours (a tensor shared from another process)
+    api.gmlake_torch_record_stream(ptr.get(), stream.stream());
+  }
+
+  // -- statistics ----------------------------------------------------------
+
+  cda::DeviceStats getDeviceStats(DeviceIndex device) override {
+    gmlake_torch_stats st{};
+    st.version = GMLAKE_TORCH_STATS_VERSION;
+    st.size = sizeof(st);
+    TORCH_CHECK(
+        api.gmlake_torch_stats_get(device, &st) == 0,
+        "libgmlake: memory statistics: ",
+        last_error());
+    cda::DeviceStats s;
+    put_stat(s.allocation, st.allocation);
+    put_stat(s.segment, st.segment);
+    put_stat(s.active, st.active);
+    put_stat(s.inactive_split, st.inactive_split);
+    put_stat(s.allocated_bytes, st.allocated_bytes);
+    put_stat(s.reserved_bytes, st.reserved_bytes);
+    put_stat(s.active_bytes, st.active_bytes);
+    put_stat(s.inactive_split_bytes, st.inactive_split_bytes);
+    put_stat(s.requested_bytes, st.requested_bytes);
+    s.num_alloc_retries = st.num_alloc_retries;
+    s.num_ooms = st.num_ooms;
+    s.num_sync_all_streams = st.num_sync_all_streams;
+    s.num_device_alloc = st.num_device_alloc;
+    s.num_device_free = st.num_device_free;
+    s.max_split_size =
+        static_cast<int64_t>(std::numeric_limits<size_t>::max());
+    return s;
+  }
+
+  void resetAccumulatedStats(DeviceIndex device) override {
+    TORCH_CHECK(
+        api.gmlake_torch_stats_reset_accumulated(device) == 0,
+        "libgmlake: ",
+        last_error());
+  }
+
+  void resetPeakStats(DeviceIndex device) override {
+    TORCH_CHECK(
+        api.gmlake_torch_stats_reset_peaks(device) == 0,
+        "libgmlake: ",
+        last_error());
+  }
+
+  // -- snapshots and history -----------------------------------------------
+
+  cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces)
+      override {
+    cca::SnapshotInfo info;
+    int n = std::min<int>(c10::cuda::device_count(), kMaxDevices);
+    bool filter = mempool_id.first != 0 || mempool_id.second != 0;
+
+    for (int d = 0; d < n; d++)
+      add_segments(info, d, filter, mempool_id);
+    if (include_traces) {
+      info.device_traces.resize(n);
+      for (int d = 0; d < n; d++)
+        add_trace(info.device_traces[d], d);
+    }
+    info.config_metadata.garbage_collection_threshold = 0;
+    info.config_metadata.max_split_size = std::numeric_limits<size_t>::max();
+    info.config_metadata.pinned_num_register_threads = 0;
+    info.config_metadata.expandable_segments = false;
+    info.config_metadata.release_lock_on_malloc = false;
+    info.config_metadata.pinned_use_host_register = false;
+    info.config_metadata.graph_capture_record_stream_reuse = false;
+    info.config_metadata.last_allocator_settings = "libgmlake";
+    return info;
+  }
+
+  bool isHistoryEnabled() override {
+    return api.gmlake_torch_history_enabled();
+  }
+
+  void recordHistory(
+      bool enabled,
+      cca::CreateContextFn context_recorder,
+      size_t alloc_trace_max_entries,
+      cca::RecordContext when,
+      bool clearHistory,
+      const std::vector<std::string>& skip_actions) override {
+    if (!enabled) {
+      api.gmlake_torch_history_stop(clearHistory);
+      g_recorder.store(nullptr);
+      return;
+    }
+    g_recorder.store(context_recorder);
+    g_when.store(static_cast<int>(when));
+    gmlake_torch_history_hooks hooks{};
+    hooks.clock = &hook_clock;
+    hooks.context = &hook_context;
+    hooks.context_dup = &hook_context_dup;
+    hooks.context_free = &hook_context_free;
+    TORCH_CHECK(
+        api.gmlake_torch_history_start(
+            std::max<size_t>(alloc_trace_max_entries, 1),
+            skip_mask(skip_actions),
+            &hooks,
+            clearHistory) == 0,
+        "libgmlake: recording the allocation history: ",
+        last_error());
+  }
+
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+  void attachAllocatorTraceTracker(cda::AllocatorTraceTracker /*tracker*/)
+      override {
+    TORCH_WARN_ONCE(
+        "libgmlake does not call allocator trace trackers (they serve "
+        "NCCL's buffer registration hook, "
+        "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK); ignored. Leave "
+        "that variable unset under libgmlake.");
+  }
+
+  // -- CUDA graphs and memory pools ----------------------------------------
+
+  void beginAllocateToPool(
+      DeviceIndex device,
+      MempoolId_t mempool_id,
+      std::function<bool(cudaStream_t)> filter) override {
+    TORCH_CHECK(
+        api.gmlake_torch_pool_begin(
+            device, mempool_id.first, mempool_id.second) == 0,
+        "libgmlake: beginAllocateToPool: ",
+        last_error());
+    std::lock_guard<std::mutex> lock(mutex_);
+    routes_.push_back({device, mempool_id, std::move(filter)});
+  }
+
+  void endAllocateToPool(DeviceIndex device, MempoolId_t mempool_id)
+      override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = std::find_if(routes_.begin(), routes_.end(), [&](auto& r) {
+        return r.device == device && r.pool == mempool_id;
+      });
+      if (it != routes_.end())
+        routes_.erase(it);
+    }
+    TORCH_CHECK(
+        api.gmlake_torch_pool_end(
+            device, mempool_id.first, mempool_id.second) == 0,
+        "libgmlake: endAllocateToPool: ",
+        last_error());
+  }
+
+  void releasePool(DeviceIndex device, MempoolId_t mempool_id) override {
+    // Called from CUDAGraph's destructor: warn, never throw.
+    if (api.gmlake_torch_pool_release(
+            device, mempool_id.first, mempool_id.second) < 0)
+      TORCH_WARN("libgmlake: releasePool: ", last_error());
+  }
+
+  int getPoolUseCount(DeviceIndex device, MempoolId_t mempool_id) override {
+    int n = api.gmlake_torch_pool_use_count(
+        device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(n >= 0, "libgmlake: getPoolUseCount: ", last_error());
+    return n;
+  }
+
+  void createOrIncrefPool(
+      DeviceIndex device,
+      MempoolId_t mempool_id,
+      std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    TORCH_CHECK(
+        !allocator,
+        "libgmlake: torch.cuda.MemPool(allocator=...) is not supported: "
+        "libgmlake serves all CUDA memory itself and cannot hand a pool's "
+        "segments to another allocator. Use torch.cuda.MemPool() without "
+        "an allocator (a private pool libgmlake keeps), or run this "
+        "process without libgmlake (no gmlake.torch.enable(), no "
+        "python -m gmlake.run) to use a custom allocator.");
+    TORCH_CHECK(
+        api.gmlake_torch_pool_incref(
+            device, mempool_id.first, mempool_id.second) == 0,
+        "libgmlake: createOrIncrefPool: ",
+        last_error());
+  }
+
+  void setUseOnOOM(DeviceIndex, MempoolId_t, bool) override {
+    // Accepted: a pool's parked blocks are not lent to other allocations
+    // on out of memory; the allocation fails as without the flag.
+  }
+
+  void setNoSplit(DeviceIndex, MempoolId_t) override {
+    // Accepted: libgmlake never cuts a block out of a larger free block
+    // of another size class, so there is nothing to turn off.
+  }
+
+  bool checkPoolLiveAllocations(
+      DeviceIndex device,
+      MempoolId_t mempool_id,
+      const std::unordered_set<void*>& expected_live_allocations) override {
+    std::vector<void*> v(
+        expected_live_allocations.begin(), expected_live_allocations.end());
+    int r = api.gmlake_torch_pool_check_live(
+        device, mempool_id.first, mempool_id.second, v.data(), v.size());
+    TORCH_CHECK(r >= 0, "libgmlake: checkPoolLiveAllocations: ", last_error());
+    return r == 1;
+  }
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(
+      DeviceIndex /*device*/,
+      MempoolId_t /*id*/) override {
+    TORCH_CHECK(
+        false,
+        "libgmlake does not support allocator checkpoints yet "
+        "(getCheckpointState): torch.compile's CUDA graph trees need them "
+        "when they record a new graph while replaying a tree. Mark the "
+        "step that changes (e.g. an evaluation pass) with "
+        "torch.compiler.cudagraph_mark_step_begin(), compile it "
+        "separately without mode=\"reduce-overhead\", or run without "
+        "libgmlake.");
+  }
+
+  cca::CheckpointDelta setCheckpointPoolState(
+      DeviceIndex /*device*/,
+      std::shared_ptr<cca::AllocatorState> /*pps*/) override {
+    TORCH_CHECK(
+        false,
+        "libgmlake does not support allocator checkpoints yet "
+        "(setCheckpointPoolState); see getCheckpointState's message.");
+  }
+
+  // -- IPC and peers -------------------------------------------------------
+
+  cca::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
+    TORCH_CHECK(
+        false,
+        "libgmlake cannot share CUDA tensors with other processes yet: its "
+        "blocks are stitched from separately created physical chunks, "
+        "which cudaIpcGetMemHandle rejects, and it does not export them "
+        "as POSIX file descriptors. Move the tensor to shared CPU memory "
+        "(t.cpu().share_memory_()), send it with NCCL "
+        "(torch.distributed), or run the sharing process without "
+        "libgmlake.");
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
+    TORCH_CHECK(
+        false,
+        "libgmlake cannot open CUDA IPC handles from other processes yet; "
+        "see shareIpcHandle's message.");
+  }
+
+  void enablePeerAccess(DeviceIndex dev, DeviceIndex dev_to_access)
+      override {
+    c10::cuda::CUDAGuard device_guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled)
+      (void)cudaGetLastError();
+    else
+      C10_CUDA_CHECK(err);
+  }
+
+  cudaError_t memcpyAsync(
+      void* dst,
+      int dstDevice,
+      const void* src,
+      int srcDevice,
+      size_t count,
+      cudaStream_t stream,
+      bool p2p_enabled) override {
+    // Virtual-memory mappings carry no peer access: across devices,
+    // without P2P, only the Peer copy works (as for expandable segments).
+    if (p2p_enabled || dstDevice == srcDevice)
+      return cudaMemcpyAsync(
+          dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  std::string name() override {
+    return "gmlake";
+  }
+
+ private:
+  void* malloc(size_t size, DeviceIndex device, cudaStream_t stream) {
+    void* p;
+
+    if (!size)
+      return nullptr;
+    if (C10_UNLIKELY(api.gmlake_torch_pool_routing(device))) {
+      MempoolId_t pool{0, 0};
+      bool routed = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (auto& r : routes_) {
+          if (r.device == device && r.filter(stream)) {
+            pool = r.pool;
+            routed = true;
+            break;
+          }
+        }
+      }
+      // Graph capture (global mode) forbids what the allocator may do
+      // (event queries, driver allocations); PyTorch relaxes it likewise
+      // around cudaMalloc.
+      c10::cuda::CUDAStreamCaptureModeGuard g{cudaStreamCaptureModeRelaxed};
+      p = routed ? api.gmlake_torch_pool_alloc(
+                       size, device, stream, pool.first, pool.second)
+                 : api.gmlake_torch_alloc(size, device, stream);
+    } else {
+      p = api.gmlake_torch_alloc(size, device, stream);
+    }
+    if (C10_UNLIKELY(!p))
+      fail(size, device);
+    return p;
+  }
+
+  // The allocation failed: observers, then PyTorch's OutOfMemoryError with
+  // libgmlake's message (request, allocated, reserved, limit, cause). A
+  // NULL pointer never reaches a tensor.
+  [[noreturn]] void fail(size_t size, DeviceIndex device) {
+    std::string why = last_error();
+    if (why.find("out of memory") == std::string::npos) {
+      TORCH_CHECK(
+          false,
+          "libgmlake could not allocate ",
+          fmt_size(size),
+          " on CUDA device ",
+          static_cast<int>(device),
+          ": ",
+          why);
+    }
+    size_t dev_free = 0, dev_total = 0;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      if (cudaMemGetInfo(&dev_free, &dev_total) != cudaSuccess)
+        (void)cudaGetLastError();
+    }
+    std::vector<cca::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      observers = oom_observers_;
+    }
+    if (!observers.empty()) {
+      gmlake_torch_stats st{};
+      st.version = GMLAKE_TORCH_STATS_VERSION;
+      st.size = sizeof(st);
+      api.gmlake_torch_stats_get(device, &st);
+      for (auto& obs : observers)
+        obs(device,
+            static_cast<size_t>(st.allocated_bytes.current),
+            dev_total,
+            dev_free);
+    }
+    TORCH_CHECK_WITH(
+        OutOfMemoryError,
+        false,
+        "CUDA out of memory. Tried to allocate ",
+        fmt_size(size),
+        ". GPU ",
+        static_cast<int>(device),
+        " has a total capacity of ",
+        fmt_size(dev_total),
+        " of which ",
+        fmt_size(dev_free),
+        " is free. libgmlake: ",
+        why,
+        ". (libgmlake serves this process's CUDA memory; "
+        "PYTORCH_CUDA_ALLOC_CONF does not apply. gmlake.memory_summary() "
+        "shows its state.)");
+  }
+
+  void add_segments(
+      cca::SnapshotInfo& info,
+      int device,
+      bool filter,
+      MempoolId_t pool_id) {
+    gmlake_ctx* ctx = nullptr;
+    gmlake_snapshot* snap = nullptr;
+    if (api.gmlake_torch_ctx_get(device, &ctx))
+      return; // nothing allocated on it yet
+    TORCH_CHECK(
+        api.gmlake_snapshot_take(ctx, &snap) == 0,
+        "libgmlake: snapshot: ",
+        last_error());
+    try {
+      for (size_t i = 0; i < snap->nranges; i++) {
+        cda::SegmentInfo seg = segment(device, snap, snap->ranges[i]);
+        if (filter && seg.owner_private_pool_id != pool_id)
+          continue;
+        info.segments.push_back(std::move(seg));
+      }
+    } catch (...) {
+      api.gmlake_snapshot_free(snap);
+      throw;
+    }
+    api.gmlake_snapshot_free(snap);
+  }
+
+  cda::SegmentInfo segment(
+      int device,
+      const gmlake_snapshot* snap,
+      const gmlake_snap_range& r) {
+    cda::SegmentInfo seg;
+    seg.device = static_cast<DeviceIndex>(device);
+    seg.address = r.address;
+    seg.total_size = r.size;
+    seg.stream = r.stream;
+    seg.is_large = true;
+    seg.is_expandable = r.kind == GMLAKE_RANGE_STITCHED;
+    bool pool_known = false;
+    for (uint32_t j = 0; j < r.count; j++) {
+      const gmlake_snap_piece& p = snap->pieces[r.first + j];
+      cda::BlockInfo b;
+      b.size = p.size;
+      b.requested_size = p.requested;
+      b.allocated = p.state == GMLAKE_PIECE_ALLOCATED ||
+          p.state == GMLAKE_PIECE_SPILLED;
+      b.active = b.allocated || p.state == GMLAKE_PIECE_PENDING_FREE ||
+          p.state == GMLAKE_PIECE_ELSEWHERE;
+      if (b.allocated) {
+        uint64_t id[2] = {0, 0};
+        int in_pool = api.gmlake_torch_pool_of(
+            device, reinterpret_cast<void*>(p.address), id);
+        if (in_pool == 2) // parked: free to PyTorch's eyes
+          b.allocated = b.active = false;
+        if (in_pool > 0 && !pool_known) {
+          seg.owner_private_pool_id = {id[0], id[1]};
+          pool_known = true;
+        }
+      }
+      if (b.allocated) {
+        seg.allocated_size += b.size;
+        seg.requested_size += b.requested_size;
+      }
+      if (b.active)
+        seg.active_size += b.size;
+      seg.blocks.push_back(std::move(b));
+    }
+    return seg;
+  }
+
+  void add_trace(std::vector<cda::TraceEntry>& out, int device) {
+    int n = api.gmlake_torch_history_read(device, nullptr, 0);
+    if (n <= 0)
+      return;
+    std::vector<gmlake_torch_event> ev(static_cast<size_t>(n));
+    n = api.gmlake_torch_history_read(device, ev.data(), ev.size());
+    out.reserve(static_cast<size_t>(std::max(n, 0)));
+    for (int i = 0; i < n; i++) {
+      const gmlake_torch_event& e = ev[i];
+      ContextPtr ctx;
+      if (e.context) {
+        ctx = *static_cast<ContextPtr*>(e.context);
+        hook_context_free(e.context);
+      }
+      out.emplace_back(
+          static_cast<cda::TraceEntry::Action>(e.action),
+          static_cast<DeviceIndex>(e.device),
+          static_cast<size_t>(e.addr),
+          static_cast<size_t>(e.size),
+          static_cast<void*>(e.stream),
+          MempoolId_t{e.pool_id[0], e.pool_id[1]},
+          static_cast<c10::approx_time_t>(e.time),
+          std::move(ctx));
+    }
+  }
+
+  bool initialized_ = false;
+  std::mutex mutex_;
+  std::vector<Route> routes_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+};
+
+// ---------------------------------------------------------------------------
+// Installation
+
+std::mutex install_mutex;
+std::shared_ptr<GmlakeAllocator>* installed_allocator = nullptr;
+
+void load_api(const std::string& path) {
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (!h)
+    h = dlopen(path.c_str(), RTLD_NOW);
+  TORCH_CHECK(
+      h,
+      "libgmlake: cannot load ",
+      path,
+      " for the PyTorch adapter: ",
+      dlerror());
+  Api a;
+#define GML_API_LOAD(name)                                         \
+  a.name = reinterpret_cast<decltype(a.name)>(dlsym(h, #name));    \
+  TORCH_CHECK(                                                     \
+      a.name,                                                      \
+      "libgmlake: ",                                               \
+      path,                                                        \
+      " lacks ",                                                   \
+      #name,                                                       \
+      ": it is older than this adapter; rebuild libgmlake from "   \
+      "the same source as the gmlake Python package");
+  GML_ADAPTER_FUNCS(GML_API_LOAD)
+#undef GML_API_LOAD
+  int major = a.gmlake_version_major(), minor = a.gmlake_version_minor();
+  TORCH_CHECK(
+      major == GMLAKE_VERSION_MAJOR && minor >= GMLAKE_VERSION_MINOR,
+      "libgmlake: ",
+      path,
+      " is version ",
+      major,
+      ".",
+      minor,
+      "; this adapter was built for ",
+      GMLAKE_VERSION_MAJOR,
+      ".",
+      GMLAKE_VERSION_MINOR);
+  api = a;
+  api_path = path;
+}
+
+// Make libgmlake PyTorch's CUDA allocator; before CUDA is initialized.
+void install(const std::string& path) {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  if (installed_allocator) {
+    TORCH_CHECK(
+        path == api_path,
+        "libgmlake: the adapter already uses ",
+        api_path,
+        ", not ",
+        path);
+    return;
+  }
+  TORCH_CHECK(
+      !cca::allocator.load()->initialized(),
+      "libgmlake: PyTorch's CUDA allocator is initialized already (CUDA "
+      "was used in this process); it can only be replaced before that.");
+  load_api(path);
+  // Failures become exceptions here; the C library need not print them.
+  api.gmlake_torch_set_fail_level(GMLAKE_LOG_DEBUG);
+  api.gmlake_torch_set_sync_hook(&hook_sync);
+  auto alloc = std::make_shared<GmlakeAllocator>();
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(alloc);
+  // Code that asks for the CUDA device allocator by type
+  // (c10::GetAllocator, c10::getDeviceAllocator) gets it too; PyTorch's
+  // own registers at priority 0.
+  c10::SetAllocator(c10::DeviceType::CUDA, alloc.get(), 1);
+  // Kept for the life of the process: tensors are freed until the end.
+  installed_allocator = new std::shared_ptr<GmlakeAllocator>(alloc);
+}
+
+bool installed() {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  return installed_allocator != nullptr;
+}
+
+std::string library() {
+  std::lock_guard<std::mutex> lock(install_mutex);
+  return api_path;
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "libgmlake's PyTorch CUDA allocator (gmlake.torch)";
+  m.def("install", &install, "Make libgmlake PyTorch's CUDA allocator");
+  m.def("installed", &installed, "Whether install() ran");
+  m.def("library", &library, "The libgmlake.so in use");
+}

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: MIT
+"""Turn a memory snapshot's trace into a gmlake-replay trace.
+
+    python -m gmlake.snapshot_to_trace SNAPSHOT.pickle OUT.trace[.gz]
+        [--device N] [--workload NAME] [--steps N] [--keep-unmatched]
+
+SNAPSHOT.pickle is what torch.cuda.memory._dump_snapshot() (or
+gmlake.torch.dump_snapshot()) wrote after
+torch.cuda.memory._record_memory_history(): its "device_traces" hold the
+allocator's events. The output is the text format gmlake-replay reads
+(tools/trace.h): comment lines with key=value words, then one event a
+line, "action addr size stream", e.g.
+
+    # pytorch snapshot workload=mine steps=12 peak_alloc=N peak_reserved=N
+    # action addr size stream
+    segment_alloc 139861348581376 262144000 0
+    alloc 139861348581376 262144000 0
+    free_completed 139861348581376 262144000 0
+
+Only the allocator's actions go over (alloc, free_requested,
+free_completed, segment_alloc/free/map/unmap); snapshot and oom markers
+do not. Frees of blocks allocated before recording began are dropped
+unless --keep-unmatched, since a replay has nothing to free then.
+peak_alloc and peak_reserved in the header are the peaks of the trace's
+own running sums. Output ending in .gz is compressed.
+"""
+
+import argparse
+import gzip
+import pickle
+import sys
+
+ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
+           "segment_free", "segment_map", "segment_unmap")
+FREES = ("free_requested", "free_completed")
+
+
+def _stream(value):
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def convert(trace, keep_unmatched=False):
+    """(events, peak_alloc, peak_reserved) from one device's trace entries
+    (dicts with action, addr, size, stream). events: (action, addr, size,
+    stream) tuples in order."""
+    live = {}
+    alloc = reserved = peak_alloc = peak_reserved = 0
+    out = []
+    for e in trace:
+        action = e.get("action")
+        if action not in ACTIONS:
+            continue
+        addr, size = int(e.get("addr", 0)), int(e.get("size", 0))
+        if action == "alloc":
+            live[addr] = size
+            alloc += size
+            peak_alloc = max(peak_alloc, alloc)
+        elif action in FREES:
+            if addr not in live and not keep_unmatched:
+                continue
+            if action == "free_completed":
+                alloc -= live.pop(addr, 0)
+        elif action in ("segment_alloc", "segment_map"):
+            reserved += size
+            peak_reserved = max(peak_reserved, reserved)
+        else:
+            reserved -= size
+        out.append((action, addr, size, _stream(e.get("stream"))))
+    return out, peak_alloc, peak_reserved
+
+
+def write(path, events, header):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt") as f:
+        f.write("# %s\n" % " ".join(header))
+        f.write("# action addr size stream\n")
+        for ev in events:
+            f.write("%s %d %d %d\n" % ev)
+
+
+def load_snapshot(path):
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    if not isinstance(snap, dict) or "device_traces" not in snap:
+        raise ValueError("%s is not a memory snapshot with a trace (no "
+                         "device_traces); record one with "
+                         "torch.cuda.memory._record_memory_history() and "
+                         "torch.cuda.memory._dump_snapshot()" % path)
+    return snap
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m gmlake.snapshot_to_trace",
+        description="A memory snapshot's trace as a gmlake-replay trace.")
+    p.add_argument("snapshot", help="pickle from _dump_snapshot()")
+    p.add_argument("output", help="trace file to write (.gz: compressed)")
+    p.add_argument("--device", type=int, default=None,
+                   help="which device's trace (default: the first with "
+                   "events)")
+    p.add_argument("--workload", default="snapshot",
+                   help="workload name for the header")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps the trace covers, for the header")
+    p.add_argument("--producer", default="pytorch snapshot",
+                   help="first words of the header (default: %(default)s)")
+    p.add_argument("--keep-unmatched", action="store_true",
+                   help="keep frees of blocks allocated before recording")
+    ns = p.parse_args(argv)
+    try:
+        snap = load_snapshot(ns.snapshot)
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        sys.stderr.write("snapshot_to_trace: %s\n" % e)
+        return 1
+    traces = snap["device_traces"]
+    device = ns.device
+    if device is None:
+        device = next((d for d, t in enumerate(traces) if t), 0)
+    if device >= len(traces) or not traces[device]:
+        sys.stderr.write("snapshot_to_trace: device %d has no trace events "
+                         "in %s\n" % (device, ns.snapshot))
+        return 1
+    events, peak_alloc, peak_reserved = convert(traces[device],
+                                                ns.keep_unmatched)
+    header = [ns.producer, "workload=%s" % ns.workload]
+    if ns.steps is not None:
+        header.append("steps=%d" % ns.steps)
+    header += ["peak_alloc=%d" % peak_alloc,
+               "peak_reserved=%d" % peak_reserved]
+    write(ns.output, events, header)
+    sys.stderr.write("snapshot_to_trace: %d events of device %d to %s\n" %
+                     (len(events), device, ns.output))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

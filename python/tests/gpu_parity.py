@@ -1,0 +1,515 @@
+# SPDX-License-Identifier: MIT
+"""PyTorch parity on a GPU: what works under PyTorch's allocator must work
+under libgmlake (issue 15's table), each case in a child process of its
+own, once under each allocator.
+
+    python3 python/tests/gpu_parity.py --lib build-gpu/libgmlake.so
+        [--rows a,b,...] [--slow] [--backend adapter|ctypes|auto]
+        [--timeout S] [--json FILE]
+
+Rows: enable (libgmlake's backend, and the adapter's build on first use),
+memory_stats (memory_allocated, max_memory_reserved, memory_stats,
+memory_summary; under libgmlake memory_allocated() must equal libgmlake's
+allocated bytes), reset_peak, memory_history (_record_memory_history,
+_snapshot, _dump_snapshot), cudnn_benchmark (a Conv2d forward and
+backward), compile_reduce_overhead (a 20-step training loop against the
+same loop run eagerly), graph_pool (free inside a capture, allocate
+outside afterwards, replay, nothing outside overwritten; a second graph
+sharing the pool), ipc (a CUDA tensor through a pipe to a spawned
+process), mempool (torch.cuda.MemPool and use_mem_pool), oom_linear (out
+of memory inside a Linear caught as torch.cuda.OutOfMemoryError, then
+the process goes on), oom_400g (torch.empty(400 GiB) + 1 raises
+OutOfMemoryError; CUDA still works). --slow adds compile_max_autotune;
+--rows alloc_cost measures an allocation and free through PyTorch
+(run it with --backend ctypes too, to compare the adapter's cost).
+ipc and mempool pass when they work or fail with libgmlake's documented
+error.
+
+Prints a table and, last, "N passed, M failed"; exit 1 on any failure.
+Needs torch with CUDA; the library's Python package is taken from this
+source tree (python/).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYDIR = os.path.dirname(HERE)
+MARK = "GMLAKE_PARITY_RESULT "
+GiB = 1 << 30
+MiB = 1 << 20
+
+ROWS = ("enable", "memory_stats", "reset_peak", "memory_history",
+        "cudnn_benchmark", "compile_reduce_overhead", "graph_pool", "ipc",
+        "mempool", "oom_linear", "oom_400g")
+SLOW_ROWS = ("compile_max_autotune",)
+# Rows that measure and always pass (--rows to run them).
+EXTRA_ROWS = ("alloc_cost",)
+# Messages that make a refusal a pass (documented, says what to do).
+IPC_REFUSAL = "libgmlake cannot share CUDA tensors"
+MEMPOOL_REFUSAL = "torch.cuda.MemPool(allocator=...) is not supported"
+
+
+class RowFailed(Exception):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise RowFailed(msg)
+
+
+# ---------------------------------------------------------------------------
+# The rows, run in a child process. Each returns a short detail string.
+
+def row_enable(torch, ctx):
+    if ctx["mode"] != "gmlake":
+        return "PyTorch's allocator (%s)" % \
+            torch.cuda.memory.get_allocator_backend()
+    import gmlake.torch
+    check(gmlake.torch.backend() == "adapter",
+          "libgmlake runs through %s, not the adapter" %
+          gmlake.torch.backend())
+    x = torch.ones(1 << 20, device="cuda")
+    check(float(x.sum()) == float(1 << 20), "a first tensor is wrong")
+    return "backend %s, enable took %.1f s" % (gmlake.torch.backend(),
+                                               ctx["enable_s"])
+
+
+def gmlake_allocated(ctx, dev):
+    if ctx["mode"] != "gmlake":
+        return None
+    import gmlake
+    return gmlake.stats(dev)["allocated_bytes.current"]
+
+
+def row_memory_stats(torch, ctx):
+    dev = torch.cuda.current_device()
+    keep = [torch.empty(n, dtype=torch.uint8, device="cuda")
+            for n in (3 * MiB + 5, 64 * MiB, 1000, 300 * MiB)]
+    del keep[1]
+    torch.cuda.synchronize()
+    alloc = torch.cuda.memory_allocated()
+    st = torch.cuda.memory_stats()
+    for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak",
+                "active_bytes.all.current", "requested_bytes.all.current",
+                "inactive_split_bytes.all.current", "num_alloc_retries",
+                "num_ooms", "num_device_alloc", "num_device_free"):
+        check(key in st, "memory_stats() lacks %s" % key)
+    check(alloc == st["allocated_bytes.all.current"],
+          "memory_allocated %d != memory_stats %d" %
+          (alloc, st["allocated_bytes.all.current"]))
+    check(alloc >= 303 * MiB, "memory_allocated() %d is too small" % alloc)
+    check(torch.cuda.max_memory_reserved() >= torch.cuda.memory_reserved()
+          >= alloc, "reserved figures are inconsistent")
+    check(torch.cuda.max_memory_allocated() >= alloc,
+          "max_memory_allocated() < memory_allocated()")
+    check(st["requested_bytes.all.current"] ==
+          3 * MiB + 5 + 1000 + 300 * MiB,
+          "requested_bytes %d" % st["requested_bytes.all.current"])
+    text = torch.cuda.memory_summary()
+    check("Allocated memory" in text, "memory_summary() has no table")
+    g = gmlake_allocated(ctx, dev)
+    if g is not None:
+        check(g == alloc, "memory_allocated() %d != libgmlake's %d" %
+              (alloc, g))
+    return "allocated %d, reserved %d%s" % (
+        alloc, torch.cuda.memory_reserved(),
+        "" if g is None else ", libgmlake allocated %d" % g)
+
+
+def row_reset_peak(torch, ctx):
+    x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+    del x
+    torch.cuda.synchronize()
+    check(torch.cuda.max_memory_allocated() >= 512 * MiB, "no peak")
+    torch.cuda.reset_peak_memory_stats()
+    now = torch.cuda.memory_allocated()
+    check(torch.cuda.max_memory_allocated() == now,
+          "peak %d after reset, current %d" %
+          (torch.cuda.max_memory_allocated(), now))
+    torch.cuda.reset_accumulated_memory_stats()
+    st = torch.cuda.memory_stats()
+    check(st["num_ooms"] == 0, "num_ooms not reset")
+    return "peak back to %d" % now
+
+
+def row_memory_history(torch, ctx):
+    import pickle
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    a = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty(100 * MiB, dtype=torch.uint8, device="cuda")
+    ptr = b.data_ptr()
+    del b
+    snap = torch.cuda.memory._snapshot()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "snap.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path, "rb") as f:
+            dumped = pickle.load(f)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    check(snap["segments"], "the snapshot has no segments")
+    for seg in snap["segments"]:
+        addr = seg["address"]
+        for blk in seg["blocks"]:
+            check(blk["address"] == addr, "blocks do not tile a segment")
+            addr += blk["size"]
+    dev = torch.cuda.current_device()
+    trace = snap["device_traces"][dev]
+    acts = {(e["action"], e["addr"]) for e in trace}
+    check(("alloc", ptr) in acts, "no alloc event for the freed tensor")
+    check(("free_completed", ptr) in acts, "no free_completed event")
+    check(any(e["action"] == "alloc" and e["addr"] == a.data_ptr()
+              for e in trace), "no alloc event for the live tensor")
+    check(dumped.get("segments") and dumped.get("device_traces"),
+          "_dump_snapshot wrote no segments or traces")
+    frames = sum(1 for e in trace if e.get("frames"))
+    stitched = sum(1 for s in snap["segments"] if s.get("is_expandable"))
+    return "%d segments (%d stitched), %d events, %d with stacks" % (
+        len(snap["segments"]), stitched, len(trace), frames)
+
+
+def row_cudnn_benchmark(torch, ctx):
+    torch.backends.cudnn.benchmark = True
+    conv = torch.nn.Conv2d(64, 128, 3, padding=1).cuda()
+    x = torch.randn(32, 64, 112, 112, device="cuda", requires_grad=True)
+    y = conv(x)
+    y.float().mean().backward()
+    torch.cuda.synchronize()
+    check(torch.isfinite(y).all().item(), "non-finite output")
+    check(x.grad is not None and torch.isfinite(x.grad).all().item(),
+          "bad gradient")
+    return "conv out %s" % (tuple(y.shape),)
+
+
+def _train(torch, mode, steps=20):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(),
+        torch.nn.Linear(512, 512), torch.nn.GELU(),
+        torch.nn.Linear(512, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    xs = torch.randn(steps, 64, 256, device="cuda", generator=g)
+    ys = torch.randint(0, 10, (steps, 64), device="cuda", generator=g)
+    step_fn = model if mode is None else torch.compile(model, mode=mode)
+    losses = []
+    for i in range(steps):
+        if mode is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = torch.nn.functional.cross_entropy(step_fn(xs[i]), ys[i])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _compile_row(torch, mode):
+    eager = _train(torch, None)
+    t0 = time.time()
+    compiled = _train(torch, mode)
+    dt = time.time() - t0
+    for i, (e, c) in enumerate(zip(eager, compiled)):
+        check(abs(e - c) <= 2e-2 * max(1.0, abs(e)),
+              "step %d: loss %.5f compiled, %.5f eager" % (i, c, e))
+    check(compiled[-1] < compiled[0], "the loss did not go down")
+    return "loss %.4f -> %.4f (eager %.4f), %.0f s" % (
+        compiled[0], compiled[-1], eager[-1], dt)
+
+
+def row_compile_reduce_overhead(torch, ctx):
+    return _compile_row(torch, "reduce-overhead")
+
+
+def row_compile_max_autotune(torch, ctx):
+    return _compile_row(torch, "max-autotune")
+
+
+def row_graph_pool(torch, ctx):
+    n = 16 * MiB // 4
+    static_in = torch.randn(n, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            (static_in * 2 + 1).mul(3).sum()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tmp = static_in * 2 + 1        # in the graph's pool
+        tmp2 = tmp * 3
+        del tmp                        # freed inside the capture
+        out = tmp2.sum()
+    # Allocated outside afterwards, the size of what was freed inside.
+    outside = [torch.full((n,), 7.0, device="cuda") for _ in range(6)]
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2, pool=g.pool()):
+        out2 = (static_in - 1).abs().sum()
+    more = [torch.full((n,), 9.0, device="cuda") for _ in range(4)]
+    torch.cuda.synchronize()
+    for _ in range(5):
+        static_in.copy_(torch.randn(n, device="cuda"))
+        g.replay()
+        g2.replay()
+        torch.cuda.synchronize()
+        want = ((static_in * 2 + 1) * 3).sum()
+        check(torch.allclose(out, want, rtol=1e-4, atol=1e-2),
+              "replayed result %.3f, expected %.3f" % (out, want))
+        want2 = (static_in - 1).abs().sum()
+        check(torch.allclose(out2, want2, rtol=1e-4, atol=1e-2),
+              "second graph's result is wrong")
+    for t in outside:
+        check(bool((t == 7.0).all()), "a replay overwrote a tensor "
+              "allocated outside the graph")
+    for t in more:
+        check(bool((t == 9.0).all()), "a replay overwrote a tensor "
+              "allocated after the second capture")
+    del g, g2, out, out2, tmp2
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return "6+4 outside tensors intact over 5 replays of 2 graphs"
+
+
+def _ipc_child(conn):
+    import torch
+    t = conn.recv()
+    conn.send(float(t.sum()))
+
+
+def row_ipc(torch, ctx):
+    import torch.multiprocessing as mp
+    spawn = mp.get_context("spawn")
+    parent, child = spawn.Pipe()
+    p = spawn.Process(target=_ipc_child, args=(child,))
+    p.start()
+    t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    try:
+        parent.send(t)
+    except RuntimeError as e:
+        p.kill()
+        p.join()
+        check(IPC_REFUSAL in str(e), "sharing failed without libgmlake's "
+              "message: %s" % e)
+        return "refused clearly: %s" % str(e).split(":")[0]
+    got = parent.recv()
+    p.join(60)
+    check(got == float(t.sum()), "the other process read %s" % got)
+    return "the other process read the tensor"
+
+
+def row_mempool(torch, ctx):
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.full((4 * MiB,), 3.0, device="cuda")
+        y = x * 2
+    z = torch.full((4 * MiB,), 5.0, device="cuda")   # outside the pool
+    check(bool((y == 6.0).all()) and bool((z == 5.0).all()), "wrong values")
+    uses = pool.use_count()
+    del x, y
+    del pool
+    torch.cuda.synchronize()
+    check(bool((z == 5.0).all()), "a tensor outside the pool changed")
+    try:
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(
+            ctx["lib"] or "libc.so.6", "malloc", "free") \
+            if ctx["mode"] == "gmlake" else None
+        if alloc is not None:
+            torch.cuda.MemPool(alloc.allocator())
+    except RuntimeError as e:
+        check(MEMPOOL_REFUSAL in str(e), "MemPool(allocator=...) failed "
+              "without libgmlake's message: %s" % e)
+        return "MemPool() works (use_count %d); MemPool(allocator) refused " \
+            "clearly" % uses
+    return "MemPool() works (use_count %d)" % uses
+
+
+def row_oom_linear(torch, ctx):
+    total = torch.cuda.get_device_properties(0).total_memory
+    lin = torch.nn.Linear(16, 65536).cuda()
+    rows = int(1.25 * total / (65536 * 4))
+    x = torch.randn(rows, 16, device="cuda")
+    try:
+        y = lin(x)
+        torch.cuda.synchronize()
+        raise RowFailed("a %d GiB output was allocated" %
+                        (rows * 65536 * 4 // GiB))
+    except torch.cuda.OutOfMemoryError as e:
+        msg = str(e)
+    check("out of memory" in msg, "message: %s" % msg[:200])
+    y = lin(x[:1024])
+    torch.cuda.synchronize()
+    check(torch.isfinite(y).all().item(), "after the OOM: bad values")
+    z = torch.randn(1 << 20, device="cuda").sum().item()
+    check(z == z, "after the OOM: CUDA broken")
+    return "caught: %s" % msg.split(".")[0][:100]
+
+
+def row_oom_400g(torch, ctx):
+    try:
+        y = torch.empty(400 * GiB, dtype=torch.uint8, device="cuda") + 1
+        torch.cuda.synchronize()
+        raise RowFailed("no exception; data_ptr %#x" % y.data_ptr())
+    except torch.cuda.OutOfMemoryError as e:
+        msg = str(e)
+    torch.cuda.synchronize()
+    check(float(torch.ones(10, device="cuda").sum()) == 10.0,
+          "CUDA does not work after the OOM")
+    return "OutOfMemoryError: %s" % msg[:80]
+
+
+def row_alloc_cost(torch, ctx):
+    """Not a parity check: the cost of an allocation and free through
+    PyTorch (torch.empty, then dropping it), for the adapter against the
+    ctypes backend (--backend ctypes) and PyTorch's allocator."""
+    out = []
+    for size in (1024, 4 * MiB, 64 * MiB):
+        for _ in range(200):
+            torch.empty(size, dtype=torch.uint8, device="cuda")
+        n = 20000 if size < 64 * MiB else 5000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.empty(size, dtype=torch.uint8, device="cuda")
+        dt = (time.perf_counter() - t0) / n * 1e6
+        out.append("%s %.2f us" % ("1 KiB" if size == 1024 else
+                                   "%d MiB" % (size // MiB), dt))
+    torch.cuda.synchronize()
+    return "alloc+free: " + ", ".join(out)
+
+
+# ---------------------------------------------------------------------------
+
+def child(ns):
+    """Run one row; print its result as a MARK line."""
+    res = {"row": ns.row, "mode": ns.child, "ok": False, "detail": ""}
+    ctx = {"mode": ns.child, "lib": ns.lib, "enable_s": 0.0}
+    try:
+        if ns.child == "gmlake":
+            sys.path.insert(0, PYDIR)
+            t0 = time.time()
+            import gmlake.torch
+            gmlake.torch.enable(library=ns.lib, backend=ns.backend)
+            ctx["enable_s"] = time.time() - t0
+        import torch
+        if not torch.cuda.is_available():
+            raise RowFailed("no CUDA device")
+        res["detail"] = globals()["row_" + ns.row](torch, ctx)
+        res["ok"] = True
+    except RowFailed as e:
+        res["detail"] = str(e)
+    except Exception as e:
+        res["detail"] = "%s: %s" % (type(e).__name__, str(e)[:400])
+        traceback.print_exc()
+    sys.stdout.flush()
+    print(MARK + json.dumps(res))
+    sys.stdout.flush()
+    return 0
+
+
+def run_row(ns, mode, row):
+    env = dict(os.environ)
+    if mode == "gmlake":
+        env["GMLAKE_LIBRARY"] = os.path.abspath(ns.lib)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [PYDIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                       if p])
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode,
+           "--row", row, "--backend", ns.backend]
+    if ns.lib:
+        cmd += ["--lib", os.path.abspath(ns.lib)]
+    limit = ns.timeout * (3 if row.startswith("compile") or
+                          row == "enable" else 1)
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                           timeout=limit)
+        out, err, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else \
+            (e.stdout or "")
+        err = "timed out after %d s" % limit
+        rc = -1
+    res = None
+    for line in out.splitlines():
+        if line.startswith(MARK):
+            res = json.loads(line[len(MARK):])
+    if res is None:
+        tail = (err or out).strip().splitlines()[-3:]
+        res = {"row": row, "mode": mode, "ok": False,
+               "detail": "no result (exit %s): %s" % (rc, " | ".join(tail))}
+    res["seconds"] = round(time.time() - t0, 1)
+    if not res["ok"] and ns.verbose:
+        sys.stderr.write(err[-4000:])
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lib", help="libgmlake.so (build-gpu/libgmlake.so)")
+    ap.add_argument("--rows", help="comma-separated rows (default: all)")
+    ap.add_argument("--slow", action="store_true",
+                    help="also " + ", ".join(SLOW_ROWS))
+    ap.add_argument("--backend", default="adapter",
+                    choices=("adapter", "ctypes", "auto"),
+                    help="libgmlake's backend (default: adapter)")
+    ap.add_argument("--timeout", type=int, default=300,
+                    help="seconds per row and allocator (x3 for enable "
+                    "and compile rows; default 300)")
+    ap.add_argument("--only", choices=("torch", "gmlake"),
+                    help="run under one allocator only")
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="print a failing child's stderr")
+    ap.add_argument("--child", choices=("torch", "gmlake"),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--row", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.child:
+        return child(ns)
+    modes = [ns.only] if ns.only else ["torch", "gmlake"]
+    if "gmlake" in modes and not ns.lib:
+        ap.error("--lib PATH (libgmlake.so) is needed")
+    rows = ns.rows.split(",") if ns.rows else \
+        list(ROWS) + (list(SLOW_ROWS) if ns.slow else [])
+    for r in rows:
+        if r not in ROWS + SLOW_ROWS + EXTRA_ROWS:
+            ap.error("unknown row %s" % r)
+    results = {}
+    for mode in modes:
+        for row in rows:
+            r = run_row(ns, mode, row)
+            results[(row, mode)] = r
+            print("%-24s %-7s %-4s %6.1fs  %s" % (
+                row, mode, "ok" if r["ok"] else "FAIL", r["seconds"],
+                r["detail"]), flush=True)
+    print()
+    print("| %-24s | %-6s | %-6s | %s" % ("row", "torch", "gmlake",
+                                           "libgmlake's detail"))
+    print("|" + "-" * 26 + "|--------|--------|" + "-" * 40)
+    for row in rows:
+        cells = []
+        for mode in ("torch", "gmlake"):
+            r = results.get((row, mode))
+            cells.append("-" if r is None else "pass" if r["ok"] else
+                         "FAIL")
+        r = results.get((row, "gmlake")) or results.get((row, "torch"))
+        print("| %-24s | %-6s | %-6s | %s" % (row, cells[0], cells[1],
+                                               r["detail"][:110]))
+    passed = sum(1 for r in results.values() if r["ok"])
+    failed = len(results) - passed
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump([results[k] for k in sorted(results)], f, indent=1)
+    print("%d passed, %d failed" % (passed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
