@@ -16,9 +16,11 @@ top_builddir=${top_builddir:-.}
 replay=$top_builddir/tools/gmlake-replay
 max_frag=${REPLAY_MAX_FRAG_PCT:-2.5}
 max_driver=${REPLAY_MAX_DRIVER_PCT:-1.0}
-# Traces that do not meet the driver goal yet, as name:ceiling (none now;
-# a ceiling still fails the test on a regression).
-known_gaps=${REPLAY_KNOWN_GAPS:-}
+# Traces that do not meet the driver goal yet, as name:ceiling (a ceiling
+# still fails the test on a regression). recompute: since segments grow at
+# their end, one repair of 551 chunks lands at step 6.5 of its 12, inside
+# the half this measures; the view then serves every later step.
+known_gaps=${REPLAY_KNOWN_GAPS:-recompute:1.7}
 
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
