@@ -1,19 +1,30 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * check_shm: publication of the statistics in GMLAKE_SHM_DIR/gmlake.PID
+ * check_shm: publication of the statistics in GMLAKE_SHM_DIR/gmlake.PID.TOKEN
  * (lib/shm.c), the checking reader (lib/shm_read.c), and gmlake-top's JSON
  * snapshots against a live and a killed process.
  *
  * Runs on the emulated device whatever GMLAKE_BACKEND says; each case
  * works in a directory of its own (checked fixture), never in /dev/shm.
+ * The cases that need root for a mount or a PID namespace (a full tmpfs,
+ * two containers) say so on stderr and pass without it.
  *
  * With GML_SHM_WRITE_CORPUS=DIR the "corpus" case writes the seed inputs
  * of tests/fuzz/corpus/fuzz_shm/ there (how they were made).
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE	/* unshare */
+#endif
 #include "helpers.h"
 
+#include <dirent.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 
 #include "gmlake-shm.h"
@@ -46,9 +57,43 @@ static void path_of(char *buf, size_t len, const char *name)
 	snprintf(buf, len, "%s/%s", dir, name);
 }
 
+/* The segment of pid in d (gmlake.PID.TOKEN); false when there is none. */
+static bool seg_path_in(const char *d, int pid, char *buf, size_t len)
+{
+	char prefix[32];
+	struct dirent *de;
+	bool found = false;
+	DIR *dp = opendir(d);
+
+	ck_assert_ptr_nonnull(dp);
+	snprintf(prefix, sizeof(prefix), "gmlake.%d.", pid);
+	while (!found && (de = readdir(dp)))
+		if (!strncmp(de->d_name, prefix, strlen(prefix))) {
+			snprintf(buf, len, "%s/%s", d, de->d_name);
+			found = true;
+		}
+	closedir(dp);
+	return found;
+}
+
 static void own_path(char *buf, size_t len)
 {
-	snprintf(buf, len, "%s/gmlake.%d", dir, (int)getpid());
+	ck_assert_msg(seg_path_in(dir, (int)getpid(), buf, len),
+		      "no segment of pid %d in %s", (int)getpid(), dir);
+}
+
+/* Entries of d whose name starts with prefix. */
+static int count_prefix(const char *d, const char *prefix)
+{
+	struct dirent *de;
+	DIR *dp = opendir(d);
+	int n = 0;
+
+	ck_assert_ptr_nonnull(dp);
+	while ((de = readdir(dp)))
+		n += !strncmp(de->d_name, prefix, strlen(prefix));
+	closedir(dp);
+	return n;
 }
 
 static void snap_init(struct gmlake_shm_snapshot *snap)
@@ -195,28 +240,64 @@ START_TEST(publish_off)
 	th_config(&cfg, 64 * TH_MiB);
 	ck_assert(!cfg.publish);
 	ctx = th_ctx_cfg(&cfg);
-	own_path(path, sizeof(path));
-	ck_assert_int_eq(access(path, F_OK), -1);
+	ck_assert(!seg_path_in(dir, (int)getpid(), path, sizeof(path)));
 	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
 }
 END_TEST
 
-/* A leftover gmlake.PID of ours (pid reuse) is replaced, not fatal. */
-START_TEST(leftover_replaced)
+/*
+ * Files that carry our pid (another namespace's process, or a leftover of
+ * pid reuse) are not ours to remove: the new segment takes a name of its
+ * own and both stay.
+ */
+START_TEST(leftover_left_alone)
 {
 	struct gmlake_shm_snapshot snap;
+	char path[512], old[512];
 	gmlake_ctx *ctx;
-	char path[512];
 	int fd;
 
-	own_path(path, sizeof(path));
-	fd = open(path, O_CREAT | O_WRONLY, 0600);
+	snprintf(old, sizeof(old), "%s/gmlake.%d", dir, (int)getpid());
+	fd = open(old, O_CREAT | O_WRONLY, 0600);
 	ck_assert_int_ge(fd, 0);
 	ck_assert_int_eq(write(fd, "junk", 4), 4);
 	close(fd);
 	ctx = th_ctx(64 * TH_MiB);
 	wait_published(ctx, &snap);
 	ck_assert_int_eq(snap.pid, getpid());
+	own_path(path, sizeof(path));
+	ck_assert_int_eq(access(old, F_OK), 0);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
+	ck_assert_int_eq(access(path, F_OK), -1);
+	ck_assert_int_eq(access(old, F_OK), 0);
+}
+END_TEST
+
+/*
+ * The name is gmlake.PID.TOKEN with the header's token, nothing is left
+ * under the hidden creation name, and the publisher holds its lock.
+ */
+START_TEST(name_token_lock)
+{
+	struct gmlake_shm_snapshot snap;
+	gmlake_ctx *ctx = th_ctx(64 * TH_MiB);
+	char path[512], want[512];
+	int fd;
+
+	wait_published(ctx, &snap);
+	own_path(path, sizeof(path));
+	ck_assert_uint_ne(snap.token, 0);
+	snprintf(want, sizeof(want), "%s/gmlake.%d.%016llx", dir,
+		 (int)getpid(), (unsigned long long)snap.token);
+	ck_assert_str_eq(path, want);
+	ck_assert_int_eq(count_prefix(dir, ".gmlake"), 0);
+	ck_assert_uint_eq(snap.flags, GMLAKE_SHM_SNAP_LOCK_CHECKED);
+	ck_assert(!gmlake_shm_stale(&snap));
+	fd = open(path, O_RDONLY);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(flock(fd, LOCK_SH | LOCK_NB), -1);
+	ck_assert_int_eq(errno, EWOULDBLOCK);
+	close(fd);
 	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
 }
 END_TEST
@@ -248,6 +329,211 @@ START_TEST(fork_child_leaves_segment)
 	ck_assert_int_eq(access(path, F_OK), 0);
 	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
 	ck_assert_int_eq(access(path, F_OK), -1);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* A publisher that never kills or stops its program                      */
+
+/*
+ * A tmpfs of 16 pages at dir/tiny with room left for `pages` pages, in a
+ * mount namespace of this (forked) test process; GMLAKE_SHM_DIR points at
+ * it. False, with a note, where mounting is not allowed.
+ */
+static bool tiny_tmpfs(char *tiny, size_t len, unsigned pages)
+{
+	static const char zeros[4096];
+	char fill[600];
+	struct statvfs vs;
+	size_t n;
+	int fd;
+
+	snprintf(tiny, len, "%s/tiny", dir);
+	ck_assert_int_eq(mkdir(tiny, 0700), 0);
+	if (unshare(CLONE_NEWNS) ||
+	    mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) ||
+	    mount("tmpfs", tiny, "tmpfs", 0, "size=64k,mode=0700")) {
+		fprintf(stderr, "check_shm: cannot mount a tmpfs (%s); a full "
+			"directory is not tried\n", strerror(errno));
+		return false;
+	}
+	snprintf(fill, sizeof(fill), "%s/fill", tiny);
+	fd = open(fill, O_CREAT | O_WRONLY, 0600);
+	ck_assert_int_ge(fd, 0);
+	for (n = 0; n < 16 - pages; n++)
+		ck_assert_int_eq(write(fd, zeros, 4096) == 4096 ||
+					 errno == ENOSPC, 1);
+	close(fd);
+	ck_assert_int_eq(statvfs(tiny, &vs), 0);
+	ck_assert_uint_eq(vs.f_bavail * vs.f_bsize / 4096, pages);
+	ck_assert_int_eq(setenv("GMLAKE_SHM_DIR", tiny, 1), 0);
+	return true;
+}
+
+/* Contexts on a directory with `pages` free: they work, unpublished. */
+static void run_unpublished(unsigned pages)
+{
+	gmlake_ctx *ctx[10];
+	char tiny[300], path[600];
+	void *p;
+
+	if (!tiny_tmpfs(tiny, sizeof(tiny), pages))
+		return;
+	/* ten contexts: the publisher died at the eighth */
+	for (int i = 0; i < 10; i++) {
+		ctx[i] = th_ctx(64 * TH_MiB);
+		ck_assert_int_eq(gmlake_alloc(ctx[i], &p, 3 * TH_MiB, NULL), 0);
+	}
+	sleep_ms(100);		/* publisher rounds, if any */
+	ck_assert(!seg_path_in(tiny, (int)getpid(), path, sizeof(path)));
+	ck_assert_int_eq(count_prefix(tiny, ".gmlake"), 0);
+	for (int i = 0; i < 10; i++)
+		ck_assert_int_eq(gmlake_ctx_destroy(ctx[i], true), 0);
+	ck_assert_int_eq(umount2(tiny, MNT_DETACH), 0);
+}
+
+START_TEST(full_dir_only_warns)
+{
+	run_unpublished(0);
+}
+END_TEST
+
+START_TEST(one_page_left_only_warns)
+{
+	run_unpublished(1);
+}
+END_TEST
+
+/*
+ * RLIMIT_FSIZE below the segment's size, met when the segment must grow
+ * back after a truncation: the writes fail, and SIGXFSZ (whose default
+ * action ends the process) must not reach the program, neither from the
+ * publisher nor from gmlake_ctx_destroy's own write. In a child, so that
+ * Check's files are not limited; the emulated device sizes its memory
+ * before the limit is set.
+ */
+START_TEST(file_size_limit_only_warns)
+{
+	int status;
+	pid_t pid = fork();
+
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		struct rlimit rl = { 4096, 4096 };
+		gmlake_ctx *a = NULL, *b = NULL;
+		char path[512];
+		void *p;
+
+		if (gmlake_ctx_init(&a, NULL) || gmlake_ctx_init(&b, NULL) ||
+		    !seg_path_in(dir, (int)getpid(), path, sizeof(path)) ||
+		    truncate(path, 0) || setrlimit(RLIMIT_FSIZE, &rl))
+			_exit(2);
+		if (gmlake_ctx_destroy(b, true) ||
+		    gmlake_alloc(a, &p, TH_MiB, NULL))
+			_exit(3);
+		sleep_ms(100);
+		_exit(gmlake_ctx_destroy(a, true) ? 4 : 0);
+	}
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert_msg(WIFEXITED(status), "child killed by signal %d",
+		      WTERMSIG(status));
+	ck_assert_int_eq(WEXITSTATUS(status), 0);
+}
+END_TEST
+
+/*
+ * Another process truncates the live segment over and over: the program
+ * goes on (it died of SIGBUS within 10 ms), and the segment is whole again
+ * once that stops.
+ */
+START_TEST(truncated_segment_survives)
+{
+	struct gmlake_shm_snapshot snap;
+	gmlake_ctx *ctx = th_ctx(64 * TH_MiB);
+	char path[512];
+	void *p;
+
+	wait_published(ctx, &snap);
+	own_path(path, sizeof(path));
+	for (int i = 0; i < 60; i++) {
+		ck_assert_int_eq(truncate(path, i % 3 ? 0 : 300), 0);
+		ck_assert_int_eq(gmlake_alloc(ctx, &p, TH_MiB, NULL), 0);
+		sleep_ms(5);
+		ck_assert_int_eq(gmlake_free(ctx, p), 0);
+	}
+	ck_assert_int_eq(truncate(path, 0), 0);
+	wait_published(ctx, &snap);	/* written whole again */
+	ck_assert_int_eq(snap.pid, getpid());
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+}
+END_TEST
+
+/* The publisher thread's id, found by its name; 0 when none has it. */
+static int publisher_tid(void)
+{
+	char path[300], name[32];
+	struct dirent *de;
+	int tid = 0;
+	DIR *d = opendir("/proc/self/task");
+	FILE *f;
+
+	ck_assert_ptr_nonnull(d);
+	while (!tid && (de = readdir(d))) {
+		if (de->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/comm",
+			 de->d_name);
+		f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (fgets(name, sizeof(name), f) &&
+		    !strcmp(name, "gmlake-pub\n"))
+			tid = atoi(de->d_name);
+		fclose(f);
+	}
+	closedir(d);
+	return tid;
+}
+
+static long voluntary_switches(int tid)
+{
+	char path[64], line[128];
+	long n = -1;
+	FILE *f;
+
+	snprintf(path, sizeof(path), "/proc/self/task/%d/status", tid);
+	f = fopen(path, "r");
+	ck_assert_ptr_nonnull(f);
+	while (fgets(line, sizeof(line), f))
+		sscanf(line, "voluntary_ctxt_switches: %ld", &n);
+	fclose(f);
+	ck_assert_int_ge(n, 0);
+	return n;
+}
+
+/*
+ * An idle process: the publisher, named gmlake-pub, sleeps while nothing
+ * changes (it woke 100 times a second), and a change still shows soon.
+ */
+START_TEST(idle_publisher_sleeps)
+{
+	struct gmlake_shm_snapshot snap;
+	gmlake_ctx *ctx = th_ctx(64 * TH_MiB);
+	long before, after;
+	int tid;
+	void *p;
+
+	tid = publisher_tid();
+	ck_assert_msg(tid > 0, "no thread named gmlake-pub");
+	sleep_ms(1300);		/* the period has grown to its longest */
+	before = voluntary_switches(tid);
+	sleep_ms(1000);
+	after = voluntary_switches(tid);
+	ck_assert_msg(after - before <= 4, "%ld wake-ups in an idle second",
+		      after - before);
+	ck_assert_int_eq(gmlake_alloc(ctx, &p, TH_MiB, NULL), 0);
+	wait_published(ctx, &snap);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
 }
 END_TEST
 
@@ -386,8 +672,7 @@ static pid_t killed_child(char *path, size_t len)
 	ck_assert_int_eq(kill(pid, SIGKILL), 0);
 	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
 	ck_assert(WIFSIGNALED(status));
-	snprintf(path, len, "%s/gmlake.%d", dir, (int)pid);
-	ck_assert_int_eq(access(path, F_OK), 0);
+	ck_assert(seg_path_in(dir, (int)pid, path, len));
 	return pid;
 }
 
@@ -480,7 +765,7 @@ static int try_image(const void *img, size_t len, mode_t mode)
 	char path[512];
 	int ret;
 
-	path_of(path, sizeof(path), "gmlake.seg");
+	path_of(path, sizeof(path), "image.seg");
 	write_file(path, img, len, mode);
 	ret = read_seg(path, (uint32_t)geteuid(), &snap);
 	ck_assert_int_le(ret, 0);
@@ -518,9 +803,11 @@ START_TEST(reject_bad_images)
 	} while (0)
 	MUTATE(hdr(bad)->magic ^= 1, -EBADMSG);
 	MUTATE(hdr(bad)->magic = 0, -EAGAIN);
-	MUTATE(hdr(bad)->compat_version = 2; hdr(bad)->version = 2,
+	MUTATE(hdr(bad)->compat_version = 3; hdr(bad)->version = 3,
 	       -EPROTONOSUPPORT);
 	MUTATE(hdr(bad)->compat_version = 3, -EBADMSG);
+	MUTATE(hdr(bad)->token = 0, -EBADMSG);
+	MUTATE(slot0(bad)->resident_bytes = -1, -EBADMSG);
 	MUTATE(hdr(bad)->version = 0, -EBADMSG);
 	MUTATE(hdr(bad)->size += 8, -EBADMSG);
 	MUTATE(hdr(bad)->header_size = 8, -EBADMSG);
@@ -563,12 +850,12 @@ START_TEST(newer_layout_read)
 	for (uint32_t i = 0; i < n; i++)
 		memcpy(big + hs + i * ss, img + hs + i * GML_SHM_SLOT_V1,
 		       GML_SHM_SLOT_V1);
-	hdr(big)->version = 2;
+	hdr(big)->version = GMLAKE_SHM_VERSION + 1;
 	hdr(big)->slot_size = ss;
 	hdr(big)->size = blen;
 	snap_init(&snap);
 	ck_assert_int_eq(gmlake_shm_parse(big, blen, &snap), 0);
-	ck_assert_uint_eq(snap.layout_version, 2);
+	ck_assert_uint_eq(snap.layout_version, GMLAKE_SHM_VERSION + 1);
 	ck_assert_uint_eq(snap.nslots, 1);
 	ck_assert_int_eq(snap.slots[0].allocated_bytes,
 			 slot0(img)->allocated_bytes);
@@ -576,16 +863,24 @@ START_TEST(newer_layout_read)
 }
 END_TEST
 
+/* The canonical name of a segment with the image's pid and token. */
+static void canon_path(char *buf, size_t len, const unsigned char *img,
+		       int pid)
+{
+	snprintf(buf, len, "%s/gmlake.%d.%016llx", dir, pid,
+		 (unsigned long long)((const struct gmlake_shm_header *)img)
+			 ->token);
+}
+
 START_TEST(reject_files)
 {
 	static unsigned char img[IMG_MAX];
 	struct gmlake_shm_snapshot snap;
 	size_t len = valid_image(img);
-	char path[512], link[512], name[64];
+	char path[512], link[512];
 	int ret;
 
-	snprintf(name, sizeof(name), "gmlake.%d", hdr(img)->pid);
-	path_of(path, sizeof(path), name);
+	canon_path(path, sizeof(path), img, hdr(img)->pid);
 	write_file(path, img, len, 0600);
 	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), 0);
 	ck_assert_int_eq(read_seg(path, GMLAKE_SHM_ANY_UID, &snap), 0);
@@ -598,26 +893,32 @@ START_TEST(reject_files)
 	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), -EPERM);
 	ck_assert_int_eq(chmod(path, 0600), 0);
 	/* a symbolic link to a good segment */
-	path_of(link, sizeof(link), "gmlake.1");
+	canon_path(link, sizeof(link), img, 1);
 	ck_assert_int_eq(symlink(path, link), 0);
 	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -ELOOP);
 	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "symbolic link"));
 	/* the name says another pid */
-	path_of(link, sizeof(link), "gmlake.2");
+	canon_path(link, sizeof(link), img, 2);
 	write_file(link, img, len, 0600);
 	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EBADMSG);
 	/* a FIFO (must not block) and a directory */
-	path_of(link, sizeof(link), "gmlake.3");
+	path_of(link, sizeof(link), "seg.3");
 	ck_assert_int_eq(mkfifo(link, 0600), 0);
 	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EINVAL);
-	path_of(link, sizeof(link), "gmlake.4");
+	path_of(link, sizeof(link), "seg.4");
 	ck_assert_int_eq(mkdir(link, 0700), 0);
 	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EINVAL);
 	/* too large */
-	path_of(link, sizeof(link), "gmlake.5");
+	path_of(link, sizeof(link), "seg.5");
 	write_file(link, img, len, 0600);
 	ck_assert_int_eq(truncate(link, GMLAKE_SHM_MAX_SIZE + 1), 0);
 	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EFBIG);
+	/* not a segment: the magic is refused before the whole is read */
+	path_of(link, sizeof(link), "seg.6");
+	write_file(link, "not a segment at all, not at all", 32, 0600);
+	ck_assert_int_eq(truncate(link, 4096), 0);
+	ck_assert_int_eq(read_seg(link, (uint32_t)geteuid(), &snap), -EBADMSG);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "bad magic"));
 	/* bad arguments */
 	ck_assert_int_eq(gmlake_shm_read(NULL, 0, &snap), -EINVAL);
 	ck_assert_int_eq(gmlake_shm_read(path, 0, NULL), -EINVAL);
@@ -628,18 +929,57 @@ START_TEST(reject_files)
 }
 END_TEST
 
+/*
+ * Names that would pass for a live pid (gmlake.+PID, gmlake.0PID), the
+ * old gmlake.PID, and other near misses: refused, whatever they hold.
+ */
+START_TEST(reject_noncanonical_names)
+{
+	static unsigned char img[IMG_MAX];
+	struct gmlake_shm_snapshot snap;
+	size_t len = valid_image(img);
+	unsigned long long tok = hdr(img)->token;
+	int pid = hdr(img)->pid;
+	char path[512], name[128];
+	const char *const fmts[] = {
+		"gmlake.+%d.%016llx", "gmlake.0%d.%016llx", "gmlake.%d",
+		"gmlake.%d.%016llX", "gmlake.%d.%016llx.x", "gmlake.%d.%015llx",
+		"gmlake.%d.%017llx", "gmlake. %d.%016llx", "gmlake.%d.+%015llx",
+	};
+
+	for (size_t i = 0; i < sizeof(fmts) / sizeof(fmts[0]); i++) {
+		/* 15 digits: drop one */
+		snprintf(name, sizeof(name), fmts[i], pid,
+			 strstr(fmts[i], "015") ? tok >> 4 : tok);
+		path_of(path, sizeof(path), name);
+		write_file(path, img, len, 0600);
+		ck_assert_msg(read_seg(path, (uint32_t)geteuid(), &snap) ==
+				      -EBADMSG, "%s read", name);
+		ck_assert_uint_eq(snap.flags, 0);
+		unlink(path);
+	}
+	canon_path(path, sizeof(path), img, pid);
+	write_file(path, img, len, 0600);
+	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), 0);
+	/* the token in the name must be the header's */
+	snprintf(name, sizeof(name), "gmlake.%d.%016llx", pid, tok ^ 1);
+	path_of(path, sizeof(path), name);
+	write_file(path, img, len, 0600);
+	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), -EBADMSG);
+}
+END_TEST
+
 /* Really another owner: chown to nobody (only root can). */
 START_TEST(reject_foreign_owner)
 {
 	static unsigned char img[IMG_MAX];
 	struct gmlake_shm_snapshot snap;
 	size_t len = valid_image(img);
-	char path[512], name[64];
+	char path[512];
 
 	if (geteuid() != 0)
 		return;		/* the injectable uid case covers it */
-	snprintf(name, sizeof(name), "gmlake.%d", hdr(img)->pid);
-	path_of(path, sizeof(path), name);
+	canon_path(path, sizeof(path), img, hdr(img)->pid);
 	write_file(path, img, len, 0600);
 	ck_assert_int_eq(chown(path, 65534, 65534), 0);
 	ck_assert_int_eq(read_seg(path, 0, &snap), -EPERM);
@@ -737,6 +1077,178 @@ START_TEST(corpus)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* PID namespaces sharing the directory                                   */
+
+/*
+ * A publisher that is PID 1 of a PID namespace of its own (a container's
+ * main process): *pid is its pid here. False when namespaces are not
+ * allowed. It holds a context with 8 MiB allocated until killed.
+ */
+static bool ns_publisher(pid_t *pid, pid_t *outer)
+{
+	int ready[2], pids[2], status;
+	char c = 0;
+
+	ck_assert_int_eq(pipe(ready), 0);
+	ck_assert_int_eq(pipe(pids), 0);
+	*outer = fork();
+	ck_assert_int_ge(*outer, 0);
+	if (*outer == 0) {
+		pid_t inner;
+
+		if (unshare(CLONE_NEWPID))
+			_exit(write(ready[1], "n", 1) == 1 ? 0 : 1);
+		inner = fork();
+		if (inner == 0) {
+			gmlake_ctx *ctx = NULL;
+			void *ptr;
+
+			if (getpid() != 1 || gmlake_ctx_init(&ctx, NULL) ||
+			    gmlake_alloc(ctx, &ptr, 8 * TH_MiB, NULL) ||
+			    write(ready[1], "r", 1) != 1)
+				_exit(1);
+			for (;;)
+				pause();
+		}
+		if (inner < 0 ||
+		    write(pids[1], &inner, sizeof(inner)) != sizeof(inner))
+			_exit(1);
+		waitpid(inner, &status, 0);
+		_exit(0);
+	}
+	close(ready[1]);
+	close(pids[1]);
+	ck_assert_int_eq(read(ready[0], &c, 1), 1);
+	if (c == 'n') {
+		waitpid(*outer, &status, 0);
+		fprintf(stderr, "check_shm: unshare(CLONE_NEWPID) refused; two "
+			"PID namespaces are not tried\n");
+	} else {
+		ck_assert_int_eq(c, 'r');
+		ck_assert_int_eq(read(pids[0], pid, sizeof(*pid)),
+				 (ssize_t)sizeof(*pid));
+	}
+	close(ready[0]);
+	close(pids[0]);
+	return c == 'r';
+}
+
+static void ns_stop(pid_t pid, pid_t outer)
+{
+	int status;
+
+	kill(pid, SIGKILL);
+	ck_assert_int_eq(waitpid(outer, &status, 0), outer);
+}
+
+/*
+ * Two containers' PID 1 share the directory: each keeps its own segment,
+ * and gmlake-top here (another namespace, where pid 1 is someone else)
+ * reads both and removes neither; once one dies, only its own goes.
+ */
+START_TEST(two_pid_namespaces)
+{
+	struct gmlake_shm_snapshot snap;
+	pid_t a, a_outer, b, b_outer;
+	char path[512], top[512], *out;
+	struct dirent *de;
+	int live = 0;
+	DIR *d;
+
+	if (!ns_publisher(&a, &a_outer))
+		return;
+	ck_assert(ns_publisher(&b, &b_outer));
+	ck_assert_int_eq(count_prefix(dir, "gmlake.1."), 2);
+	d = opendir(dir);
+	ck_assert_ptr_nonnull(d);
+	while ((de = readdir(d))) {
+		if (strncmp(de->d_name, "gmlake.1.", 9))
+			continue;
+		path_of(path, sizeof(path), de->d_name);
+		for (int i = 0; i < 200; i++) {	/* its first publication */
+			ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(),
+						  &snap), 0);
+			if (snap.nslots)
+				break;
+			sleep_ms(10);
+		}
+		ck_assert_int_eq(snap.pid, 1);
+		ck_assert_uint_eq(snap.nslots, 1);
+		ck_assert(!gmlake_shm_stale(&snap));
+		live++;
+	}
+	closedir(d);
+	ck_assert_int_eq(live, 2);
+	if (top_path(top, sizeof(top))) {
+		out = run_top(top);
+		ck_assert_ptr_null(strstr(out, "\"removed\":true"));
+		free(out);
+		ck_assert_int_eq(count_prefix(dir, "gmlake.1."), 2);
+	}
+	ns_stop(a, a_outer);
+	if (top_path(top, sizeof(top))) {
+		out = run_top(top);
+		ck_assert_ptr_nonnull(strstr(out, "\"removed\":true"));
+		free(out);
+		ck_assert_int_eq(count_prefix(dir, "gmlake.1."), 1);
+	}
+	ns_stop(b, b_outer);
+}
+END_TEST
+
+/*
+ * A hand-made segment whose header pid is no process here, but whose lock
+ * a live process holds (a publisher in another namespace): not stale, not
+ * removed. When the holder dies: stale, removed.
+ */
+START_TEST(locked_segment_kept)
+{
+	static unsigned char img[IMG_MAX];
+	struct gmlake_shm_snapshot snap;
+	char path[512], top[512], *out, c;
+	int fds[2], status;
+	size_t len = valid_image(img);
+	pid_t holder;
+
+	hdr(img)->pid = 4194000;	/* no such process here */
+	canon_path(path, sizeof(path), img, hdr(img)->pid);
+	write_file(path, img, len, 0600);
+	ck_assert_int_eq(pipe(fds), 0);
+	holder = fork();
+	ck_assert_int_ge(holder, 0);
+	if (holder == 0) {
+		int fd = open(path, O_RDONLY);
+
+		if (fd < 0 || flock(fd, LOCK_EX) || write(fds[1], "l", 1) != 1)
+			_exit(1);
+		for (;;)
+			pause();
+	}
+	ck_assert_int_eq(read(fds[0], &c, 1), 1);
+	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), 0);
+	ck_assert_uint_eq(snap.flags, GMLAKE_SHM_SNAP_LOCK_CHECKED);
+	ck_assert(!gmlake_shm_stale(&snap));
+	if (top_path(top, sizeof(top))) {
+		out = run_top(top);
+		ck_assert_ptr_nonnull(strstr(out, "\"pid\":4194000,"));
+		ck_assert_ptr_null(strstr(out, "\"removed\":true"));
+		free(out);
+		ck_assert_int_eq(access(path, F_OK), 0);
+	}
+	kill(holder, SIGKILL);
+	ck_assert_int_eq(waitpid(holder, &status, 0), holder);
+	ck_assert_int_eq(read_seg(path, (uint32_t)geteuid(), &snap), 0);
+	ck_assert(gmlake_shm_stale(&snap));
+	if (top_path(top, sizeof(top))) {
+		out = run_top(top);
+		ck_assert_ptr_nonnull(strstr(out, "\"removed\":true"));
+		free(out);
+		ck_assert_int_eq(access(path, F_OK), -1);
+	}
+}
+END_TEST
+
 static Suite *shm_suite(void)
 {
 	Suite *s = suite_create("shm");
@@ -748,8 +1260,26 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, publish_matches_stats);
 	tcase_add_test(tc, contexts_share_one_segment);
 	tcase_add_test(tc, publish_off);
-	tcase_add_test(tc, leftover_replaced);
+	tcase_add_test(tc, leftover_left_alone);
+	tcase_add_test(tc, name_token_lock);
 	tcase_add_test(tc, fork_child_leaves_segment);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("Robust");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_test(tc, full_dir_only_warns);
+	tcase_add_test(tc, one_page_left_only_warns);
+	tcase_add_test(tc, file_size_limit_only_warns);
+	tcase_add_test(tc, truncated_segment_survives);
+	tcase_add_test(tc, idle_publisher_sleeps);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("Namespaces");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_test(tc, two_pid_namespaces);
+	tcase_add_test(tc, locked_segment_kept);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("Top");
@@ -766,6 +1296,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, reject_bad_images);
 	tcase_add_test(tc, newer_layout_read);
 	tcase_add_test(tc, reject_files);
+	tcase_add_test(tc, reject_noncanonical_names);
 	tcase_add_test(tc, reject_foreign_owner);
 	tcase_add_test(tc, stale_by_start_time);
 	tcase_add_test(tc, corruption_flips);

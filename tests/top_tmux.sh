@@ -52,7 +52,7 @@ while ! grep -q ready "$dir/ready" 2>/dev/null; do
 	[ $i -gt 100 ] && fail "shm_workload never got ready"
 	sleep 0.1
 done
-[ -e "$dir/gmlake.$wpid" ] || fail "no segment $dir/gmlake.$wpid"
+ls "$dir"/gmlake.$wpid.* >/dev/null 2>&1 || fail "no segment $dir/gmlake.$wpid.TOKEN"
 
 capture() {
 	sleep "${1:-0.6}"

@@ -155,16 +155,15 @@ static void user_name(uint32_t uid, char *buf, size_t len)
 		snprintf(buf, len, "%u", (unsigned)uid);
 }
 
-/* The row of (pid, start, ctx_id), made when new. */
-static struct top_row *row_get(struct top_state *st, int pid, uint64_t start,
+/* The row of (token, ctx_id), made when new (pid as published). */
+static struct top_row *row_get(struct top_state *st, uint64_t token, int pid,
 			       uint64_t ctx_id)
 {
 	struct top_row *r;
 
 	for (size_t i = 0; i < st->nrows; i++) {
 		r = &st->rows[i];
-		if (r->pid == pid && r->start_time == start &&
-		    r->s.ctx_id == ctx_id)
+		if (r->token == token && r->s.ctx_id == ctx_id)
 			return r;
 	}
 	if (st->nrows == st->cap) {
@@ -179,7 +178,7 @@ static struct top_row *row_get(struct top_state *st, int pid, uint64_t start,
 	r = &st->rows[st->nrows++];
 	memset(r, 0, sizeof(*r));
 	r->pid = pid;
-	r->start_time = start;
+	r->token = token;
 	r->s.ctx_id = ctx_id;
 	return r;
 }
@@ -214,9 +213,21 @@ static void row_update(struct top_state *st, struct top_row *r,
 	push_history(r);
 }
 
-/* Remove a dead process's segment, only when it is our user's. */
-static void remove_stale(struct top_row *r, uint32_t owner)
+/*
+ * Remove a dead process's segment, only when it is our user's and the name
+ * still holds the file whose lock was found free.
+ */
+static void remove_stale(struct top_row *r, uint32_t owner,
+			 const struct gmlake_shm_snapshot *snap)
 {
+	struct stat sb;
+
+	if (lstat(r->path, &sb) || (uint64_t)sb.st_dev != snap->file_dev ||
+	    (uint64_t)sb.st_ino != snap->file_ino) {
+		snprintf(r->msg, sizeof(r->msg), "process gone; segment "
+			 "replaced meanwhile, left in place");
+		return;
+	}
 	if (owner != (uint32_t)geteuid()) {
 		snprintf(r->msg, sizeof(r->msg), "process gone; segment of "
 			 "uid %u left in place", (unsigned)owner);
@@ -246,11 +257,11 @@ static void scan_good(struct top_state *st, const char *path,
 	struct top_row *r;
 
 	for (uint32_t i = 0; i < snap->nslots; i++) {
-		r = row_get(st, snap->pid, snap->start_time,
-			    snap->slots[i].ctx_id);
+		r = row_get(st, snap->token, snap->pid, snap->slots[i].ctx_id);
 		if (!r)
 			return;
 		r->seen = true;
+		r->start_time = snap->start_time;
 		r->uid = snap->uid;
 		user_name(r->uid, r->user, sizeof(r->user));
 		snprintf(r->comm, sizeof(r->comm), "%s", snap->comm);
@@ -265,23 +276,28 @@ static void scan_good(struct top_state *st, const char *path,
 		return;
 	if (!snap->nslots) {
 		/* No rows to show it on. */
-		if (snap->uid == (uint32_t)geteuid())
-			unlink(path);
+		struct top_row tmp = { 0 };
+
+		snprintf(tmp.path, sizeof(tmp.path), "%s", path);
+		remove_stale(&tmp, snap->uid, snap);
 		return;
 	}
-	remove_stale(r, snap->uid);
+	remove_stale(r, snap->uid, snap);
 	for (size_t i = 0; i < st->nrows; i++)
-		if (st->rows[i].pid == snap->pid && &st->rows[i] != r) {
+		if (st->rows[i].token == snap->token && &st->rows[i] != r) {
 			st->rows[i].removed = r->removed;
 			memcpy(st->rows[i].msg, r->msg, sizeof(r->msg));
 		}
 }
 
-/* A segment the reader refused: shown with the reason. */
-static void scan_bad(struct top_state *st, const char *path, int pid,
-		     int err)
+/*
+ * A segment the reader refused: shown with the reason. Removed only when
+ * ours and its lock proves no publisher holds it (a pid proves nothing).
+ */
+static void scan_bad(struct top_state *st, const char *path, uint64_t token,
+		     int pid, const struct gmlake_shm_snapshot *snap)
 {
-	struct top_row *r = row_get(st, pid, 0, 0);
+	struct top_row *r = row_get(st, token, pid, 0);
 	struct stat sb;
 
 	if (!r)
@@ -295,26 +311,51 @@ static void scan_bad(struct top_state *st, const char *path, int pid,
 	r->uid = (uint32_t)sb.st_uid;
 	user_name(r->uid, r->user, sizeof(r->user));
 	snprintf(r->comm, sizeof(r->comm), "?");
-	/* Unreadable, and its process is gone: remove it when ours. */
-	if (err != -ELOOP && S_ISREG(sb.st_mode) && kill(pid, 0) &&
-	    errno == ESRCH) {
+	if (S_ISREG(sb.st_mode) &&
+	    (snap->flags & GMLAKE_SHM_SNAP_LOCK_CHECKED) &&
+	    (snap->flags & GMLAKE_SHM_SNAP_UNLOCKED)) {
 		mark_gone(r);
-		remove_stale(r, r->uid);
+		remove_stale(r, r->uid, snap);
 	}
+}
+
+/*
+ * A canonical segment name, gmlake.PID.TOKEN, as the library makes and
+ * checks it (no sign, no leading zero, 16 lowercase hex digits): anything
+ * else in the directory is not looked at.
+ */
+static bool seg_name(const char *name, long *pid, uint64_t *token)
+{
+	const char *p = name + 7;
+	uint64_t t = 0;
+	long v = 0;
+	int n = 0;
+
+	if (strncmp(name, "gmlake.", 7) || *p < '1' || *p > '9')
+		return false;
+	for (; *p >= '0' && *p <= '9' && v <= 4194304; p++)
+		v = v * 10 + (*p - '0');
+	if (v > 4194304 || *p++ != '.')
+		return false;
+	for (; n < 17 && ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f'));
+	     p++, n++)
+		t = t << 4 | (uint64_t)(*p <= '9' ? *p - '0' : *p - 'a' + 10);
+	if (*p || n != 16 || !t)
+		return false;
+	*pid = v;
+	*token = t;
+	return true;
 }
 
 static void scan_one(struct top_state *st, const char *name)
 {
 	struct gmlake_shm_snapshot snap;
-	char path[512], *end;
+	char path[512];
+	uint64_t token;
 	long pid;
 	int ret;
 
-	if (strncmp(name, "gmlake.", 7))
-		return;
-	errno = 0;
-	pid = strtol(name + 7, &end, 10);
-	if (errno || *end || pid <= 0 || pid > 4194304)
+	if (!seg_name(name, &pid, &token))
 		return;
 	if ((size_t)snprintf(path, sizeof(path), "%s/%s", st->dir, name) >=
 	    sizeof(path))
@@ -325,15 +366,15 @@ static void scan_one(struct top_state *st, const char *name)
 	ret = gmlake_shm_read(path, st->expect_uid, &snap);
 	if (ret == -ENOENT || ret == -EACCES)
 		return;		/* gone since readdir; another user's */
-	if (ret == -EAGAIN && !(kill((pid_t)pid, 0) && errno == ESRCH)) {
+	if (ret == -EAGAIN && !(snap.flags & GMLAKE_SHM_SNAP_UNLOCKED)) {
 		/* Being written or created: keep what was shown. */
 		for (size_t i = 0; i < st->nrows; i++)
-			if (st->rows[i].pid == pid)
+			if (st->rows[i].token == token)
 				st->rows[i].seen = true;
 		return;
 	}
 	if (ret)
-		scan_bad(st, path, (int)pid, ret);
+		scan_bad(st, path, token, (int)pid, &snap);
 	else
 		scan_good(st, path, &snap);
 }

@@ -32,7 +32,9 @@ enum top_col {
 };
 
 struct top_row {
-	int pid;
+	int pid;			/* as published (its own namespace) */
+	uint64_t token;			/* the segment's: rows are per
+					   (token, ctx_id) */
 	uint32_t uid;
 	char user[33];
 	char comm[GMLAKE_SHM_COMM_LEN];
