@@ -27,8 +27,10 @@
 #include <sys/statvfs.h>
 #include <time.h>
 
+#include "gmlake-offload.h"
 #include "gmlake-shm.h"
 #include "shm.h"
+#include "top.h"
 
 static char dir[256];
 
@@ -622,6 +624,12 @@ START_TEST(top_json_matches_stats)
 		ck_assert_ptr_nonnull(strstr(obj, "\"state\":\"live\""));
 		ck_assert_ptr_nonnull(strstr(obj, "\"command\":\"check_shm\""));
 		ck_assert_ptr_nonnull(strstr(obj, "\"backend\":\"emu\""));
+		/* the units of the other outputs: percent, engine by name */
+		ck_assert_ptr_nonnull(strstr(obj,
+					     "\"offload_engine\":\"none\""));
+		ck_assert_ptr_nonnull(strstr(obj, "\"fragmentation_pct\":"));
+		ck_assert_int_eq(json_int(obj, "resident_bytes"),
+				 st.resident_bytes.current);
 		ck_assert_int_eq(json_int(obj, "allocated_bytes"),
 				 st.allocated_bytes.current);
 		ck_assert_int_eq(json_int(obj, "reserved_bytes"),
@@ -1249,6 +1257,310 @@ START_TEST(locked_segment_kept)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* gmlake-top's data layer (tools/top-data.c, linked in)                  */
+
+static char *memout(void (*fn)(FILE *, const void *), const void *arg)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *f = open_memstream(&buf, &len);
+
+	ck_assert_ptr_nonnull(f);
+	fn(f, arg);
+	ck_assert_int_eq(fclose(f), 0);
+	return buf;
+}
+
+static void json_str_to(FILE *f, const void *s)
+{
+	top_json_str(f, s);
+}
+
+/* UTF-8 passes through; what is not UTF-8 becomes U+FFFD, never \u00XX. */
+START_TEST(top_json_utf8)
+{
+	static const struct {
+		const char *in, *out;
+	} cases[] = {
+		{ "j\xc3\xbcrgen", "\"j\xc3\xbcrgen\"" },
+		{ "\xe2\x86\x92\xf0\x9f\x98\x80", "\"\xe2\x86\x92\xf0\x9f\x98\x80\"" },
+		{ "a\"b\\c\x01\x7f", "\"a\\\"b\\\\c\\u0001\\u007f\"" },
+		{ "\xff", "\"\\ufffd\"" },
+		{ "\xc0\xaf", "\"\\ufffd\\ufffd\"" },		/* overlong */
+		{ "\xed\xa0\x80", "\"\\ufffd\\ufffd\\ufffd\"" },	/* surrogate */
+		{ "\xe2\x86", "\"\\ufffd\\ufffd\"" },		/* cut short */
+		{ "\xf4\x90\x80\x80", "\"\\ufffd\\ufffd\\ufffd\\ufffd\"" },
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		char *out = memout(json_str_to, cases[i].in);
+
+		ck_assert_str_eq(out, cases[i].out);
+		free(out);
+	}
+}
+END_TEST
+
+static void live_row(struct top_row *r, int pid, int64_t alloc,
+		     int64_t resident, int64_t reserved)
+{
+	memset(r, 0, sizeof(*r));
+	r->pid = pid;
+	r->token = (uint64_t)pid;
+	r->state = TOP_LIVE;
+	r->s.state = GMLAKE_SHM_SLOT_LIVE;
+	r->s.backend = GMLAKE_BACKEND_EMU;
+	r->s.ctx_id = 1;
+	r->s.allocated_bytes = alloc;
+	r->s.resident_bytes = resident;
+	r->s.reserved_bytes = reserved;
+	r->s.reserved_peak = reserved;
+	snprintf(r->comm, sizeof(r->comm), "shm_workload");
+	snprintf(r->user, sizeof(r->user), "root");
+}
+
+/* One definition, 1 - resident/reserved, never negative (was -400%). */
+START_TEST(top_frag_never_negative)
+{
+	struct top_row r;
+	bool v;
+
+	/* 10 MiB allocated, 8 of them spilled, 2 MiB reserved */
+	live_row(&r, 1, 10 * TH_MiB, 2 * TH_MiB, 2 * TH_MiB);
+	ck_assert(top_frag(&r, &v) == 0.0 && v);
+	live_row(&r, 1, 4 * TH_MiB, TH_MiB, 4 * TH_MiB);
+	ck_assert(top_frag(&r, &v) == 75.0 && v);
+	live_row(&r, 1, 4 * TH_MiB, 5 * TH_MiB, 4 * TH_MiB);
+	ck_assert(top_frag(&r, &v) == 0.0 && v);
+	live_row(&r, 1, 0, 0, 0);
+	top_frag(&r, &v);
+	ck_assert(!v);
+}
+END_TEST
+
+/* A spilled block whose chunks went back: FRAG% stays in 0..100. */
+START_TEST(top_frag_spilled)
+{
+	struct gmlake_shm_snapshot snap;
+	struct gmlake_offload ring;
+	struct gmlake_offload_sqe *sqe;
+	struct gmlake_offload_cqe *cqe;
+	struct gmlake_config cfg;
+	struct gmlake_stats st;
+	struct top_state ts;
+	gmlake_ctx *ctx;
+	void *big, *small;
+	bool v;
+
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.host_limit = 64 * TH_MiB;
+	cfg.spare_keep_ms = 1;
+	ctx = th_ctx_cfg(&cfg);
+	ck_assert_int_eq(gmlake_alloc(ctx, &big, 8 * TH_MiB, NULL), 0);
+	ck_assert_int_eq(gmlake_alloc(ctx, &small, 2 * TH_MiB, NULL), 0);
+	ck_assert_int_eq(gmlake_offload_init(&ring, ctx, 8, 0), 0);
+	sqe = gmlake_offload_get_sqe(&ring);
+	ck_assert_ptr_nonnull(sqe);
+	gmlake_offload_prep_spill(sqe, big);
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 1);
+	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
+	ck_assert_int_eq(cqe->res, 0);
+	gmlake_offload_cqe_seen(&ring, cqe);
+	for (int i = 0; i < 300; i++) {	/* the spare chunks go back */
+		th_stats(ctx, &st);
+		if (st.reserved_bytes.current < st.allocated_bytes.current)
+			break;
+		sleep_ms(10);
+	}
+	ck_assert_int_lt(st.reserved_bytes.current, st.allocated_bytes.current);
+	wait_published(ctx, &snap);
+	ck_assert_int_eq(top_init(&ts, dir), 0);
+	for (int i = 0; i < 200; i++) {	/* the spill published */
+		ck_assert_int_eq(top_refresh(&ts), 0);
+		ck_assert_uint_eq(ts.nview, 1);
+		if (ts.rows[0].s.resident_bytes == st.resident_bytes.current)
+			break;
+		sleep_ms(10);
+	}
+	ck_assert_int_eq(ts.rows[0].s.resident_bytes,
+			 st.resident_bytes.current);
+	ck_assert_int_lt(ts.rows[0].s.reserved_bytes,
+			 ts.rows[0].s.allocated_bytes);
+	ck_assert(top_frag(&ts.rows[0], &v) >= 0.0 && v);
+	top_fini(&ts);
+	ck_assert_int_eq(gmlake_offload_exit(&ring), 0);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+}
+END_TEST
+
+static void gpu_line(void *arg, const char *s)
+{
+	if (strstr(s, "emulated"))
+		snprintf(arg, 256, "%s", s);
+}
+
+/* The emulated device's line is the same whatever the rows' order. */
+START_TEST(top_gpu_line_stable)
+{
+	struct top_row rows[2];
+	struct top_state ts;
+	char a[256] = "", b[256] = "";
+
+	ck_assert_int_eq(top_init(&ts, dir), 0);
+	live_row(&rows[0], 10, TH_MiB, TH_MiB, 4 * TH_MiB);
+	live_row(&rows[1], 20, TH_MiB, TH_MiB, 2 * TH_MiB);
+	rows[0].s.device_total = TH_GiB;
+	rows[1].s.device_total = 4 * TH_GiB;
+	ts.rows = rows;
+	ts.nrows = 2;
+	top_gpu_lines(&ts, gpu_line, a);
+	rows[0] = rows[1];
+	live_row(&rows[1], 10, TH_MiB, TH_MiB, 4 * TH_MiB);
+	rows[1].s.device_total = TH_GiB;
+	top_gpu_lines(&ts, gpu_line, b);
+	ck_assert_str_eq(a, b);
+	ck_assert_ptr_nonnull(strstr(a, "total 1.00G..4.00G"));
+	ck_assert_ptr_nonnull(strstr(a, "reserved 6.00M"));
+	ts.rows = NULL;
+	ts.nrows = 0;
+	top_fini(&ts);
+}
+END_TEST
+
+static void text_to(FILE *f, const void *st)
+{
+	top_print_text((struct top_state *)st, f);
+}
+
+/* [gone] and long names do not move the figures: COMMAND comes last. */
+START_TEST(top_gone_keeps_columns)
+{
+	struct top_row *rows = calloc(2, sizeof(*rows));
+	struct top_state ts;
+	char *out, *line, *hdr_line = NULL;
+	size_t at = 0, res_end = 0;
+	int lines = 0;
+
+	ck_assert_ptr_nonnull(rows);
+	ck_assert_int_eq(top_init(&ts, dir), 0);
+	live_row(&rows[0], 10, TH_MiB, TH_MiB, 4 * TH_MiB);
+	live_row(&rows[1], 20, TH_MiB, TH_MiB, 2 * TH_MiB);
+	rows[1].state = TOP_GONE;
+	snprintf(rows[1].user, sizeof(rows[1].user), "averylongusername");
+	ts.rows = rows;
+	ts.nrows = ts.cap = 2;
+	top_sort(&ts);
+	out = memout(text_to, &ts);
+	for (line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+		char *cmd = strstr(line, "COMMAND");
+
+		if (cmd) {
+			hdr_line = line;
+			at = (size_t)(cmd - line);
+			res_end = (size_t)(strstr(line, " RES ") - line) + 4;
+			continue;
+		}
+		if (!hdr_line || !strstr(line, "shm_workload"))
+			continue;
+		ck_assert_msg(strlen(line) > at &&
+				      (!strncmp(line + at, "shm_workload", 12) ||
+				       !strncmp(line + at, "[gone] shm", 10)),
+			      "command not at column %zu: %s", at, line);
+		/* the reserved figure ends where its header does */
+		ck_assert_msg(line[res_end - 1] == 'M', "RES moved: %s", line);
+		lines++;
+	}
+	ck_assert_int_eq(lines, 2);
+	ck_assert_uint_le(at, 72);	/* 80 columns leave 8 for it */
+	free(out);
+	top_fini(&ts);
+}
+END_TEST
+
+/*
+ * Another user's junk costs nothing: 20,000 symbolic links with segment
+ * names (each was a row: 6.2 s and 189 MB a refresh), the old names, and
+ * refused files of our own, of which TOP_MAX_BAD make rows.
+ */
+START_TEST(top_many_entries)
+{
+	struct top_state ts;
+	char path[512], target[512];
+	struct timespec t0, t1;
+	double secs;
+
+	path_of(target, sizeof(target), "elsewhere");
+	for (int i = 1; i <= 20000; i++) {
+		snprintf(path, sizeof(path), "%s/gmlake.%d.%016x", dir, i,
+			 0xabc000u + (unsigned)i);
+		ck_assert_int_eq(symlink(target, path), 0);
+		snprintf(path, sizeof(path), "%s/gmlake.%d", dir, i);
+		if (i % 10 == 0)
+			ck_assert_int_eq(symlink(target, path), 0);
+	}
+	for (int i = 1; i <= 40; i++) {
+		snprintf(path, sizeof(path), "%s/gmlake.%d.%016x", dir, i,
+			 0xdef000u + (unsigned)i);
+		write_file(path, "junk", 4, 0644);	/* refused, kept */
+	}
+	ck_assert_int_eq(top_init(&ts, dir), 0);
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	ck_assert_int_eq(top_refresh(&ts), 0);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	secs = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+	ck_assert_uint_le(ts.nrows, TOP_MAX_BAD);
+	ck_assert_uint_eq(ts.skipped, 20000 + 40 - TOP_MAX_BAD);
+	ck_assert_msg(secs < 2.0, "a refresh took %.2f s", secs);
+	ck_assert_int_eq(top_refresh(&ts), 0);	/* and again: no growth */
+	ck_assert_uint_le(ts.nrows, TOP_MAX_BAD);
+	top_fini(&ts);
+}
+END_TEST
+
+/* --sort, --reverse and --pid in the JSON mode; a bad key is refused. */
+START_TEST(top_sort_and_pid_options)
+{
+	struct gmlake_shm_snapshot snap;
+	gmlake_ctx *ctx = th_ctx(64 * TH_MiB);
+	char top[512], cmd[1200], key[32], buf[1 << 14];
+	size_t n;
+	FILE *f;
+
+	wait_published(ctx, &snap);
+	if (!top_path(top, sizeof(top)))
+		goto out;
+	snprintf(key, sizeof(key), "{\"pid\":%d,", (int)getpid());
+	snprintf(cmd, sizeof(cmd), "'%s' --json -n 1 --dir '%s' --sort=pid "
+		 "--reverse --pid=%d", top, dir, (int)getpid());
+	f = popen(cmd, "r");
+	ck_assert_ptr_nonnull(f);
+	n = fread(buf, 1, sizeof(buf) - 1, f);
+	buf[n] = '\0';
+	ck_assert_int_eq(pclose(f), 0);
+	ck_assert_ptr_nonnull(strstr(buf, "\"sort\":\"PID\",\"reverse\":true"));
+	ck_assert_ptr_nonnull(strstr(buf, key));
+	snprintf(cmd, sizeof(cmd), "'%s' --json -n 1 --dir '%s' --pid=1",
+		 top, dir);
+	f = popen(cmd, "r");
+	ck_assert_ptr_nonnull(f);
+	n = fread(buf, 1, sizeof(buf) - 1, f);
+	buf[n] = '\0';
+	ck_assert_int_eq(pclose(f), 0);
+	ck_assert_ptr_nonnull(strstr(buf, "\"processes\":[]"));
+	snprintf(cmd, sizeof(cmd), "'%s' --json -n 1 --dir '%s' --sort=nope "
+		 "2>/dev/null", top, dir);
+	f = popen(cmd, "r");
+	ck_assert_ptr_nonnull(f);
+	ck_assert_int_eq(WEXITSTATUS(pclose(f)), 2);
+	ck_assert_int_eq(top_sort_key("MEM"), COL_RES);
+	ck_assert_int_eq(top_sort_key("command"), COL_CMD);
+	ck_assert_int_eq(top_sort_key("x"), -EINVAL);
+out:
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, true), 0);
+}
+END_TEST
+
 static Suite *shm_suite(void)
 {
 	Suite *s = suite_create("shm");
@@ -1288,6 +1600,18 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, top_json_matches_stats);
 	tcase_add_test(tc, killed_is_stale);
 	tcase_add_test(tc, top_cleans_killed);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("TopData");
+	tcase_set_timeout(tc, TH_TIMEOUT);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_test(tc, top_json_utf8);
+	tcase_add_test(tc, top_frag_never_negative);
+	tcase_add_test(tc, top_frag_spilled);
+	tcase_add_test(tc, top_gpu_line_stable);
+	tcase_add_test(tc, top_gone_keeps_columns);
+	tcase_add_test(tc, top_many_entries);
+	tcase_add_test(tc, top_sort_and_pid_options);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("Reject");
