@@ -22,8 +22,8 @@
  */
 int gml_shm_register(gmlake_ctx *ctx);
 /*
- * Publish ctx's final figures and free its slot; the last context removes
- * the segment. Call with ctx->lock held (the final snapshot needs it).
+ * Free ctx's slot (the segment is written at once without it); the last
+ * context removes the segment. May be called with ctx->lock held.
  */
 void gml_shm_unregister(gmlake_ctx *ctx);
 
