@@ -166,20 +166,23 @@ static uint64_t now_ns(void)
 }
 
 /*
- * The progress line, on a terminal only, at most four times a second:
- * what is done of total events (total 0: not known yet).
+ * The progress line, on a terminal only, at most four times a second
+ * and at once when a pass starts: what is done of total events (total 0:
+ * not known yet).
  */
 static void progress(const struct replay *r, const struct options *o,
 		     const char *what, uint64_t done, uint64_t total)
 {
+	static const char *last_what;
 	static uint64_t next_ns;
 	uint64_t t;
 
 	if (!o->progress || (done & 0xfff))
 		return;
 	t = now_ns();
-	if (t < next_ns)
+	if (t < next_ns && what == last_what)
 		return;
+	last_what = what;
 	next_ns = t + 250000000ull;
 	if (total)
 		fprintf(stderr, "\r%s: %s: %s %" PRIu64 " of %" PRIu64
