@@ -1,8 +1,17 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Cross-process statistics: the shared-memory segment each process using
- * libgmlake publishes (GMLAKE_SHM_DIR, default /dev/shm, file gmlake.PID),
- * and the reader that gmlake-top and tests use.
+ * libgmlake publishes (GMLAKE_SHM_DIR, default /dev/shm, file
+ * gmlake.PID.TOKEN), and the reader that gmlake-top and tests use.
+ *
+ * The name: "gmlake.", the pid in decimal without sign or leading zeros,
+ * ".", then the header's token as 16 lowercase hex digits. The token is
+ * random, so processes of different PID namespaces sharing the directory
+ * (every container's main process is PID 1) never share a name. A pid
+ * proves nothing outside its namespace: liveness is the publisher's
+ * flock(LOCK_EX) on the file, held from before the file has its name until
+ * the process ends (layout 2 on). A reader that can take the lock knows
+ * the publisher is gone.
  *
  * The segment is a header followed by nslots fixed-size slots, one per
  * context. Every field is fixed-width and little-endian as the host writes
@@ -27,13 +36,16 @@ extern "C" {
 #endif
 
 #define GMLAKE_SHM_MAGIC 0x314d48534b4c4d47ull	/* "GMLKSHM1" */
-#define GMLAKE_SHM_VERSION 1		/* layout this header describes */
+#define GMLAKE_SHM_VERSION 2		/* layout this header describes */
 #define GMLAKE_SHM_SLOTS 16		/* contexts published per process */
 #define GMLAKE_SHM_COMM_LEN 32
 #define GMLAKE_SHM_MAX_SIZE (1u << 20)	/* larger files are rejected */
 #define GMLAKE_SHM_ANY_UID UINT32_MAX	/* gmlake_shm_read: any owner */
 
-/* The segment's first bytes (256 in layout 1). */
+/*
+ * The segment's first bytes (256 in every layout). Layout 2 added token,
+ * pidns and the slots' resident_bytes; layout 1 readers still read it.
+ */
 struct gmlake_shm_header {
 	uint64_t magic;			/* GMLAKE_SHM_MAGIC */
 	uint32_t version;		/* layout version of the writer */
@@ -50,7 +62,10 @@ struct gmlake_shm_header {
 	uint64_t publish_ns;		/* CLOCK_MONOTONIC of the last publish */
 	uint64_t interval_ns;		/* the publisher's period */
 	char comm[GMLAKE_SHM_COMM_LEN];	/* command name, NUL-terminated */
-	uint64_t reserved[18];
+	uint64_t token;			/* random, not 0; in the file name */
+	uint64_t pidns;			/* inode of the publisher's PID
+					   namespace, 0 if unknown */
+	uint64_t reserved[16];
 };
 
 enum gmlake_shm_slot_state {
@@ -110,10 +125,16 @@ struct gmlake_shm_slot {
 	uint64_t release_calls;
 	uint64_t set_access_calls;
 	uint64_t call_failures;		/* all kinds together */
-	uint64_t reserved[19];
+	int64_t resident_bytes;		/* allocated, less spilled blocks */
+	uint64_t reserved[18];
 };
 
 #define GMLAKE_SHM_SNAPSHOT_VERSION 1
+
+/* gmlake_shm_snapshot.flags, set by gmlake_shm_read() */
+#define GMLAKE_SHM_SNAP_LOCK_CHECKED (1u << 0)	/* the publisher's lock was
+						   tested (canonical name) */
+#define GMLAKE_SHM_SNAP_UNLOCKED (1u << 1)	/* nobody held it: gone */
 
 /*
  * What the reader returns: the header's fields, checked, and a copy of
@@ -132,7 +153,12 @@ struct gmlake_shm_snapshot {
 	uint64_t interval_ns;
 	char comm[GMLAKE_SHM_COMM_LEN];	/* unprintable bytes become '?' */
 	struct gmlake_shm_slot slots[GMLAKE_SHM_SLOTS];
-	uint64_t reserved[8];
+	uint64_t token;			/* the header's (0 in layout 1) */
+	uint64_t pidns;			/* the header's (0 if unknown) */
+	uint32_t flags;			/* GMLAKE_SHM_SNAP_* */
+	uint32_t pad0;
+	uint64_t file_dev, file_ino;	/* the file read (_read only) */
+	uint64_t reserved[3];
 };
 
 /*
@@ -145,11 +171,19 @@ int gmlake_shm_parse(const void *buf, size_t len,
 /*
  * Read the segment at path with the seqlock, refusing symbolic links, other
  * file types, files owned by another uid than expect_uid (unless
- * GMLAKE_SHM_ANY_UID) or open to other users, and parse it.
+ * GMLAKE_SHM_ANY_UID) or open to other users, and names that start with
+ * "gmlake." without being canonical or matching the header; parse it.
+ * For a canonical name, flags says whether the publisher's lock was free,
+ * also when the image itself was refused.
  */
 int gmlake_shm_read(const char *path, uint32_t expect_uid,
 		    struct gmlake_shm_snapshot *snap);
-/* True when the publisher is gone: no such pid, or another start time. */
+/*
+ * True only when the publisher is proven gone: its lock was free (read
+ * from a canonical name), or, for an image without that test, it comes
+ * from our own PID namespace and there is no such pid or it started at
+ * another time. False whenever unsure.
+ */
 bool gmlake_shm_stale(const struct gmlake_shm_snapshot *snap);
 /* The directory segments live in: GMLAKE_SHM_DIR, else /dev/shm. */
 const char *gmlake_shm_dir(void);

@@ -72,11 +72,19 @@ struct emu_table {
 	uint64_t live;
 };
 
-/* A growable array, kept sorted by its elements' first field. */
+/*
+ * A growable array, kept sorted by its elements' first field. v is element
+ * 0, and free room may lie before it as well as after: adding or taking at
+ * either end is O(1) and a change in the middle moves the shorter side.
+ * Mappings are torn down in address order, which with a plain array moved
+ * every remaining element each time (quadratic: 13.8 s for 256 GiB).
+ */
 struct emu_vec {
-	void *v;
+	void *v;		/* element 0, inside base */
+	void *base;		/* the allocation */
+	size_t off;		/* free elements before v */
 	size_t len;
-	size_t cap;
+	size_t cap;		/* elements base holds */
 };
 
 struct emu_extent {		/* free memfd range, in granularity units */
@@ -238,43 +246,86 @@ static void emu_table_del(struct emu_table *t, uint64_t id)
 	t->live--;
 }
 
+/*
+ * Room for n elements from v on. Slides the elements to the front of the
+ * allocation when they fill at most half of it (each slide follows at least
+ * cap / 2 removals at the front, so it costs O(1) amortised), else grows.
+ */
 static int emu_vec_reserve(struct emu_vec *a, size_t elsz, size_t n)
 {
 	size_t cap = a->cap ? a->cap : 16;
-	void *v;
+	char *nb;
 
-	if (n <= a->cap)
+	if (a->off + n <= a->cap)
 		return 0;
-	while (cap < n)
+	if (n <= a->cap / 2) {
+		memmove(a->base, a->v, a->len * elsz);
+		a->v = a->base;
+		a->off = 0;
+		return 0;
+	}
+	while (cap < n || cap <= a->cap)
 		cap *= 2;
-	v = realloc(a->v, cap * elsz);
-	if (!v)
+	nb = malloc(cap * elsz);
+	if (!nb)
 		return -ENOMEM;
-	a->v = v;
+	if (a->len)
+		memcpy(nb, a->v, a->len * elsz);
+	free(a->base);
+	a->base = a->v = nb;
+	a->off = 0;
 	a->cap = cap;
 	return 0;
 }
 
+/* Insert el at index at; never allocates while len < cap. */
 static int emu_vec_insert(struct emu_vec *a, size_t elsz, size_t at,
 			  const void *el)
 {
+	bool back_full = a->off + a->len == a->cap;
+	bool front = a->off && (at < a->len / 2 || back_full);
 	char *v;
 
-	if (emu_vec_reserve(a, elsz, a->len + 1))
+	if (back_full && !front && emu_vec_reserve(a, elsz, a->len + 1))
 		return -ENOMEM;
 	v = a->v;
-	memmove(v + (at + 1) * elsz, v + at * elsz, (a->len - at) * elsz);
+	if (front) {
+		v -= elsz;
+		memmove(v, v + elsz, at * elsz);
+		a->v = v;
+		a->off--;
+	} else {
+		memmove(v + (at + 1) * elsz, v + at * elsz,
+			(a->len - at) * elsz);
+	}
 	memcpy(v + at * elsz, el, elsz);
 	a->len++;
 	return 0;
 }
 
+/* Remove the element at index at, moving the shorter side over it. */
 static void emu_vec_remove(struct emu_vec *a, size_t elsz, size_t at)
 {
 	char *v = a->v;
 
-	memmove(v + at * elsz, v + (at + 1) * elsz, (a->len - at - 1) * elsz);
-	a->len--;
+	if (at < a->len / 2) {
+		memmove(v + elsz, v, at * elsz);
+		a->v = v + elsz;
+		a->off++;
+	} else {
+		memmove(v + at * elsz, v + (at + 1) * elsz,
+			(a->len - at - 1) * elsz);
+	}
+	if (!--a->len) {
+		a->v = a->base;
+		a->off = 0;
+	}
+}
+
+static void emu_vec_free(struct emu_vec *a)
+{
+	free(a->base);
+	memset(a, 0, sizeof(*a));
 }
 
 /* Index of the last element whose key (its first uint64_t) is <= key, or -1. */
@@ -1521,7 +1572,7 @@ static int emu_open(const struct gmlake_config *cfg, void **priv)
 
 out_close_memory:
 	close(dev->fd);
-	free(dev->extents.v);
+	emu_vec_free(&dev->extents);
 out_destroy_locks:
 	emu_locks_destroy(dev);
 out_free:
@@ -1560,9 +1611,9 @@ static void emu_close(void *priv)
 	free(dev->streams.slot);
 	free(dev->events.slot);
 	free(dev->chunks.slot);
-	free(dev->extents.v);
-	free(dev->maps.v);
-	free(dev->resvs.v);
+	emu_vec_free(&dev->extents);
+	emu_vec_free(&dev->maps);
+	emu_vec_free(&dev->resvs);
 	emu_locks_destroy(dev);
 	free(dev);
 }

@@ -3,7 +3,10 @@
  * Reading a published segment: the seqlock copy, and a parser that checks
  * every field against the image size and the layout version before it
  * believes it. Whatever the bytes, the reader returns a negative errno and
- * a message; it never trusts an offset or count it has not bounded.
+ * a message; it never trusts an offset or count it has not bounded. The
+ * file is checked (type, owner, mode, size, then the header's magic and
+ * size) before anything is allocated for it. The publisher's lock tells
+ * whether it lives: a pid means nothing in another PID namespace.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -17,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -44,7 +48,10 @@ int gml_proc_stat(pid_t pid, uint64_t *start_time, char *comm, size_t len)
 	ssize_t n;
 	int fd, field;
 
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	if (pid)
+		snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	else
+		snprintf(path, sizeof(path), "/proc/self/stat");
 	fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -errno;
@@ -73,6 +80,54 @@ int gml_proc_stat(pid_t pid, uint64_t *start_time, char *comm, size_t len)
 		return -EIO;
 	*start_time = v;
 	return 0;
+}
+
+uint64_t gml_pidns(void)
+{
+	struct stat st;
+
+	return stat("/proc/self/ns/pid", &st) ? 0 : (uint64_t)st.st_ino;
+}
+
+static int hex_digit(char c)
+{
+	if (c >= '0' && c <= '9')
+		return c - '0';
+	if (c >= 'a' && c <= 'f')
+		return c - 'a' + 10;
+	return -1;
+}
+
+bool gml_shm_name_parse(const char *base, int32_t *pid, uint64_t *token)
+{
+	const char *p = base;
+	uint64_t v = 0;
+	int d;
+
+	if (strncmp(p, "gmlake.", 7))
+		return false;
+	p += 7;
+	if (*p < '1' || *p > '9')
+		return false;
+	for (; *p >= '0' && *p <= '9'; p++) {
+		v = v * 10 + (uint64_t)(*p - '0');
+		if (v > PID_LIMIT)
+			return false;
+	}
+	if (*p++ != '.')
+		return false;
+	*pid = (int32_t)v;
+	v = 0;
+	for (int i = 0; i < 16; i++, p++) {
+		d = hex_digit(*p);
+		if (d < 0)
+			return false;
+		v = v << 4 | (uint64_t)d;
+	}
+	if (*p || !v)
+		return false;
+	*token = v;
+	return true;
 }
 
 __attribute__((format(printf, 1, 2)))
@@ -124,6 +179,8 @@ static int check_header(const struct gmlake_shm_header *h, size_t len)
 		return bad("pid %d", (int)h->pid);
 	if (!memchr(h->comm, '\0', sizeof(h->comm)))
 		return bad("command name not terminated");
+	if (h->version >= 2 && !h->token)
+		return bad("token 0");
 	if (h->seq & 1)
 		return gml_set_error(-EAGAIN, "shm segment: being written "
 				     "(seq %llu)", (unsigned long long)h->seq);
@@ -138,6 +195,7 @@ static int check_slot(const struct gmlake_shm_slot *s, unsigned i)
 		s->mapped_bytes, s->active_blocks, s->stitched_live,
 		s->stitched_cached, s->chunks, s->spilled_bytes,
 		s->spilled_blocks, s->host_bytes, s->host_pinned,
+		s->resident_bytes,
 	};
 
 	if (s->state > GMLAKE_SHM_SLOT_LIVE)
@@ -166,7 +224,10 @@ static int check_slot(const struct gmlake_shm_slot *s, unsigned i)
 	return 0;
 }
 
-/* Copy the live slots; a slot larger than ours is cut, a smaller zero-filled. */
+/*
+ * Copy the live slots; a slot larger than ours is cut, a smaller
+ * zero-filled. Layout 1 has no resident bytes: allocated less spilled.
+ */
 static int copy_slots(const unsigned char *img,
 		      const struct gmlake_shm_header *h,
 		      struct gmlake_shm_snapshot *snap)
@@ -186,6 +247,9 @@ static int copy_slots(const unsigned char *img,
 		if (s.state != GMLAKE_SHM_SLOT_LIVE ||
 		    snap->nslots == GMLAKE_SHM_SLOTS)
 			continue;
+		if (h->version < 2)
+			s.resident_bytes = s.allocated_bytes > s.spilled_bytes ?
+				s.allocated_bytes - s.spilled_bytes : 0;
 		snap->slots[snap->nslots++] = s;
 	}
 	return 0;
@@ -227,6 +291,10 @@ GML_EXPORT int gmlake_shm_parse(const void *buf, size_t len,
 	snap->seq = h.seq;
 	snap->publish_ns = h.publish_ns;
 	snap->interval_ns = h.interval_ns;
+	if (h.version >= 2) {
+		snap->token = h.token;
+		snap->pidns = h.pidns;
+	}
 	for (size_t i = 0; i < sizeof(snap->comm) && h.comm[i]; i++)
 		snap->comm[i] = h.comm[i] >= 0x20 && h.comm[i] < 0x7f ?
 					h.comm[i] : '?';
@@ -236,23 +304,29 @@ GML_EXPORT int gmlake_shm_parse(const void *buf, size_t len,
 	return ret;
 }
 
-/* "gmlake.DIGITS" names the pid it must hold; other names are not checked. */
-static int check_name(const char *path, int32_t pid)
+/*
+ * A name starting with "gmlake." must be canonical (gmlake.PID.TOKEN) and
+ * hold the header's pid and token: "gmlake.+1.T" or "gmlake.01.T" would
+ * pass for another process. Other names (copies, tests) are not checked.
+ */
+static int check_name(const char *path,
+		      const struct gmlake_shm_snapshot *snap)
 {
 	const char *base = strrchr(path, '/');
-	char *end;
-	long v;
+	uint64_t token;
+	int32_t pid;
 
 	base = base ? base + 1 : path;
-	if (strncmp(base, "gmlake.", 7) || !base[7])
+	if (strncmp(base, "gmlake.", 7))
 		return 0;
-	if (strspn(base + 7, "0123456789") != strlen(base + 7))
-		return 0;
-	errno = 0;
-	v = strtol(base + 7, &end, 10);
-	if (errno || *end || v != pid)
-		return gml_set_error(-EBADMSG, "%s: the header says pid %d, "
-				     "the file name another", path, (int)pid);
+	if (!gml_shm_name_parse(base, &pid, &token))
+		return gml_set_error(-EBADMSG, "%s: not a segment name "
+				     "(gmlake.PID.TOKEN)", path);
+	if (pid != snap->pid || token != snap->token)
+		return gml_set_error(-EBADMSG, "%s: the header says pid %d "
+				     "token %016llx, the file name another",
+				     path, (int)snap->pid,
+				     (unsigned long long)snap->token);
 	return 0;
 }
 
@@ -311,17 +385,99 @@ static int copy_stable(int fd, const char *path, unsigned char *buf,
 			     "tries", path, READ_TRIES);
 }
 
+/*
+ * The header alone first, so that a file that is no segment costs one
+ * small read and no allocation: its magic, and a size field that is the
+ * file's size. A short or unstarted file is left to the parser.
+ */
+static int precheck(int fd, const char *path, const struct stat *st)
+{
+	struct gmlake_shm_header h;
+	ssize_t n = pread(fd, &h, sizeof(h), 0);
+
+	if (n < 0)
+		return gml_set_error(-errno, "%s: read: %s", path,
+				     strerror(errno));
+	if ((size_t)n < sizeof(h) || !h.magic)
+		return 0;
+	if (h.magic != GMLAKE_SHM_MAGIC)
+		return bad("%s: bad magic %#llx", path,
+			   (unsigned long long)h.magic);
+	if (h.size != (uint64_t)st->st_size)
+		return bad("%s: size field %llu, file has %lld bytes", path,
+			   (unsigned long long)h.size, (long long)st->st_size);
+	return 0;
+}
+
+/*
+ * Whether the publisher holds its lock. Only for a canonical name: only
+ * publishers that lock for their whole life give one (a layout 1 writer,
+ * which did not lock, named its file gmlake.PID). A shared lock taken is
+ * dropped at once (and with the descriptor anyway).
+ */
+static uint32_t lock_state(int fd, const char *path)
+{
+	const char *base = strrchr(path, '/');
+	uint64_t token;
+	int32_t pid;
+
+	base = base ? base + 1 : path;
+	if (!gml_shm_name_parse(base, &pid, &token))
+		return 0;
+	if (!flock(fd, LOCK_SH | LOCK_NB)) {
+		flock(fd, LOCK_UN);
+		return GMLAKE_SHM_SNAP_LOCK_CHECKED | GMLAKE_SHM_SNAP_UNLOCKED;
+	}
+	return errno == EWOULDBLOCK ? GMLAKE_SHM_SNAP_LOCK_CHECKED : 0;
+}
+
+/* Copy, parse and check the file's image against its name and owner. */
+static int read_image(int fd, const char *path, const struct stat *st,
+		      struct gmlake_shm_snapshot *snap)
+{
+	unsigned char *buf;
+	size_t got = 0;
+	int ret;
+
+	ret = precheck(fd, path, st);
+	if (ret)
+		return ret;
+	buf = malloc((size_t)st->st_size);
+	if (!buf)
+		return gml_set_error(-ENOMEM, "%s: no memory for %lld bytes",
+				     path, (long long)st->st_size);
+	ret = copy_stable(fd, path, buf, (size_t)st->st_size, &got);
+	if (!ret)
+		ret = gmlake_shm_parse(buf, got, snap);
+	free(buf);
+	if (!ret)
+		ret = check_name(path, snap);
+	if (!ret && snap->uid != (uint32_t)st->st_uid)
+		ret = gml_set_error(-EBADMSG, "%s: header uid %u, file owner "
+				    "%u", path, snap->uid,
+				    (unsigned)st->st_uid);
+	return ret;
+}
+
 GML_EXPORT int gmlake_shm_read(const char *path, uint32_t expect_uid,
 			       struct gmlake_shm_snapshot *snap)
 {
-	unsigned char *buf;
 	struct stat st;
-	size_t got = 0;
+	uint32_t flags;
 	int fd, ret;
 
 	if (!path || !snap)
 		return gml_set_error(-EINVAL, "gmlake_shm_read: %s is NULL",
 				     path ? "snap" : "path");
+	if (snap->version != GMLAKE_SHM_SNAPSHOT_VERSION ||
+	    snap->size != sizeof(*snap))
+		return gml_set_error(-EINVAL, "gmlake_shm_read: snapshot "
+				     "version %u size %u, this library has "
+				     "version %u size %zu", snap->version,
+				     snap->size, GMLAKE_SHM_SNAPSHOT_VERSION,
+				     sizeof(*snap));
+	snap->nslots = 0;
+	snap->flags = 0;
 	fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
 	if (fd < 0 && errno == ELOOP)
 		return gml_set_error(-ELOOP, "%s: a symbolic link, refused",
@@ -336,37 +492,37 @@ GML_EXPORT int gmlake_shm_read(const char *path, uint32_t expect_uid,
 	ret = check_file(path, &st, expect_uid);
 	if (ret)
 		goto out_close;
-	buf = malloc((size_t)st.st_size);
-	if (!buf) {
-		ret = gml_set_error(-ENOMEM, "%s: no memory for %lld bytes",
-				    path, (long long)st.st_size);
-		goto out_close;
-	}
-	ret = copy_stable(fd, path, buf, (size_t)st.st_size, &got);
-	if (!ret)
-		ret = gmlake_shm_parse(buf, got, snap);
-	if (!ret)
-		ret = check_name(path, snap->pid);
-	if (!ret && snap->uid != (uint32_t)st.st_uid)
-		ret = gml_set_error(-EBADMSG, "%s: header uid %u, file owner "
-				    "%u", path, snap->uid,
-				    (unsigned)st.st_uid);
+	flags = lock_state(fd, path);
+	ret = read_image(fd, path, &st, snap);
 	if (!ret)
 		snap->uid = (uint32_t)st.st_uid;
 	else
 		snap->nslots = 0;
-	free(buf);
+	/* Also on failure: a refused image's file may still be proven dead. */
+	snap->flags = flags;
+	snap->file_dev = (uint64_t)st.st_dev;
+	snap->file_ino = (uint64_t)st.st_ino;
 out_close:
 	close(fd);
 	return ret;
 }
 
+/*
+ * Proof only. The lock test is one; without it (an image parsed from a
+ * buffer), a pid and start time prove something only in our own PID
+ * namespace, which layout 1 does not record.
+ */
 GML_EXPORT bool gmlake_shm_stale(const struct gmlake_shm_snapshot *snap)
 {
-	uint64_t start;
+	uint64_t start, ns;
 	int ret;
 
 	if (!snap || snap->pid <= 0)
+		return false;
+	if (snap->flags & GMLAKE_SHM_SNAP_LOCK_CHECKED)
+		return snap->flags & GMLAKE_SHM_SNAP_UNLOCKED;
+	ns = gml_pidns();
+	if (!snap->pidns || !ns || snap->pidns != ns)
 		return false;
 	ret = gml_proc_stat(snap->pid, &start, NULL, 0);
 	if (ret == -ENOENT || ret == -ESRCH)

@@ -425,6 +425,15 @@ static void check_small(bool gz)
 	ck_assert_uint_eq(info->errors, 0);
 	/* The end stays the end. */
 	ck_assert_int_eq(gml_trace_next(t, &ev), 0);
+	/* A second pass reads the same, counters afresh. */
+	ck_assert_int_eq(gml_trace_rewind(t), 0);
+	ck_assert_uint_eq(info->events, 0);
+	for (n = 0; (ret = gml_trace_next(t, &ev)) == 1; n++)
+		ck_assert_int_eq(ev.kind, want[n]);
+	ck_assert_int_eq(ret, 0);
+	ck_assert_uint_eq(n, sizeof(want) / sizeof(want[0]));
+	ck_assert_uint_eq(info->lines, 11);
+	ck_assert_uint_eq(info->header.peak_reserved, 2097152);
 	gml_trace_close(t);
 	drop_temp(path);
 }

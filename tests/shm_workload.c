@@ -11,6 +11,7 @@
  * Pattern: 8 blocks of 3, 5, 7, ... MiB, then every other one freed.
  * Exit: 0 pass, 77 no device, 1 failure.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -32,6 +33,26 @@ static int fail(const char *what, int ret)
 	return 1;
 }
 
+/* This process's segment, gmlake.PID.TOKEN: 0, or -ENOENT. */
+static int find_segment(char *path, size_t len)
+{
+	const char *dir = gmlake_shm_dir();
+	char prefix[32];
+	struct dirent *de;
+	int ret = -ENOENT;
+	DIR *d = opendir(dir);
+
+	if (!d)
+		return -errno;
+	snprintf(prefix, sizeof(prefix), "gmlake.%d.", (int)getpid());
+	while (ret && (de = readdir(d)))
+		if (!strncmp(de->d_name, prefix, strlen(prefix)) &&
+		    (size_t)snprintf(path, len, "%s/%s", dir, de->d_name) < len)
+			ret = 0;
+	closedir(d);
+	return ret;
+}
+
 /* Wait until the segment shows allocs/frees as the process counts them. */
 static int check_published(gmlake_ctx *ctx)
 {
@@ -40,8 +61,8 @@ static int check_published(gmlake_ctx *ctx)
 	char path[4096];
 	int ret = -EAGAIN;
 
-	snprintf(path, sizeof(path), "%s/gmlake.%d", gmlake_shm_dir(),
-		 (int)getpid());
+	if ((ret = find_segment(path, sizeof(path))))
+		return fail("no segment of this process", ret);
 	memset(&st, 0, sizeof(st));
 	st.version = GMLAKE_STATS_VERSION;
 	st.size = sizeof(st);

@@ -4,7 +4,9 @@
 # gmlake-top's screen in a real terminal: starts a process that holds a
 # known allocation pattern (tests/shm_workload), runs gmlake-top against
 # it inside a detached tmux session, sends keys (sort, detail view, help,
-# resize, quit) and checks what the captured pane shows.
+# resize, quit) and checks what the captured pane shows: the htop and top
+# habits (M memory, P activity, N pid, F1 help, F10 quit, / search,
+# \ filter, d delay, q closing the help) and every column at 80 columns.
 #
 # Skips (77) when tmux is missing, or gmlake-top was not built (no
 # ncursesw at configure time). Environment: top_builddir (default .).
@@ -52,7 +54,7 @@ while ! grep -q ready "$dir/ready" 2>/dev/null; do
 	[ $i -gt 100 ] && fail "shm_workload never got ready"
 	sleep 0.1
 done
-[ -e "$dir/gmlake.$wpid" ] || fail "no segment $dir/gmlake.$wpid"
+ls "$dir"/gmlake.$wpid.* >/dev/null 2>&1 || fail "no segment $dir/gmlake.$wpid.TOKEN"
 
 capture() {
 	sleep "${1:-0.6}"
@@ -72,20 +74,27 @@ tmux -L "$sock" -f /dev/null new-session -d -s top -x 132 -y 40 \
 capture 1.2
 expect "gmlake-top" "title"
 expect "PID" "column header"
-expect "RESERVED" "column header"
+expect "RES" "column header"
 expect "$wpid" "process row"
 expect "shm_workload" "command"
 expect "48.0M" "allocated: 4 blocks of 5+9+13+17 MiB"
 expect "88.0M" "reserved"
 expect "45.5" "fragmentation"
 expect "emulated" "GPU header without NVML"
-expect "sort: RESERVED desc" "default sort"
+expect "sort: RES desc" "default sort"
 [ -n "$GML_TOP_CAPTURE" ] && cp "$dir/pane" "$GML_TOP_CAPTURE"
 
-# Sorting: by pid, then reversed, then one column left with '<'.
+# Sorting as in htop: P the busiest, M memory, N pid; then reversed, then
+# one column right with '>'.
 tmux -L "$sock" send-keys -t top P
 capture
-expect "sort: PID desc" "P sorts by pid"
+expect "sort: MAP/s desc" "P sorts by activity"
+tmux -L "$sock" send-keys -t top M
+capture
+expect "sort: RES desc" "M sorts by memory"
+tmux -L "$sock" send-keys -t top N
+capture
+expect "sort: PID desc" "N sorts by pid"
 tmux -L "$sock" send-keys -t top r
 capture
 expect "sort: PID asc" "r reverses"
@@ -104,25 +113,58 @@ tmux -L "$sock" send-keys -t top Escape
 capture
 expect "sort: USER asc" "Esc returns to the list"
 
-# Help, then back with any key.
+# Help, then back with any key; F1 opens it, and q closes it (not quit).
 tmux -L "$sock" send-keys -t top h
 capture
 expect "this help" "help screen"
 expect "Sort keys" "help screen"
 tmux -L "$sock" send-keys -t top x
 capture
-expect "Enter: details" "back from help"
+expect "Enter details" "back from help"
+tmux -L "$sock" send-keys -t top F1
+capture
+expect "this help" "F1 opens the help"
+tmux -L "$sock" send-keys -t top q
+capture
+expect "Enter details" "q closes the help"
 
-# A smaller terminal: still drawn.
+# Filter (\): a text nothing matches hides the row, an empty one shows all.
+tmux -L "$sock" send-keys -t top '\' nomatch Enter
+capture
+expect "no row matches the filter" "filter hides"
+expect "filter: nomatch" "filter shown"
+tmux -L "$sock" send-keys -t top '\' Enter
+capture
+expect "shm_workload" "filter cleared"
+tmux -L "$sock" send-keys -t top '\' "$wpid" Enter
+capture
+expect "shm_workload" "filter by pid"
+tmux -L "$sock" send-keys -t top '\' Enter
+
+# Search (/): a text nothing matches says so.
+tmux -L "$sock" send-keys -t top / zzz Enter
+capture
+expect 'no row matches "zzz"' "search without a match"
+
+# d: the delay.
+tmux -L "$sock" send-keys -t top d 0.5 Enter
+capture
+expect "every 0.5s" "d sets the delay"
+
+# 80 columns: every column header and the figures still show.
 tmux -L "$sock" resize-window -t top -x 80 -y 20 2>/dev/null ||
 	tmux -L "$sock" resize-pane -t top -x 80 -y 20
 capture 1
 expect "$wpid" "row after resize"
+for col in PID USER DEV ALLOC RES PEAK FRAG% STITCH MAP/s SPILL OFF/s COMM; do
+	expect "$col" "column $col at 80 columns"
+done
+expect "45.5" "fragmentation at 80 columns"
 
-# q quits.
-tmux -L "$sock" send-keys -t top q
+# F10 quits.
+tmux -L "$sock" send-keys -t top F10
 capture 1
-expect "top-exited" "q quits"
+expect "top-exited" "F10 quits"
 
-echo "PASS: gmlake-top screen shows pid $wpid; sort, detail, help, resize, quit"
+echo "PASS: gmlake-top screen shows pid $wpid; sort, detail, help, filter, search, delay, 80 columns, quit"
 exit 0

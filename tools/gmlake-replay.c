@@ -3,13 +3,17 @@
  * gmlake-replay: replay PyTorch allocation traces through libgmlake and
  * report fragmentation, driver work and allocation latency.
  *
- * Each trace is read whole first (so a malformed trace fails before any
- * replay and parsing stays out of the timings), then replayed into a
+ * Each trace is read twice, streamed, never held: a first pass checks
+ * every line (so a malformed trace fails before any replay), counts the
+ * allocations and finds the peak of live bytes; the second replays into a
  * fresh context: alloc events become gmlake_alloc() on the event's stream,
- * free_completed events gmlake_free(). Driver work of the second half of
- * the trace (from alloc number nalloc / 2 on, the steady state) is priced
- * at measured H200 costs per 2 MiB chunk and set against that half's GPU
- * time from the trace's sidecar (steps x step_ms / 2).
+ * free_completed events gmlake_free(). Memory is bounded by the blocks
+ * live at once (at most --max-live) and a latency histogram, not by the
+ * trace's length; the emulated capacity a trace can ask for is bounded too
+ * (MAX_CHUNKS chunks). Driver work of the second half of the trace (from
+ * alloc number nalloc / 2 on, the steady state) is priced at measured H200
+ * costs per 2 MiB chunk and set against that half's GPU time from the
+ * trace's sidecar (steps x step_ms / 2).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -25,6 +29,7 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <gmlake.h>
 
@@ -33,6 +38,20 @@
 #define MIB	    (1ull << 20)
 #define GIB	    (1ull << 30)
 #define PRICE_CHUNK (2 * MIB)
+#define EMU_CHUNK   (2 * MIB)	/* the emulated device's granularity */
+
+/*
+ * Bounds on what a trace can make the replayer hold: blocks live at once
+ * (--max-live; each costs about 200 bytes here and in the library) and the
+ * emulated capacity in chunks (1 TiB of chunks is 512 Ki of them, about
+ * 100 MB and 2.6 s of mapping; the bound is twice that).
+ */
+#define DEFAULT_MAX_LIVE (1ull << 20)
+#define MAX_CHUNKS	 (1ull << 20)
+
+/* Latency histogram: exact below 256 ns, then 128 steps per power of 2. */
+#define LAT_SUB	    128u
+#define LAT_BUCKETS (2 * LAT_SUB + 56 * LAT_SUB)
 
 /* H200 driver costs per call on one chunk (2 MiB when measured), in
  * microseconds. */
@@ -50,18 +69,26 @@ struct options {
 	int backend;	   /* enum gmlake_backend; DEFAULT: not given */
 	size_t chunk_size; /* 0: not given */
 	size_t capacity;   /* 0: not given */
+	uint64_t max_live; /* blocks live at once */
 	bool json;
 	bool touch;
 	bool quiet;
+	bool progress; /* a progress line: stderr is a terminal */
 };
 
-/* The events that are replayed, in trace order. */
+/* An event that is replayed. */
 struct rev {
 	uint64_t addr;
 	uint64_t size;
 	uint64_t stream;
 	uint64_t line;
 	bool alloc; /* else free_completed */
+};
+
+/* Allocation latencies, counted by bucket: a bounded percentile. */
+struct lat_hist {
+	uint64_t n[LAT_BUCKETS];
+	uint64_t count, max;
 };
 
 /* A live block: trace address -> our pointer (open addressing). */
@@ -94,8 +121,7 @@ struct replay {
 	struct gml_trace_header hdr;
 	struct gml_trace_sidecar sc;  /* NAME.trace.json */
 	struct gml_trace_sidecar exp; /* NAME.expandable.json */
-	struct rev *ev;
-	size_t nev, evcap;
+	struct gml_trace *t;	      /* open for both passes */
 	uint64_t events; /* every event line of the trace */
 	uint64_t nalloc, nfree, unknown;
 	uint64_t trace_peak_live; /* sum of live sizes, from the trace */
@@ -103,18 +129,27 @@ struct replay {
 	const char *backend;
 	size_t capacity;
 	struct gmlake_stats mid, end;
-	uint64_t *lat_ns; /* one per alloc */
+	struct lat_hist lat;
 	uint64_t done_allocs;
 	uint64_t skipped_frees, dup_allocs, touch_errors;
 	double replay_ms;
 };
 
 static const char *prog = "gmlake-replay";
+static bool progress_shown; /* a progress line is on the terminal */
+
+static void progress_clear(void)
+{
+	if (progress_shown)
+		fputs("\r\033[K", stderr);
+	progress_shown = false;
+}
 
 static void errmsg(const char *fmt, ...)
 {
 	va_list ap;
 
+	progress_clear();
 	fprintf(stderr, "%s: ", prog);
 	va_start(ap, fmt);
 	vfprintf(stderr, fmt, ap);
@@ -128,6 +163,67 @@ static uint64_t now_ns(void)
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/*
+ * The progress line, on a terminal only, at most four times a second
+ * and at once when a pass starts: what is done of total events (total 0:
+ * not known yet).
+ */
+static void progress(const struct replay *r, const struct options *o,
+		     const char *what, uint64_t done, uint64_t total)
+{
+	static const char *last_what;
+	static uint64_t next_ns;
+	uint64_t t;
+
+	if (!o->progress || (done & 0xfff))
+		return;
+	t = now_ns();
+	if (t < next_ns && what == last_what)
+		return;
+	last_what = what;
+	next_ns = t + 250000000ull;
+	if (total)
+		fprintf(stderr, "\r%s: %s: %s %" PRIu64 " of %" PRIu64
+			" events (%.0f%%)\033[K", prog, r->name, what, done,
+			total, 100.0 * (double)done / (double)total);
+	else
+		fprintf(stderr, "\r%s: %s: %s %" PRIu64 " events\033[K",
+			prog, r->name, what, done);
+	progress_shown = true;
+}
+
+/* ---- latency histogram ---- */
+
+static unsigned lat_bucket(uint64_t v)
+{
+	unsigned shift;
+
+	if (v < 2 * LAT_SUB)
+		return (unsigned)v;
+	shift = 63u - (unsigned)__builtin_clzll(v) - 7u;
+	return 2 * LAT_SUB + (shift - 1) * LAT_SUB +
+	       (unsigned)((v >> shift) - LAT_SUB);
+}
+
+/* The smallest value of bucket b. */
+static uint64_t lat_value(unsigned b)
+{
+	unsigned shift;
+
+	if (b < 2 * LAT_SUB)
+		return b;
+	shift = (b - 2 * LAT_SUB) / LAT_SUB + 1;
+	return (uint64_t)(LAT_SUB + (b - 2 * LAT_SUB) % LAT_SUB) << shift;
+}
+
+static void lat_add(struct lat_hist *h, uint64_t ns)
+{
+	h->n[lat_bucket(ns)]++;
+	h->count++;
+	if (ns > h->max)
+		h->max = ns;
 }
 
 /* ---- block map ---- */
@@ -263,27 +359,6 @@ static int stream_get(gmlake_ctx *ctx, struct streammap *sm, uint64_t id,
 
 /* ---- reading ---- */
 
-static int push_event(struct replay *r, const struct gml_trace_event *e,
-		      uint64_t line)
-{
-	struct rev *p;
-
-	if (r->nev == r->evcap) {
-		r->evcap = r->evcap ? r->evcap * 2 : 65536;
-		p = realloc(r->ev, r->evcap * sizeof(*r->ev));
-		if (!p)
-			return -ENOMEM;
-		r->ev = p;
-	}
-	p = &r->ev[r->nev++];
-	p->addr = e->addr;
-	p->size = e->size;
-	p->stream = e->stream;
-	p->line = line;
-	p->alloc = e->kind == GML_TRACE_ALLOC;
-	return 0;
-}
-
 /* The trace's name: its file name without .gz and .trace. */
 static void trace_name(struct replay *r)
 {
@@ -317,62 +392,81 @@ static int load_sidecar(struct replay *r, const char *suffix,
 	return ret;
 }
 
-/* Read the whole trace into r; the live-size peak comes with it. */
-static int read_trace(struct replay *r)
+/*
+ * Track one event of the first pass in the live map: the live bytes and
+ * their peak. -ENOMEM, or -E2BIG past o->max_live blocks.
+ */
+static int scan_event(struct replay *r, const struct options *o,
+		      struct blockmap *live, const struct gml_trace_event *e,
+		      uint64_t *cur, uint64_t line)
+{
+	struct slot *s = bm_find(live, e->addr);
+	int ret;
+
+	if (e->kind == GML_TRACE_FREE_COMPLETED) {
+		r->nfree++;
+		if (s) {
+			*cur -= s->size;
+			bm_remove(live, s);
+		}
+		return 0;
+	}
+	r->nalloc++;
+	if (s) {
+		*cur -= s->size;
+	} else {
+		if (live->n >= o->max_live) {
+			errmsg("%s:%" PRIu64 ": more than %" PRIu64 " blocks "
+			       "live at once, the replayer's bound "
+			       "(--max-live)", r->path, line, o->max_live);
+			return -E2BIG;
+		}
+		ret = bm_insert(live, e->addr, &s);
+		if (ret) {
+			errmsg("%s: out of memory", r->path);
+			return ret;
+		}
+	}
+	s->size = e->size;
+	*cur += e->size;
+	if (*cur > r->trace_peak_live)
+		r->trace_peak_live = *cur;
+	return 0;
+}
+
+/*
+ * The first pass: every line checked, allocations and frees counted, the
+ * peak of live bytes found; nothing kept but the live map. The trace stays
+ * open in r->t for the second pass.
+ */
+static int read_trace(struct replay *r, const struct options *o)
 {
 	const struct gml_trace_info *info;
 	struct gml_trace_event e;
-	struct gml_trace *t;
 	struct blockmap live = {0};
-	struct slot *s;
 	uint64_t cur = 0;
 	int ret;
 
-	ret = gml_trace_open(r->path, &t);
+	ret = gml_trace_open(r->path, &r->t);
 	if (ret) {
 		errmsg("%s: %s", r->path, strerror(-ret));
 		return ret;
 	}
-	info = gml_trace_info(t);
-	ret = gml_trace_read_header(t);
-	while (!ret && (ret = gml_trace_next(t, &e)) == 1) {
+	info = gml_trace_info(r->t);
+	ret = gml_trace_read_header(r->t);
+	while (!ret && (ret = gml_trace_next(r->t, &e)) == 1) {
 		ret = 0;
+		progress(r, o, "reading", info->events, 0);
 		if (e.kind == GML_TRACE_OTHER)
 			r->unknown++;
-		if (e.kind != GML_TRACE_ALLOC &&
-		    e.kind != GML_TRACE_FREE_COMPLETED)
-			continue;
-		ret = push_event(r, &e, info->lines);
-		if (ret)
-			break;
-		s = bm_find(&live, e.addr);
-		if (e.kind == GML_TRACE_ALLOC) {
-			r->nalloc++;
-			if (!s)
-				ret = bm_insert(&live, e.addr, &s);
-			else
-				cur -= s->size;
-			if (ret)
-				break;
-			s->size = e.size;
-			cur += e.size;
-			if (cur > r->trace_peak_live)
-				r->trace_peak_live = cur;
-		} else {
-			r->nfree++;
-			if (s) {
-				cur -= s->size;
-				bm_remove(&live, s);
-			}
-		}
+		if (e.kind == GML_TRACE_ALLOC ||
+		    e.kind == GML_TRACE_FREE_COMPLETED)
+			ret = scan_event(r, o, &live, &e, &cur, info->lines);
 	}
-	if (ret == -ENOMEM)
-		errmsg("%s: out of memory", r->path);
-	else if (ret < 0)
-		errmsg("%s", gml_trace_error(t));
+	if (ret < 0 && ret != -ENOMEM && ret != -E2BIG)
+		errmsg("%s", gml_trace_error(r->t));
 	r->hdr = info->header;
 	r->events = info->events;
-	gml_trace_close(t);
 	free(live.slots);
 	if (ret < 0)
 		return ret;
@@ -425,6 +519,27 @@ static size_t pick_capacity(const struct replay *r, const struct options *o,
 	return cap > SIZE_MAX ? SIZE_MAX : (size_t)cap;
 }
 
+/*
+ * The emulated capacity is at most MAX_CHUNKS chunks: a trace (its header's
+ * peak, or a single event) can ask for any size, and every chunk of it
+ * costs host memory and time to map. -EFBIG past it.
+ */
+static int check_capacity(const struct replay *r,
+			  const struct gmlake_config *cfg)
+{
+	uint64_t chunk = cfg->chunk_size ? cfg->chunk_size : EMU_CHUNK;
+
+	if (cfg->backend != GMLAKE_BACKEND_EMU ||
+	    cfg->emu_capacity / chunk <= MAX_CHUNKS)
+		return 0;
+	errmsg("%s: an emulated capacity of %.0f GiB (twice the peak the "
+	       "trace claims, or --capacity) is past the replayer's bound of "
+	       "%llu chunks of %" PRIu64 " MiB (%.0f GiB)", r->path,
+	       (double)cfg->emu_capacity / GIB, (unsigned long long)MAX_CHUNKS,
+	       chunk / MIB, (double)MAX_CHUNKS * (double)chunk / GIB);
+	return -EFBIG;
+}
+
 static int new_ctx(struct replay *r, const struct options *o, gmlake_ctx **ctx)
 {
 	struct gmlake_config cfg;
@@ -445,6 +560,9 @@ static int new_ctx(struct replay *r, const struct options *o, gmlake_ctx **ctx)
 	cfg.emu_capacity = pick_capacity(r, o, cfg.emu_capacity);
 	r->capacity = cfg.emu_capacity;
 	r->backend = backend_name(cfg.backend);
+	ret = check_capacity(r, &cfg);
+	if (ret)
+		return ret;
 	ret = gmlake_ctx_init(ctx, &cfg);
 	if (ret)
 		errmsg("%s: gmlake_ctx_init (backend %s): %s: %s", r->name,
@@ -554,7 +672,8 @@ static int do_alloc(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		       gmlake_last_error());
 		return ret;
 	}
-	r->lat_ns[r->done_allocs++] = t1 - t0;
+	lat_add(&r->lat, t1 - t0);
+	r->done_allocs++;
 	ret = bm_insert(bm, e->addr, &s);
 	if (ret) {
 		gmlake_free(ctx, ptr);
@@ -588,13 +707,46 @@ static int free_slot(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 	return 0;
 }
 
-/* Replay every event; the mid snapshot goes before alloc nalloc / 2. */
+/* One replayed event; the mid snapshot goes before alloc nalloc / 2. */
+static int run_event(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
+		     struct streammap *sm, const struct rev *e,
+		     const struct options *o)
+{
+	struct slot *s = bm_find(bm, e->addr);
+	int ret;
+
+	if (!e->alloc) {
+		if (!s) {
+			r->skipped_frees++;
+			return 0;
+		}
+		return free_slot(r, ctx, bm, s, e->line, o);
+	}
+	if (r->done_allocs == r->nalloc / 2) {
+		ret = snapshot(r, ctx, &r->mid);
+		if (ret)
+			return ret;
+	}
+	/* A live address again: its free is missing; free it now. */
+	if (s) {
+		r->dup_allocs++;
+		ret = free_slot(r, ctx, bm, s, e->line, o);
+		if (ret)
+			return ret;
+	}
+	return do_alloc(r, ctx, bm, sm, e, o);
+}
+
+/*
+ * The second pass: the trace from the start again, each event replayed as
+ * it is read. A trace that changed since the first pass fails here.
+ */
 static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		      struct streammap *sm, const struct options *o)
 {
-	const struct rev *e;
-	struct slot *s;
-	size_t i;
+	const struct gml_trace_info *info = gml_trace_info(r->t);
+	struct gml_trace_event ev;
+	struct rev e;
 	int ret;
 
 	if (!r->nalloc) {
@@ -602,34 +754,27 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		if (ret)
 			return ret;
 	}
-	for (i = 0; i < r->nev; i++) {
-		e = &r->ev[i];
-		s = bm_find(bm, e->addr);
-		if (!e->alloc) {
-			if (!s) {
-				r->skipped_frees++;
-				continue;
-			}
-			ret = free_slot(r, ctx, bm, s, e->line, o);
-			if (ret)
-				return ret;
+	ret = gml_trace_rewind(r->t);
+	if (!ret)
+		ret = gml_trace_read_header(r->t);
+	while (!ret && (ret = gml_trace_next(r->t, &ev)) == 1) {
+		ret = 0;
+		progress(r, o, "replaying", info->events, r->events);
+		if (ev.kind != GML_TRACE_ALLOC &&
+		    ev.kind != GML_TRACE_FREE_COMPLETED)
 			continue;
-		}
-		if (r->done_allocs == r->nalloc / 2) {
-			ret = snapshot(r, ctx, &r->mid);
-			if (ret)
-				return ret;
-		}
-		/* A live address again: its free is missing; free it now. */
-		if (s) {
-			r->dup_allocs++;
-			ret = free_slot(r, ctx, bm, s, e->line, o);
-			if (ret)
-				return ret;
-		}
-		ret = do_alloc(r, ctx, bm, sm, e, o);
+		e.addr = ev.addr;
+		e.size = ev.size;
+		e.stream = ev.stream;
+		e.line = info->lines;
+		e.alloc = ev.kind == GML_TRACE_ALLOC;
+		ret = run_event(r, ctx, bm, sm, &e, o);
 		if (ret)
 			return ret;
+	}
+	if (ret < 0) {
+		errmsg("%s (second pass)", gml_trace_error(r->t));
+		return ret;
 	}
 	return snapshot(r, ctx, &r->end);
 }
@@ -677,11 +822,6 @@ static int replay(struct replay *r, const struct options *o)
 	uint64_t t0;
 	int ret, ret2;
 
-	r->lat_ns = calloc(r->nalloc ? r->nalloc : 1, sizeof(*r->lat_ns));
-	if (!r->lat_ns) {
-		errmsg("%s: out of memory", r->name);
-		return -ENOMEM;
-	}
 	ret = new_ctx(r, o, &ctx);
 	if (ret)
 		return ret;
@@ -697,26 +837,28 @@ static int replay(struct replay *r, const struct options *o)
 
 /* ---- results ---- */
 
-static int cmp_u64(const void *a, const void *b)
+/*
+ * Nearest-rank percentile q (0..100), in microseconds, from the histogram:
+ * within 1/128 below the exact value (exact under 256 ns); 100 is the
+ * exact maximum.
+ */
+static double pct_us(const struct lat_hist *h, unsigned q)
 {
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	uint64_t k, seen = 0;
 
-	return x < y ? -1 : x > y;
-}
-
-/* Nearest-rank percentile q (0..100) of sorted v[n], in microseconds. */
-static double pct_us(const uint64_t *v, uint64_t n, unsigned q)
-{
-	uint64_t k;
-
-	if (!n)
+	if (!h->count)
 		return NAN;
-	k = (q * n + 99) / 100; /* ceil(q / 100 * n), no libm */
+	if (q >= 100)
+		return (double)h->max / 1e3;
+	k = (q * h->count + 99) / 100; /* ceil(q / 100 * n), no libm */
 	if (k)
 		k--;
-	if (k >= n)
-		k = n - 1;
-	return (double)v[k] / 1e3;
+	for (unsigned b = 0; b < LAT_BUCKETS; b++) {
+		seen += h->n[b];
+		if (seen > k)
+			return (double)lat_value(b) / 1e3;
+	}
+	return (double)h->max / 1e3;
 }
 
 /* Everything reported for one trace; NAN where unknown. */
@@ -810,10 +952,9 @@ static void compute(struct replay *r, struct result *x)
 	if (x->steps > 0 && x->step_ms > 0)
 		x->half_pct = 100.0 * x->half_ms / (x->steps * x->step_ms / 2);
 
-	qsort(r->lat_ns, r->done_allocs, sizeof(*r->lat_ns), cmp_u64);
-	x->p50_us = pct_us(r->lat_ns, r->done_allocs, 50);
-	x->p99_us = pct_us(r->lat_ns, r->done_allocs, 99);
-	x->max_us = pct_us(r->lat_ns, r->done_allocs, 100);
+	x->p50_us = pct_us(&r->lat, 50);
+	x->p99_us = pct_us(&r->lat, 99);
+	x->max_us = pct_us(&r->lat, 100);
 }
 
 #undef DELTA
@@ -990,6 +1131,22 @@ static int parse_size(const char *s, size_t *out)
 	return 0;
 }
 
+/* A count from 1 to 2^40. */
+static int parse_count(const char *s, uint64_t *out)
+{
+	unsigned long long v;
+	char *end;
+
+	if (!*s || *s == '-')
+		return -EINVAL;
+	errno = 0;
+	v = strtoull(s, &end, 10);
+	if (errno || *end || !v || v > (1ull << 40))
+		return -EINVAL;
+	*out = v;
+	return 0;
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f,
@@ -1001,7 +1158,9 @@ static void usage(FILE *f)
 		"  -t, --touch             write and check a pattern in every block\n"
 		"  -c, --chunk-size=SIZE   physical chunk size (K, M, G suffixes)\n"
 		"  -C, --capacity=SIZE     emulated device memory (default: 2x the peak)\n"
-		"  -q, --quiet             no progress messages\n"
+		"  -m, --max-live=COUNT    blocks live at once before the trace is refused\n"
+		"                          (default 1048576)\n"
+		"  -q, --quiet             no progress line (shown only on a terminal)\n"
 		"  -h, --help              this help\n"
 		"  -V, --version           library version\n",
 		prog);
@@ -1015,6 +1174,7 @@ static int parse_args(int argc, char **argv, struct options *o)
 		{"touch", no_argument, NULL, 't'},
 		{"chunk-size", required_argument, NULL, 'c'},
 		{"capacity", required_argument, NULL, 'C'},
+		{"max-live", required_argument, NULL, 'm'},
 		{"quiet", no_argument, NULL, 'q'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
@@ -1022,7 +1182,7 @@ static int parse_args(int argc, char **argv, struct options *o)
 	};
 	int c;
 
-	while ((c = getopt_long(argc, argv, "b:jtc:C:qhV", longopts, NULL)) !=
+	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qhV", longopts, NULL)) !=
 	       -1) {
 		switch (c) {
 		case 'b':
@@ -1047,6 +1207,12 @@ static int parse_args(int argc, char **argv, struct options *o)
 			if (parse_size(optarg, c == 'c' ? &o->chunk_size :
 							  &o->capacity)) {
 				errmsg("bad size '%s'", optarg);
+				return -EINVAL;
+			}
+			break;
+		case 'm':
+			if (parse_count(optarg, &o->max_live)) {
+				errmsg("bad count '%s'", optarg);
 				return -EINVAL;
 			}
 			break;
@@ -1082,11 +1248,10 @@ static int one_trace(const char *path, const struct options *o,
 	int ret;
 
 	trace_name(&r);
-	if (!o->quiet)
-		fprintf(stderr, "%s: replaying %s\n", prog, path);
-	ret = read_trace(&r);
+	ret = read_trace(&r, o);
 	if (!ret)
 		ret = replay(&r, o);
+	progress_clear();
 	if (!ret) {
 		compute(&r, &x);
 		if (o->json) {
@@ -1099,19 +1264,20 @@ static int one_trace(const char *path, const struct options *o,
 		}
 		fflush(stdout);
 	}
-	free(r.ev);
-	free(r.lat_ns);
+	gml_trace_close(r.t);
 	return ret;
 }
 
 int main(int argc, char **argv)
 {
-	struct options o = {.backend = GMLAKE_BACKEND_DEFAULT};
+	struct options o = {.backend = GMLAKE_BACKEND_DEFAULT,
+			    .max_live = DEFAULT_MAX_LIVE};
 	bool header_done = false;
 	int i, failed = 0;
 
 	if (parse_args(argc, argv, &o))
 		return EXIT_USAGE;
+	o.progress = !o.quiet && isatty(STDERR_FILENO);
 	if (!gmlake_check_version(GMLAKE_VERSION_MAJOR, GMLAKE_VERSION_MINOR)) {
 		errmsg("libgmlake %d.%d is older than this tool (%d.%d)",
 		       gmlake_version_major(), gmlake_version_minor(),

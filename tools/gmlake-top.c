@@ -31,6 +31,11 @@ static void usage(FILE *f)
 "  -j, --json              batch mode, one JSON document per snapshot and line\n"
 "  -D, --dir=DIR           read segments from DIR (default: GMLAKE_SHM_DIR,\n"
 "                          else /dev/shm)\n"
+"  -o, --sort=COLUMN       sort by COLUMN: pid, user, dev, alloc, res (mem),\n"
+"                          peak, frag, stitch, maps, spill, offload, command\n"
+"                          (default res; figures largest first)\n"
+"  -r, --reverse           reverse the sort order\n"
+"  -p, --pid=PID[,PID...]  show only these processes\n"
 "  -h, --help              this help\n"
 "  -V, --version           version\n");
 }
@@ -86,19 +91,24 @@ int main(int argc, char **argv)
 		{ "iterations", required_argument, NULL, 'n' },
 		{ "json", no_argument, NULL, 'j' },
 		{ "dir", required_argument, NULL, 'D' },
+		{ "sort", required_argument, NULL, 'o' },
+		{ "sort-key", required_argument, NULL, 'o' },
+		{ "reverse", no_argument, NULL, 'r' },
+		{ "pid", required_argument, NULL, 'p' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
 		{ NULL, 0, NULL, 0 },
 	};
-	bool is_batch = false, json = false;
-	const char *dir = NULL;
+	bool is_batch = false, json = false, reverse = false;
+	const char *dir = NULL, *pids = NULL;
+	int sort_col = COL_RES;
 	struct top_state st;
 	double delay = 1.0;
 	long count = -1;
 	char *end;
 	int c, ret;
 
-	while ((c = getopt_long(argc, argv, "d:bn:jD:hV", longopts, NULL)) !=
+	while ((c = getopt_long(argc, argv, "d:bn:jD:o:rp:hV", longopts, NULL)) !=
 	       -1) {
 		switch (c) {
 		case 'd':
@@ -127,6 +137,22 @@ int main(int argc, char **argv)
 		case 'D':
 			dir = optarg;
 			break;
+		case 'o':
+			sort_col = top_sort_key(optarg);
+			if (sort_col < 0) {
+				fprintf(stderr, "gmlake-top: --sort %s: one "
+					"of pid, user, dev, alloc, res, peak, "
+					"frag, stitch, maps, spill, offload, "
+					"command expected\n", optarg);
+				return 2;
+			}
+			break;
+		case 'r':
+			reverse = true;
+			break;
+		case 'p':
+			pids = optarg;
+			break;
 		case 'h':
 			usage(stdout);
 			return 0;
@@ -145,7 +171,20 @@ int main(int argc, char **argv)
 			argv[optind]);
 		return 2;
 	}
-	top_init(&st, dir);
+	ret = top_init(&st, dir);
+	if (ret) {
+		fprintf(stderr, "gmlake-top: %s\n", strerror(-ret));
+		return 1;
+	}
+	st.sort_col = sort_col;
+	st.sort_reverse = reverse;
+	if (pids && top_parse_pids(&st, pids)) {
+		fprintf(stderr, "gmlake-top: --pid %s: pids from 1 to 4194304, "
+			"separated by commas (%d at most), expected\n", pids,
+			TOP_MAX_PIDS);
+		top_fini(&st);
+		return 2;
+	}
 	if (is_batch) {
 		ret = batch(&st, count, delay, json);
 	} else if (!isatty(STDIN_FILENO) || !isatty(STDOUT_FILENO)) {

@@ -2,11 +2,15 @@
 /*
  * gmlake-top's data sources and the plain-text and JSON snapshots.
  *
- * shm: every GMLAKE_SHM_DIR/gmlake.PID segment, read with the library's
- * checking reader; a segment whose process is gone (no such pid, or the pid
- * now belongs to a process started at another time) is shown as gone and,
- * when it belongs to our user, removed. nvml: libnvidia-ml.so.1 loaded with
- * dlopen (never linked), for each GPU's total and used memory.
+ * shm: every GMLAKE_SHM_DIR/gmlake.PID.TOKEN segment, read with the
+ * library's checking reader; a segment proven gone (its publisher's lock is
+ * free: a pid proves nothing across PID namespaces) is shown as gone and,
+ * when it belongs to our user, removed. The directory is anyone's: an entry
+ * that is not a canonical name, not a regular file, not the expected
+ * owner's or too large costs one fstatat at most and makes no row; refused
+ * segments make at most TOP_MAX_BAD rows; rows are found by hash. nvml:
+ * libnvidia-ml.so.1 loaded with dlopen (never linked), for each GPU's total
+ * and used memory.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -15,11 +19,12 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pwd.h>
-#include <signal.h>
-#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -137,8 +142,12 @@ int top_init(struct top_state *st, const char *dir)
 void top_fini(struct top_state *st)
 {
 	free(st->rows);
+	free(st->index);
+	free(st->view);
 	st->rows = NULL;
-	st->nrows = st->cap = 0;
+	st->index = NULL;
+	st->view = NULL;
+	st->nrows = st->cap = st->index_cap = st->nview = st->view_cap = 0;
 	if (nvml.lib)
 		dlclose(nvml.lib);
 	nvml.lib = NULL;
@@ -155,18 +164,77 @@ static void user_name(uint32_t uid, char *buf, size_t len)
 		snprintf(buf, len, "%u", (unsigned)uid);
 }
 
-/* The row of (pid, start, ctx_id), made when new. */
-static struct top_row *row_get(struct top_state *st, int pid, uint64_t start,
-			       uint64_t ctx_id)
+/* ---- the row index: (token, ctx_id) -> row, open addressing ---- */
+
+static size_t key_hash(uint64_t token, uint64_t ctx_id)
 {
+	uint64_t x = token ^ (ctx_id * 0x9e3779b97f4a7c15ull);
+
+	x ^= x >> 33;
+	x *= 0xff51afd7ed558ccdull;
+	x ^= x >> 33;
+	return (size_t)x;
+}
+
+static void index_put(struct top_state *st, size_t row)
+{
+	const struct top_row *r = &st->rows[row];
+	size_t mask = st->index_cap - 1;
+	size_t i = key_hash(r->token, r->s.ctx_id) & mask;
+
+	while (st->index[i])
+		i = (i + 1) & mask;
+	st->index[i] = (uint32_t)(row + 1);
+}
+
+/* Index every row again, in a table of at least 2 * want slots. */
+static int index_rebuild(struct top_state *st, size_t want)
+{
+	size_t cap = st->index_cap ? st->index_cap : 64;
+	uint32_t *t;
+
+	while (cap < 2 * want + 2)
+		cap *= 2;
+	if (cap != st->index_cap) {
+		t = calloc(cap, sizeof(*t));
+		if (!t)
+			return -ENOMEM;
+		free(st->index);
+		st->index = t;
+		st->index_cap = cap;
+	} else {
+		memset(st->index, 0, cap * sizeof(*st->index));
+	}
+	for (size_t i = 0; i < st->nrows; i++)
+		index_put(st, i);
+	return 0;
+}
+
+static struct top_row *row_find(struct top_state *st, uint64_t token,
+				uint64_t ctx_id)
+{
+	size_t mask = st->index_cap - 1, i;
 	struct top_row *r;
 
-	for (size_t i = 0; i < st->nrows; i++) {
-		r = &st->rows[i];
-		if (r->pid == pid && r->start_time == start &&
-		    r->s.ctx_id == ctx_id)
+	if (!st->index_cap)
+		return NULL;
+	for (i = key_hash(token, ctx_id) & mask; st->index[i];
+	     i = (i + 1) & mask) {
+		r = &st->rows[st->index[i] - 1];
+		if (r->token == token && r->s.ctx_id == ctx_id)
 			return r;
 	}
+	return NULL;
+}
+
+/* The row of (token, ctx_id), made when new (pid as published). */
+static struct top_row *row_get(struct top_state *st, uint64_t token, int pid,
+			       uint64_t ctx_id)
+{
+	struct top_row *r = row_find(st, token, ctx_id);
+
+	if (r)
+		return r;
 	if (st->nrows == st->cap) {
 		size_t cap = st->cap ? st->cap * 2 : 16;
 		struct top_row *grown = realloc(st->rows, cap * sizeof(*r));
@@ -176,11 +244,15 @@ static struct top_row *row_get(struct top_state *st, int pid, uint64_t start,
 		st->rows = grown;
 		st->cap = cap;
 	}
-	r = &st->rows[st->nrows++];
+	if (2 * (st->nrows + 1) + 2 > st->index_cap &&
+	    index_rebuild(st, st->nrows + 1))
+		return NULL;
+	r = &st->rows[st->nrows];
 	memset(r, 0, sizeof(*r));
 	r->pid = pid;
-	r->start_time = start;
+	r->token = token;
 	r->s.ctx_id = ctx_id;
+	index_put(st, st->nrows++);
 	return r;
 }
 
@@ -214,12 +286,24 @@ static void row_update(struct top_state *st, struct top_row *r,
 	push_history(r);
 }
 
-/* Remove a dead process's segment, only when it is our user's. */
-static void remove_stale(struct top_row *r, uint32_t owner)
+/*
+ * Remove a dead process's segment, only when it is our user's and the name
+ * still holds the file whose lock was found free.
+ */
+static void remove_stale(struct top_row *r, uint32_t owner,
+			 const struct gmlake_shm_snapshot *snap)
 {
+	struct stat sb;
+
 	if (owner != (uint32_t)geteuid()) {
 		snprintf(r->msg, sizeof(r->msg), "process gone; segment of "
 			 "uid %u left in place", (unsigned)owner);
+		return;
+	}
+	if (lstat(r->path, &sb) || (uint64_t)sb.st_dev != snap->file_dev ||
+	    (uint64_t)sb.st_ino != snap->file_ino) {
+		snprintf(r->msg, sizeof(r->msg), "process gone; segment "
+			 "replaced meanwhile, left in place");
 		return;
 	}
 	if (unlink(r->path) && errno != ENOENT) {
@@ -243,14 +327,14 @@ static void scan_good(struct top_state *st, const char *path,
 		      const struct gmlake_shm_snapshot *snap)
 {
 	bool stale = gmlake_shm_stale(snap);
-	struct top_row *r;
+	struct top_row *r = NULL, *o;
 
 	for (uint32_t i = 0; i < snap->nslots; i++) {
-		r = row_get(st, snap->pid, snap->start_time,
-			    snap->slots[i].ctx_id);
+		r = row_get(st, snap->token, snap->pid, snap->slots[i].ctx_id);
 		if (!r)
 			return;
 		r->seen = true;
+		r->start_time = snap->start_time;
 		r->uid = snap->uid;
 		user_name(r->uid, r->user, sizeof(r->user));
 		snprintf(r->comm, sizeof(r->comm), "%s", snap->comm);
@@ -263,29 +347,45 @@ static void scan_good(struct top_state *st, const char *path,
 	}
 	if (!stale)
 		return;
-	if (!snap->nslots) {
+	if (!r) {
 		/* No rows to show it on. */
-		if (snap->uid == (uint32_t)geteuid())
-			unlink(path);
+		struct top_row tmp = { 0 };
+
+		snprintf(tmp.path, sizeof(tmp.path), "%s", path);
+		remove_stale(&tmp, snap->uid, snap);
 		return;
 	}
-	remove_stale(r, snap->uid);
-	for (size_t i = 0; i < st->nrows; i++)
-		if (st->rows[i].pid == snap->pid && &st->rows[i] != r) {
-			st->rows[i].removed = r->removed;
-			memcpy(st->rows[i].msg, r->msg, sizeof(r->msg));
-		}
+	remove_stale(r, snap->uid, snap);
+	for (uint32_t i = 0; i + 1 < snap->nslots; i++) {
+		o = row_find(st, snap->token, snap->slots[i].ctx_id);
+		if (!o)
+			continue;
+		o->removed = r->removed;
+		memcpy(o->msg, r->msg, sizeof(r->msg));
+	}
 }
 
-/* A segment the reader refused: shown with the reason. */
-static void scan_bad(struct top_state *st, const char *path, int pid,
-		     int err)
+/*
+ * A segment the reader refused: shown with the reason (TOP_MAX_BAD rows at
+ * most; the others are counted as skipped). Removed only when ours and its
+ * lock proves no publisher holds it.
+ */
+static void scan_bad(struct top_state *st, const char *path, uint64_t token,
+		     int pid, const struct gmlake_shm_snapshot *snap)
 {
-	struct top_row *r = row_get(st, pid, 0, 0);
+	struct top_row *r = row_find(st, token, 0);
 	struct stat sb;
 
-	if (!r)
+	if (!r && st->nbroken >= TOP_MAX_BAD) {
+		st->skipped++;
 		return;
+	}
+	if (!r) {
+		r = row_get(st, token, pid, 0);
+		if (!r)
+			return;
+		st->nbroken++;
+	}
 	r->seen = true;
 	r->state = TOP_BROKEN;
 	snprintf(r->path, sizeof(r->path), "%s", path);
@@ -295,29 +395,86 @@ static void scan_bad(struct top_state *st, const char *path, int pid,
 	r->uid = (uint32_t)sb.st_uid;
 	user_name(r->uid, r->user, sizeof(r->user));
 	snprintf(r->comm, sizeof(r->comm), "?");
-	/* Unreadable, and its process is gone: remove it when ours. */
-	if (err != -ELOOP && S_ISREG(sb.st_mode) && kill(pid, 0) &&
-	    errno == ESRCH) {
+	if (S_ISREG(sb.st_mode) &&
+	    (snap->flags & GMLAKE_SHM_SNAP_LOCK_CHECKED) &&
+	    (snap->flags & GMLAKE_SHM_SNAP_UNLOCKED)) {
 		mark_gone(r);
-		remove_stale(r, r->uid);
+		remove_stale(r, r->uid, snap);
 	}
 }
 
-static void scan_one(struct top_state *st, const char *name)
+/*
+ * A canonical segment name, gmlake.PID.TOKEN, as the library makes and
+ * checks it (no sign, no leading zero, 16 lowercase hex digits): anything
+ * else in the directory is not looked at.
+ */
+static bool seg_name(const char *name, long *pid, uint64_t *token)
+{
+	const char *p = name + 7;
+	uint64_t t = 0;
+	long v = 0;
+	int n = 0;
+
+	if (strncmp(name, "gmlake.", 7) || *p < '1' || *p > '9')
+		return false;
+	for (; *p >= '0' && *p <= '9' && v <= 4194304; p++)
+		v = v * 10 + (*p - '0');
+	if (v > 4194304 || *p++ != '.')
+		return false;
+	for (; n < 17 && ((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f'));
+	     p++, n++)
+		t = t << 4 | (uint64_t)(*p <= '9' ? *p - '0' : *p - 'a' + 10);
+	if (*p || n != 16 || !t)
+		return false;
+	*pid = v;
+	*token = t;
+	return true;
+}
+
+/*
+ * What the reader would refuse before reading, from the directory entry
+ * and one fstatat: not a regular file (a symbolic link, say), another
+ * owner than expected, too large. Such an entry makes no row.
+ */
+static bool entry_ok(const struct top_state *st, int dfd,
+		     const struct dirent *de)
+{
+	struct stat sb;
+
+	if (de->d_type != DT_REG && de->d_type != DT_UNKNOWN)
+		return false;
+	if (fstatat(dfd, de->d_name, &sb, AT_SYMLINK_NOFOLLOW))
+		return false;
+	if (!S_ISREG(sb.st_mode) || sb.st_size > GMLAKE_SHM_MAX_SIZE)
+		return false;
+	return st->expect_uid == GMLAKE_SHM_ANY_UID ||
+	       (uint32_t)sb.st_uid == st->expect_uid;
+}
+
+static bool pending(const struct top_state *st, uint64_t token)
+{
+	for (unsigned i = 0; i < st->npending; i++)
+		if (st->pending[i] == token)
+			return true;
+	return false;
+}
+
+static void scan_one(struct top_state *st, int dfd, const struct dirent *de)
 {
 	struct gmlake_shm_snapshot snap;
-	char path[512], *end;
+	char path[512];
+	uint64_t token;
 	long pid;
 	int ret;
 
-	if (strncmp(name, "gmlake.", 7))
+	if (!seg_name(de->d_name, &pid, &token))
 		return;
-	errno = 0;
-	pid = strtol(name + 7, &end, 10);
-	if (errno || *end || pid <= 0 || pid > 4194304)
+	if (!entry_ok(st, dfd, de)) {
+		st->skipped++;
 		return;
-	if ((size_t)snprintf(path, sizeof(path), "%s/%s", st->dir, name) >=
-	    sizeof(path))
+	}
+	if ((size_t)snprintf(path, sizeof(path), "%s/%s", st->dir,
+			     de->d_name) >= sizeof(path))
 		return;
 	memset(&snap, 0, sizeof(snap));
 	snap.version = GMLAKE_SHM_SNAPSHOT_VERSION;
@@ -325,15 +482,14 @@ static void scan_one(struct top_state *st, const char *name)
 	ret = gmlake_shm_read(path, st->expect_uid, &snap);
 	if (ret == -ENOENT || ret == -EACCES)
 		return;		/* gone since readdir; another user's */
-	if (ret == -EAGAIN && !(kill((pid_t)pid, 0) && errno == ESRCH)) {
-		/* Being written or created: keep what was shown. */
-		for (size_t i = 0; i < st->nrows; i++)
-			if (st->rows[i].pid == pid)
-				st->rows[i].seen = true;
+	if (ret == -EAGAIN && !(snap.flags & GMLAKE_SHM_SNAP_UNLOCKED)) {
+		/* Being written: keep what was shown. */
+		if (st->npending < TOP_MAX_PENDING)
+			st->pending[st->npending++] = token;
 		return;
 	}
 	if (ret)
-		scan_bad(st, path, (int)pid, ret);
+		scan_bad(st, path, token, (int)pid, &snap);
 	else
 		scan_good(st, path, &snap);
 }
@@ -343,9 +499,12 @@ static void sweep(struct top_state *st)
 {
 	size_t out = 0;
 
+	st->nbroken = 0;
 	for (size_t i = 0; i < st->nrows; i++) {
 		struct top_row *r = &st->rows[i];
 
+		if (!r->seen && pending(st, r->token))
+			r->seen = true;
 		if (!r->seen && r->state == TOP_LIVE) {
 			mark_gone(r);
 			snprintf(r->msg, sizeof(r->msg), "exited");
@@ -354,6 +513,7 @@ static void sweep(struct top_state *st)
 			continue;
 		if (!r->seen && r->state == TOP_BROKEN)
 			continue;
+		st->nbroken += r->state == TOP_BROKEN;
 		if (out != i)
 			st->rows[out] = *r;
 		out++;
@@ -370,11 +530,13 @@ int top_refresh(struct top_state *st)
 	nvml_refresh(st);
 	for (size_t i = 0; i < st->nrows; i++)
 		st->rows[i].seen = false;
+	st->skipped = 0;
+	st->npending = 0;
 	d = opendir(st->dir);
 	if (!d)
 		return -errno;
 	while ((de = readdir(d)))
-		scan_one(st, de->d_name);
+		scan_one(st, dirfd(d), de);
 	closedir(d);
 	sweep(st);
 	top_sort(st);
@@ -382,11 +544,27 @@ int top_refresh(struct top_state *st)
 }
 
 /* ---------------------------------------------------------------------- */
-/* Columns and sorting                                                    */
+/* Columns, sorting and filtering                                         */
 
 static const char *const col_names[COL_COUNT] = {
-	"PID", "USER", "COMMAND", "DEV", "ALLOC", "RESERVED", "PEAK_RES",
-	"FRAG%", "STITCH", "MAPS/s", "SPILLED", "OFFLOAD/s",
+	"PID", "USER", "DEV", "ALLOC", "RES", "PEAK", "FRAG%", "STITCH",
+	"MAP/s", "SPILL", "OFF/s", "COMMAND",
+};
+
+/* Names for --sort (the column names, lower case, and longer words). */
+static const struct {
+	const char *name;
+	int col;
+} sort_names[] = {
+	{ "pid", COL_PID }, { "user", COL_USER }, { "dev", COL_DEV },
+	{ "device", COL_DEV }, { "alloc", COL_ALLOC },
+	{ "allocated", COL_ALLOC }, { "res", COL_RES },
+	{ "reserved", COL_RES }, { "mem", COL_RES }, { "peak", COL_PEAK },
+	{ "frag", COL_FRAG }, { "fragmentation", COL_FRAG },
+	{ "stitch", COL_STITCH }, { "maps", COL_MAPS }, { "map/s", COL_MAPS },
+	{ "spill", COL_SPILL }, { "spilled", COL_SPILL },
+	{ "off/s", COL_BW }, { "offload", COL_BW }, { "command", COL_CMD },
+	{ "cmd", COL_CMD }, { "frag%", COL_FRAG },
 };
 
 const char *top_col_name(int col)
@@ -394,13 +572,52 @@ const char *top_col_name(int col)
 	return col >= 0 && col < COL_COUNT ? col_names[col] : "?";
 }
 
+/* The column --sort=name means, or -EINVAL. */
+int top_sort_key(const char *name)
+{
+	for (size_t i = 0; i < sizeof(sort_names) / sizeof(sort_names[0]); i++)
+		if (!strcasecmp(name, sort_names[i].name))
+			return sort_names[i].col;
+	return -EINVAL;
+}
+
+/* --pid=PID[,PID...]: 0, or -EINVAL for a bad or too long list. */
+int top_parse_pids(struct top_state *st, const char *list)
+{
+	const char *p = list;
+	char *end;
+	long v;
+
+	st->npids = 0;
+	do {
+		errno = 0;
+		v = strtol(p, &end, 10);
+		if (errno || end == p || v < 1 || v > 4194304 ||
+		    (*end && *end != ',') || st->npids == TOP_MAX_PIDS)
+			return -EINVAL;
+		st->pids[st->npids++] = (int)v;
+		p = end + 1;
+	} while (*end);
+	return 0;
+}
+
+/*
+ * FRAG%, the live view of fragmentation: 1 - resident/reserved bytes now,
+ * in percent, never below 0. Resident is allocated less spilled blocks
+ * (a spilled block is allocated but holds no device memory); with the
+ * spilled chunks given back, allocated/reserved went to -400%. The replay
+ * and the README use peaks instead: 1 - requested.peak/reserved.peak.
+ */
 double top_frag(const struct top_row *r, bool *valid)
 {
+	double f;
+
 	*valid = r->state != TOP_BROKEN && r->s.reserved_bytes > 0;
 	if (!*valid)
 		return 0;
-	return 100.0 * (1.0 - (double)r->s.allocated_bytes /
-				      (double)r->s.reserved_bytes);
+	f = 100.0 * (1.0 - (double)r->s.resident_bytes /
+				   (double)r->s.reserved_bytes);
+	return f > 0 ? f : 0;
 }
 
 static double col_value(const struct top_row *r, int col)
@@ -443,15 +660,55 @@ static int row_cmp(const void *pa, const void *pb)
 	if (!c)
 		c = (a->pid > b->pid) - (a->pid < b->pid);
 	if (!c)
+		c = (a->token > b->token) - (a->token < b->token);
+	if (!c)
 		c = (a->s.ctx_id > b->s.ctx_id) - (a->s.ctx_id < b->s.ctx_id);
 	return sort_st->sort_reverse ? -c : c;
 }
 
+/* --pid and the filter: the pid listed, or the text in pid or command. */
+static bool row_shown(const struct top_state *st, const struct top_row *r)
+{
+	char pid[16];
+	bool in = !st->npids;
+
+	for (unsigned i = 0; i < st->npids && !in; i++)
+		in = st->pids[i] == r->pid;
+	if (!in)
+		return false;
+	if (!st->filter[0])
+		return true;
+	snprintf(pid, sizeof(pid), "%d", r->pid);
+	return strstr(pid, st->filter) || strcasestr(r->comm, st->filter);
+}
+
+/* Sort the rows, index them again and list those the filter lets through. */
 void top_sort(struct top_state *st)
 {
 	sort_st = st;
 	if (st->nrows > 1)
 		qsort(st->rows, st->nrows, sizeof(st->rows[0]), row_cmp);
+	/* Out of memory: no index (row_get makes one again), never a stale
+	   one pointing at moved rows. */
+	if (index_rebuild(st, st->nrows)) {
+		free(st->index);
+		st->index = NULL;
+		st->index_cap = 0;
+	}
+	if (st->view_cap < st->nrows) {
+		size_t *v = realloc(st->view, st->nrows * sizeof(*v));
+
+		if (!v) {
+			st->nview = 0;
+			return;
+		}
+		st->view = v;
+		st->view_cap = st->nrows;
+	}
+	st->nview = 0;
+	for (size_t i = 0; i < st->nrows; i++)
+		if (row_shown(st, &st->rows[i]))
+			st->view[st->nview++] = i;
 }
 
 /* ---------------------------------------------------------------------- */
@@ -473,48 +730,72 @@ void top_fmt_bytes(char *buf, size_t len, double v)
 			 units[u]);
 }
 
-/* The cells of one row, as both the screen and the batch text show them. */
-void top_row_cells(const struct top_row *r, char cells[][48])
+/* A count in at most 6 characters: 123456, then 1235K, 12.3M. */
+static void fmt_count(char *buf, size_t len, double v)
 {
-	bool v;
-
-	snprintf(cells[COL_PID], 48, "%d", r->pid);
-	snprintf(cells[COL_USER], 48, "%.12s", r->user);
-	snprintf(cells[COL_CMD], 48, "%s%s", r->state == TOP_GONE ? "[gone] " :
-		 r->state == TOP_BROKEN ? "[bad] " : "", r->comm);
-	for (int c = COL_DEV; c < COL_COUNT; c++)
-		snprintf(cells[c], 48, "-");
-	if (r->state == TOP_BROKEN)
-		return;
-	snprintf(cells[COL_DEV], 48, "%s%d",
-		 r->s.backend == GMLAKE_BACKEND_EMU ? "e" : "", r->s.device);
-	top_fmt_bytes(cells[COL_ALLOC], 48, (double)r->s.allocated_bytes);
-	top_fmt_bytes(cells[COL_RES], 48, (double)r->s.reserved_bytes);
-	top_fmt_bytes(cells[COL_PEAK], 48, (double)r->s.reserved_peak);
-	if (top_frag(r, &v), v)
-		snprintf(cells[COL_FRAG], 48, "%.1f", top_frag(r, &v));
+	if (v < 999999.5)
+		snprintf(buf, len, "%.0f", v);
+	else if (v < 9999.5e3)
+		snprintf(buf, len, "%.0fK", v / 1e3);
+	else if (v < 999.5e6)
+		snprintf(buf, len, "%.1fM", v / 1e6);
 	else
-		snprintf(cells[COL_FRAG], 48, "N/A");
-	snprintf(cells[COL_STITCH], 48, "%lld", (long long)r->s.stitched_live);
-	if (r->rates_valid)
-		snprintf(cells[COL_MAPS], 48, "%.0f", r->maps_per_s);
-	else
-		snprintf(cells[COL_MAPS], 48, "N/A");
-	top_fmt_bytes(cells[COL_SPILL], 48, (double)r->s.spilled_bytes);
-	if (r->rates_valid)
-		top_fmt_bytes(cells[COL_BW], 48, r->offload_bps);
-	else
-		snprintf(cells[COL_BW], 48, "N/A");
+		snprintf(buf, len, "%.1fG", v / 1e9);
 }
 
-const int top_col_width[COL_COUNT] = { 8, 10, 18, 4, 8, 9, 9, 6, 7, 7, 8, 10 };
+/* The cells of one row, as both the screen and the batch text show them. */
+void top_row_cells(const struct top_row *r, char cells[][TOP_CELL])
+{
+	size_t n = strlen(r->user);
+	bool v;
 
-/* One header line per GPU: NVML's figures, else what gmlake knows. */
+	snprintf(cells[COL_PID], TOP_CELL, "%d", r->pid);
+	/* a cut name ends in '+', as in top */
+	if (n > (size_t)top_col_width[COL_USER])
+		snprintf(cells[COL_USER], TOP_CELL, "%.*s+",
+			 top_col_width[COL_USER] - 1, r->user);
+	else
+		snprintf(cells[COL_USER], TOP_CELL, "%s", r->user);
+	snprintf(cells[COL_CMD], TOP_CELL, "%s%s", r->state == TOP_GONE ?
+		 "[gone] " : r->state == TOP_BROKEN ? "[bad] " : "", r->comm);
+	for (int c = COL_DEV; c < COL_CMD; c++)
+		snprintf(cells[c], TOP_CELL, "-");
+	if (r->state == TOP_BROKEN)
+		return;
+	snprintf(cells[COL_DEV], TOP_CELL, "%s%d",
+		 r->s.backend == GMLAKE_BACKEND_EMU ? "e" : "", r->s.device);
+	top_fmt_bytes(cells[COL_ALLOC], TOP_CELL, (double)r->s.allocated_bytes);
+	top_fmt_bytes(cells[COL_RES], TOP_CELL, (double)r->s.reserved_bytes);
+	top_fmt_bytes(cells[COL_PEAK], TOP_CELL, (double)r->s.reserved_peak);
+	if (top_frag(r, &v), v)
+		snprintf(cells[COL_FRAG], TOP_CELL, "%.1f", top_frag(r, &v));
+	else
+		snprintf(cells[COL_FRAG], TOP_CELL, "N/A");
+	fmt_count(cells[COL_STITCH], TOP_CELL, (double)r->s.stitched_live);
+	if (r->rates_valid)
+		fmt_count(cells[COL_MAPS], TOP_CELL, r->maps_per_s);
+	else
+		snprintf(cells[COL_MAPS], TOP_CELL, "N/A");
+	top_fmt_bytes(cells[COL_SPILL], TOP_CELL, (double)r->s.spilled_bytes);
+	if (r->rates_valid)
+		top_fmt_bytes(cells[COL_BW], TOP_CELL, r->offload_bps);
+	else
+		snprintf(cells[COL_BW], TOP_CELL, "N/A");
+}
+
+/* Byte cells are at most 5 wide (1023K, 9.99M); COMMAND has what is left. */
+const int top_col_width[COL_COUNT] = { 7, 8, 4, 5, 5, 5, 5, 6, 6, 5, 5, 7 };
+
+/*
+ * One header line per GPU: NVML's figures, else what gmlake knows, one
+ * line per (backend, device) in that order, whatever the rows' order.
+ * Emulated devices are per context and may differ in size: the line gives
+ * the range of totals.
+ */
 void top_gpu_lines(struct top_state *st, void (*line)(void *, const char *),
 		   void *arg)
 {
-	char buf[256], a[32], b[32];
-	bool shown[4096] = { false };
+	char buf[256], a[32], b[32], c[32];
 
 	for (unsigned i = 0; i < st->ngpus; i++) {
 		struct top_gpu *g = &st->gpus[i];
@@ -532,27 +813,48 @@ void top_gpu_lines(struct top_state *st, void (*line)(void *, const char *),
 	}
 	if (!st->nvml_ok)
 		line(arg, st->nvml_msg);
-	for (size_t i = 0; i < st->nrows; i++) {
-		const struct top_row *r = &st->rows[i];
-		int64_t res = 0;
-
-		if (r->state != TOP_LIVE || r->s.device < 0 ||
-		    r->s.device >= 4096 || shown[r->s.device] ||
-		    (st->nvml_ok && r->s.backend == GMLAKE_BACKEND_CUDA))
+	for (int be = GMLAKE_BACKEND_CUDA; be <= GMLAKE_BACKEND_EMU; be++) {
+		if (st->nvml_ok && be == GMLAKE_BACKEND_CUDA)
 			continue;
-		shown[r->s.device] = true;
-		for (size_t j = i; j < st->nrows; j++)
-			if (st->rows[j].state == TOP_LIVE &&
-			    st->rows[j].s.device == r->s.device &&
-			    st->rows[j].s.backend == r->s.backend)
-				res += st->rows[j].s.reserved_bytes;
-		top_fmt_bytes(a, sizeof(a), (double)res);
-		top_fmt_bytes(b, sizeof(b), (double)r->s.device_total);
-		snprintf(buf, sizeof(buf), "GPU %d (%s): total %s, used N/A; "
-			 "gmlake reserved %s", r->s.device,
-			 r->s.backend == GMLAKE_BACKEND_EMU ? "emulated" :
-							     "no NVML", b, a);
-		line(arg, buf);
+		for (int dev = -1;;) {
+			int next = INT32_MAX;
+			uint64_t lo = UINT64_MAX, hi = 0;
+			int64_t res = 0;
+
+			/* the next device after dev with live rows */
+			for (size_t i = 0; i < st->nrows; i++) {
+				const struct top_row *r = &st->rows[i];
+
+				if (r->state == TOP_LIVE &&
+				    r->s.backend == be && r->s.device > dev &&
+				    r->s.device < next)
+					next = r->s.device;
+			}
+			if (next == INT32_MAX)
+				break;
+			dev = next;
+			for (size_t i = 0; i < st->nrows; i++) {
+				const struct top_row *r = &st->rows[i];
+
+				if (r->state != TOP_LIVE || r->s.backend != be ||
+				    r->s.device != dev)
+					continue;
+				res += r->s.reserved_bytes;
+				lo = r->s.device_total < lo ?
+					     r->s.device_total : lo;
+				hi = r->s.device_total > hi ?
+					     r->s.device_total : hi;
+			}
+			top_fmt_bytes(a, sizeof(a), (double)res);
+			top_fmt_bytes(b, sizeof(b), (double)lo);
+			top_fmt_bytes(c, sizeof(c), (double)hi);
+			snprintf(buf, sizeof(buf), "GPU %d (%s): total %s%s%s, "
+				 "used N/A; gmlake reserved %s", dev,
+				 be == GMLAKE_BACKEND_EMU ? "emulated" :
+							    "no NVML",
+				 lo == hi ? "" : b, lo == hi ? "" : "..", c, a);
+			line(arg, buf);
+		}
 	}
 }
 
@@ -563,54 +865,111 @@ static void text_line(void *arg, const char *s)
 
 void top_print_text(struct top_state *st, FILE *f)
 {
-	char cells[COL_COUNT][48];
+	char cells[COL_COUNT][TOP_CELL];
 	time_t t = time(NULL);
 	struct tm tm;
 	char when[32];
 
 	localtime_r(&t, &tm);
 	strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", &tm);
-	fprintf(f, "gmlake-top %s - %s, %zu rows, segments in %s\n",
-		PACKAGE_VERSION, when, st->nrows, st->dir);
-	top_gpu_lines(st, text_line, f);
-	for (int c = 0; c < COL_COUNT; c++)
-		fprintf(f, c == COL_USER || c == COL_CMD ? "%-*s " : "%*s ",
-			top_col_width[c], col_names[c]);
+	fprintf(f, "gmlake-top %s - %s, %zu rows, segments in %s",
+		PACKAGE_VERSION, when, st->nview, st->dir);
+	if (st->skipped)
+		fprintf(f, ", %llu entries skipped",
+			(unsigned long long)st->skipped);
 	fputc('\n', f);
-	for (size_t i = 0; i < st->nrows; i++) {
-		top_row_cells(&st->rows[i], cells);
-		for (int c = 0; c < COL_COUNT; c++)
-			fprintf(f, c == COL_USER || c == COL_CMD ? "%-*s " :
-				"%*s ", top_col_width[c], cells[c]);
-		if (st->rows[i].msg[0])
-			fprintf(f, " %s", st->rows[i].msg);
+	top_gpu_lines(st, text_line, f);
+	for (int c = 0; c < COL_CMD; c++)
+		fprintf(f, c == COL_USER ? "%-*s " : "%*s ", top_col_width[c],
+			col_names[c]);
+	fprintf(f, "%s\n", col_names[COL_CMD]);
+	for (size_t k = 0; k < st->nview; k++) {
+		const struct top_row *r = &st->rows[st->view[k]];
+
+		top_row_cells(r, cells);
+		for (int c = 0; c < COL_CMD; c++)
+			fprintf(f, c == COL_USER ? "%-*s " : "%*s ",
+				top_col_width[c], cells[c]);
+		fputs(cells[COL_CMD], f);
+		if (r->msg[0])
+			fprintf(f, "  %s", r->msg);
 		fputc('\n', f);
 	}
 	fputc('\n', f);
 }
 
-static void json_str(FILE *f, const char *s)
+/* Bytes of a valid UTF-8 sequence at s (1 to 4), or 0 when it is not. */
+static int utf8_len(const unsigned char *s)
 {
-	fputc('"', f);
-	for (; *s; s++) {
-		unsigned char c = (unsigned char)*s;
+	int n = s[0] >= 0xf0 ? 4 : s[0] >= 0xe0 ? 3 : s[0] >= 0xc2 ? 2 : 0;
+	uint32_t cp;
 
-		if (c == '"' || c == '\\')
-			fprintf(f, "\\%c", c);
-		else if (c < 0x20 || c >= 0x7f)
-			fprintf(f, "\\u%04x", c);
-		else
-			fputc(c, f);
+	if (s[0] >= 0xf5 || !n)
+		return 0;
+	for (int i = 1; i < n; i++)
+		if ((s[i] & 0xc0) != 0x80)
+			return 0;
+	cp = n == 2 ? (s[0] & 0x1fu) << 6 | (s[1] & 0x3f) :
+	     n == 3 ? (s[0] & 0x0fu) << 12 | (s[1] & 0x3fu) << 6 |
+			      (s[2] & 0x3f) :
+		      (s[0] & 0x07u) << 18 | (s[1] & 0x3fu) << 12 |
+			      (s[2] & 0x3fu) << 6 | (s[3] & 0x3f);
+	/* overlong forms, surrogates, past U+10FFFF */
+	if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) ||
+	    (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
+		return 0;
+	return n;
+}
+
+/*
+ * A JSON string: valid UTF-8 passes through as it is, control characters
+ * and quotes are escaped, and a byte that is not UTF-8 becomes U+FFFD (it
+ * was written as \u00XX, which turned each byte of a UTF-8 name into a
+ * Latin-1 character).
+ */
+void top_json_str(FILE *f, const char *str)
+{
+	const unsigned char *s = (const unsigned char *)str;
+	int n;
+
+	fputc('"', f);
+	while (*s) {
+		if (*s == '"' || *s == '\\') {
+			fprintf(f, "\\%c", *s++);
+		} else if (*s < 0x20 || *s == 0x7f) {
+			fprintf(f, "\\u%04x", *s++);
+		} else if (*s < 0x80) {
+			fputc(*s++, f);
+		} else if ((n = utf8_len(s))) {
+			fwrite(s, 1, (size_t)n, f);
+			s += n;
+		} else {
+			fputs("\\ufffd", f);
+			s++;
+		}
 	}
 	fputc('"', f);
 }
 
-static void json_num(FILE *f, const char *name, bool valid, double v)
+static void json_num(FILE *f, const char *name, bool valid, int prec,
+		     double v)
 {
 	if (valid)
-		fprintf(f, ",\"%s\":%.3f", name, v);
+		fprintf(f, ",\"%s\":%.*f", name, prec, v);
 	else
 		fprintf(f, ",\"%s\":null", name);
+}
+
+static const char *engine_name(int engine)
+{
+	switch (engine) {
+	case GMLAKE_OFFLOAD_ENGINE_URING:
+		return "io_uring";
+	case GMLAKE_OFFLOAD_ENGINE_THREAD:
+		return "thread";
+	default:
+		return "none";
+	}
 }
 
 static void json_row(FILE *f, const struct top_row *r)
@@ -621,17 +980,17 @@ static void json_row(FILE *f, const struct top_row *r)
 	double frag = top_frag(r, &fv);
 
 	fprintf(f, "{\"pid\":%d,\"uid\":%u,\"user\":", r->pid, r->uid);
-	json_str(f, r->user);
+	top_json_str(f, r->user);
 	fprintf(f, ",\"command\":");
-	json_str(f, r->comm);
+	top_json_str(f, r->comm);
 	fprintf(f, ",\"state\":\"%s\",\"removed\":%s,\"message\":",
 		states[r->state], r->removed ? "true" : "false");
 	if (r->msg[0])
-		json_str(f, r->msg);
+		top_json_str(f, r->msg);
 	else
 		fprintf(f, "null");
 	fprintf(f, ",\"path\":");
-	json_str(f, r->path);
+	top_json_str(f, r->path);
 	if (!ok) {
 		fprintf(f, "}");
 		return;
@@ -643,7 +1002,8 @@ static void json_row(FILE *f, const struct top_row *r)
 #define I(name) fprintf(f, ",\"" #name "\":%lld", (long long)s->name);
 	U(device_total) U(chunk_size)
 	I(requested_bytes) I(requested_peak) I(allocated_bytes)
-	I(allocated_peak) I(reserved_bytes) I(reserved_peak) I(mapped_bytes)
+	I(allocated_peak) I(resident_bytes) I(reserved_bytes)
+	I(reserved_peak) I(mapped_bytes)
 	I(active_blocks) I(stitched_live) I(stitched_cached) I(chunks)
 	I(spilled_bytes) I(spilled_blocks) I(host_bytes) I(host_pinned)
 	U(allocs) U(frees) U(fits) U(stitch_reuses) U(stitches)
@@ -654,13 +1014,13 @@ static void json_row(FILE *f, const struct top_row *r)
 	U(call_failures)
 #undef U
 #undef I
-	fprintf(f, ",\"offload_engine\":%d", s->offload_engine);
-	json_num(f, "fragmentation", fv, frag / 100.0);
-	json_num(f, "maps_per_s", r->rates_valid, r->maps_per_s);
-	json_num(f, "offload_bytes_per_s", r->rates_valid, r->offload_bps);
-	json_num(f, "d2h_bytes_per_s", s->d2h_ns > 0,
+	fprintf(f, ",\"offload_engine\":\"%s\"", engine_name(s->offload_engine));
+	json_num(f, "fragmentation_pct", fv, 2, frag);
+	json_num(f, "maps_per_s", r->rates_valid, 3, r->maps_per_s);
+	json_num(f, "offload_bytes_per_s", r->rates_valid, 3, r->offload_bps);
+	json_num(f, "d2h_bytes_per_s", s->d2h_ns > 0, 3,
 		 s->d2h_ns ? s->d2h_bytes * 1e9 / s->d2h_ns : 0);
-	json_num(f, "h2d_bytes_per_s", s->h2d_ns > 0,
+	json_num(f, "h2d_bytes_per_s", s->h2d_ns > 0, 3,
 		 s->h2d_ns ? s->h2d_bytes * 1e9 / s->h2d_ns : 0);
 	fprintf(f, "}");
 }
@@ -672,19 +1032,22 @@ void top_print_json(struct top_state *st, FILE *f)
 	clock_gettime(CLOCK_REALTIME, &ts);
 	fprintf(f, "{\"version\":\"%s\",\"time\":%.3f,\"dir\":",
 		PACKAGE_VERSION, ts.tv_sec + ts.tv_nsec / 1e9);
-	json_str(f, st->dir);
+	top_json_str(f, st->dir);
+	fprintf(f, ",\"sort\":\"%s\",\"reverse\":%s,\"skipped\":%llu",
+		col_names[st->sort_col], st->sort_reverse ? "true" : "false",
+		(unsigned long long)st->skipped);
 	fprintf(f, ",\"nvml\":{\"available\":%s,\"message\":",
 		st->nvml_ok ? "true" : "false");
 	if (st->nvml_ok)
 		fprintf(f, "null");
 	else
-		json_str(f, st->nvml_msg);
+		top_json_str(f, st->nvml_msg);
 	fprintf(f, "},\"gpus\":[");
 	for (unsigned i = 0; i < st->ngpus; i++) {
 		struct top_gpu *g = &st->gpus[i];
 
 		fprintf(f, "%s{\"index\":%u,\"name\":", i ? "," : "", i);
-		json_str(f, g->valid ? g->name : "");
+		top_json_str(f, g->valid ? g->name : "");
 		if (g->valid)
 			fprintf(f, ",\"total\":%llu,\"used\":%llu}",
 				(unsigned long long)g->total,
@@ -693,10 +1056,10 @@ void top_print_json(struct top_state *st, FILE *f)
 			fprintf(f, ",\"total\":null,\"used\":null}");
 	}
 	fprintf(f, "],\"processes\":[");
-	for (size_t i = 0; i < st->nrows; i++) {
-		if (i)
+	for (size_t k = 0; k < st->nview; k++) {
+		if (k)
 			fputc(',', f);
-		json_row(f, &st->rows[i]);
+		json_row(f, &st->rows[st->view[k]]);
 	}
 	fprintf(f, "]}\n");
 }

@@ -5,14 +5,20 @@
  * interval is over, then draws the main list, the detail view of one
  * process (with its allocated-versus-reserved history) or the help.
  * ncurses turns SIGWINCH into KEY_RESIZE; SIGINT and SIGTERM set a flag.
+ * Keys follow top and htop where they have one: M memory, P activity,
+ * N pid, F1/h help, F10/q quit, / or F3 search, \ or F4 filter, d or s
+ * the delay; q on the help closes the help.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
 #endif
 
+#include <errno.h>
 #include <locale.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "gmlake.h"
@@ -24,11 +30,13 @@ enum view { VIEW_MAIN, VIEW_DETAIL, VIEW_HELP };
 struct ui {
 	struct top_state *st;
 	enum view view, back;
-	size_t sel;			/* selected row index */
-	int sel_pid;			/* kept across sorting */
-	uint64_t sel_ctx;
-	size_t top;			/* first row shown */
+	size_t sel;			/* selected position in st->view */
+	uint64_t sel_token;		/* the selected row, kept across */
+	uint64_t sel_ctx;		/* sorting and refreshes */
+	size_t top;			/* first position shown */
 	double delay;
+	char search[64];		/* last / text, for n */
+	char note[96];			/* one-time message on the last line */
 };
 
 static volatile sig_atomic_t quit_flag;
@@ -39,9 +47,19 @@ static void on_signal(int sig)
 	quit_flag = 1;
 }
 
-/* Sort keys: one letter per column. */
-static const char col_keys[COL_COUNT] = {
-	'P', 'U', 'C', 'D', 'A', 'R', 'K', 'F', 'S', 'M', 'O', 'B',
+/*
+ * Sort keys, one letter per column. As in top and htop: M memory
+ * (reserved), P the busiest (map calls per second: what stands for CPU
+ * here), N pid; R is reserved too.
+ */
+static const struct {
+	int ch, col;
+} col_keys[] = {
+	{ 'N', COL_PID }, { 'U', COL_USER }, { 'C', COL_CMD },
+	{ 'D', COL_DEV }, { 'A', COL_ALLOC }, { 'M', COL_RES },
+	{ 'R', COL_RES }, { 'K', COL_PEAK }, { 'F', COL_FRAG },
+	{ 'S', COL_STITCH }, { 'P', COL_MAPS }, { 'O', COL_SPILL },
+	{ 'B', COL_BW },
 };
 
 static double mono(void)
@@ -60,64 +78,86 @@ static void draw_line(void *arg, const char *s)
 		mvaddnstr((*y)++, 0, s, COLS);
 }
 
+static struct top_row *sel_row(struct ui *ui)
+{
+	struct top_state *st = ui->st;
+
+	return ui->sel < st->nview ? &st->rows[st->view[ui->sel]] : NULL;
+}
+
 /* Find the selected row again after a refresh re-sorted them. */
 static void reselect(struct ui *ui)
 {
 	struct top_state *st = ui->st;
 
-	for (size_t i = 0; i < st->nrows; i++)
-		if (st->rows[i].pid == ui->sel_pid &&
-		    st->rows[i].s.ctx_id == ui->sel_ctx) {
-			ui->sel = i;
+	for (size_t k = 0; k < st->nview; k++) {
+		const struct top_row *r = &st->rows[st->view[k]];
+
+		if (r->token == ui->sel_token && r->s.ctx_id == ui->sel_ctx) {
+			ui->sel = k;
 			return;
 		}
-	if (ui->sel >= st->nrows)
-		ui->sel = st->nrows ? st->nrows - 1 : 0;
+	}
+	if (ui->sel >= st->nview)
+		ui->sel = st->nview ? st->nview - 1 : 0;
 }
 
 static void remember(struct ui *ui)
 {
-	if (ui->sel < ui->st->nrows) {
-		ui->sel_pid = ui->st->rows[ui->sel].pid;
-		ui->sel_ctx = ui->st->rows[ui->sel].s.ctx_id;
+	const struct top_row *r = sel_row(ui);
+
+	if (r) {
+		ui->sel_token = r->token;
+		ui->sel_ctx = r->s.ctx_id;
 	}
+}
+
+/* The cells of a line at their columns; COMMAND takes what is left. */
+static void draw_cells(int y, char cells[][TOP_CELL], const char *msg)
+{
+	int x = 0;
+
+	for (int c = 0; c < COL_CMD && x < COLS; c++) {
+		mvprintw(y, x, c == COL_USER ? "%-*.*s" : "%*.*s",
+			 top_col_width[c], top_col_width[c], cells[c]);
+		x += top_col_width[c] + 1;
+	}
+	if (x < COLS)
+		mvaddnstr(y, x, cells[COL_CMD], COLS - x);
+	x += (int)strlen(cells[COL_CMD]) + 2;
+	if (msg && msg[0] && x < COLS)
+		mvaddnstr(y, x, msg, COLS - x);
 }
 
 static void draw_header_row(int y, int sort_col, bool rev)
 {
-	int x = 0;
+	char cells[COL_COUNT][TOP_CELL];
 
+	for (int c = 0; c < COL_COUNT; c++)
+		snprintf(cells[c], TOP_CELL, "%s%s", top_col_name(c),
+			 c == sort_col ? (rev ? "^" : "v") : "");
 	attron(A_REVERSE);
 	mvhline(y, 0, ' ', COLS);
-	for (int c = 0; c < COL_COUNT && x < COLS; c++) {
-		char name[24];
-
-		snprintf(name, sizeof(name), "%s%s", top_col_name(c),
-			 c == sort_col ? (rev ? "^" : "v") : "");
-		if (c == sort_col)
-			attron(A_BOLD);
-		mvprintw(y, x, c == COL_USER || c == COL_CMD ? "%-*.*s" :
-			 "%*.*s", top_col_width[c], top_col_width[c], name);
-		if (c == sort_col)
-			attroff(A_BOLD);
-		x += top_col_width[c] + 1;
-	}
+	draw_cells(y, cells, NULL);
 	attroff(A_REVERSE);
 }
 
 static void draw_main(struct ui *ui)
 {
 	struct top_state *st = ui->st;
-	char cells[COL_COUNT][48];
+	char cells[COL_COUNT][TOP_CELL];
 	int y = 0, rows_y, avail;
 	time_t t = time(NULL);
 	char when[16];
 
 	strftime(when, sizeof(when), "%H:%M:%S", localtime(&t));
 	mvprintw(y++, 0, "gmlake-top %s - %s  %zu rows  every %gs  sort: "
-		 "%s %s  (h: help, q: quit)", PACKAGE_VERSION, when, st->nrows,
-		 ui->delay, top_col_name(st->sort_col),
-		 st->sort_reverse ? "asc" : "desc");
+		 "%s %s", PACKAGE_VERSION, when, st->nview, ui->delay,
+		 top_col_name(st->sort_col), st->sort_reverse ? "asc" : "desc");
+	if (st->filter[0])
+		printw("  filter: %s", st->filter);
+	if (st->skipped)
+		printw("  %llu skipped", (unsigned long long)st->skipped);
 	top_gpu_lines(st, draw_line, &y);
 	y++;
 	draw_header_row(y++, st->sort_col, st->sort_reverse);
@@ -129,30 +169,26 @@ static void draw_main(struct ui *ui)
 		ui->top = ui->sel;
 	if (ui->sel >= ui->top + (size_t)avail)
 		ui->top = ui->sel - (size_t)avail + 1;
-	for (size_t i = ui->top; i < st->nrows && y < LINES - 1; i++, y++) {
-		int x = 0;
+	for (size_t k = ui->top; k < st->nview && y < LINES - 1; k++, y++) {
+		const struct top_row *r = &st->rows[st->view[k]];
 
-		top_row_cells(&st->rows[i], cells);
-		if (i == ui->sel)
+		top_row_cells(r, cells);
+		if (k == ui->sel)
 			attron(A_REVERSE);
-		if (st->rows[i].state != TOP_LIVE)
+		if (r->state != TOP_LIVE)
 			attron(A_DIM);
 		mvhline(y, 0, ' ', COLS);
-		for (int c = 0; c < COL_COUNT && x < COLS; c++) {
-			mvprintw(y, x, c == COL_USER || c == COL_CMD ?
-				 "%-*.*s" : "%*.*s", top_col_width[c],
-				 top_col_width[c], cells[c]);
-			x += top_col_width[c] + 1;
-		}
-		if (st->rows[i].msg[0] && x < COLS)
-			mvaddnstr(y, x, st->rows[i].msg, COLS - x);
+		draw_cells(y, cells, r->msg);
 		attroff(A_REVERSE | A_DIM);
 	}
-	if (!st->nrows)
-		mvprintw(rows_y, 0, "no gmlake processes (segments in %s)",
-			 st->dir);
-	mvprintw(LINES - 1, 0, "Enter: details  arrows: select  </>: sort "
-		 "column  r: reverse  h: help  q: quit");
+	if (!st->nview)
+		mvprintw(rows_y, 0, st->nrows ? "no row matches the filter" :
+			 "no gmlake processes (segments in %s)", st->dir);
+	if (ui->note[0])
+		mvaddnstr(LINES - 1, 0, ui->note, COLS);
+	else
+		mvaddnstr(LINES - 1, 0, "Enter details  M/P/N sort  / search  "
+			  "\\ filter  d delay  F1 help  F10 quit", COLS);
 }
 
 /* allocated ('#') under reserved (':'), newest sample at the right. */
@@ -199,17 +235,16 @@ static void draw_chart(const struct top_row *r, int y0, int h, int w)
 
 static void draw_detail(struct ui *ui)
 {
-	const struct top_row *r;
+	const struct top_row *r = sel_row(ui);
 	const struct gmlake_shm_slot *s;
 	char a[32], b[32];
 	int y = 0, x = 0;
 	bool fv;
 
-	if (ui->sel >= ui->st->nrows) {
+	if (!r) {
 		mvprintw(0, 0, "process gone (Esc: back)");
 		return;
 	}
-	r = &ui->st->rows[ui->sel];
 	s = &r->s;
 	mvprintw(y++, 0, "PID %d  %s  user %s  device %d (%s)  context %llu"
 		 "  %s", r->pid, r->comm, r->user, s->device,
@@ -225,7 +260,12 @@ static void draw_detail(struct ui *ui)
 	KV("reserved", "%s (peak %s)", a, b);
 	top_fmt_bytes(a, sizeof(a), (double)s->requested_bytes);
 	KV("requested", "%s", a);
-	KV("fragmentation", "%.1f%%", top_frag(r, &fv));
+	top_fmt_bytes(a, sizeof(a), (double)s->resident_bytes);
+	KV("resident", "%s", a);
+	if (top_frag(r, &fv), fv)
+		KV("fragmentation", "%.1f%%", top_frag(r, &fv));
+	else
+		KV("fragmentation", "%s", "N/A");
 	KV("active blocks", "%lld", (long long)s->active_blocks);
 	KV("chunks", "%lld", (long long)s->chunks);
 	KV("stitched live", "%lld", (long long)s->stitched_live);
@@ -245,7 +285,7 @@ static void draw_detail(struct ui *ui)
 		y++;
 	y++;
 	draw_chart(r, y, LINES - 2 - y, COLS - 10);
-	mvprintw(LINES - 1, 0, "Esc/Backspace: back  q: quit");
+	mvprintw(LINES - 1, 0, "Esc/Backspace: back  F10/q: quit");
 }
 
 static void draw_help(struct ui *ui)
@@ -253,21 +293,26 @@ static void draw_help(struct ui *ui)
 	static const char *const lines[] = {
 		"gmlake-top: GPU memory of the processes using libgmlake",
 		"",
-		"  q            quit",
-		"  h, ?         this help (any key returns)",
+		"  q, F10       quit (on this help: close it)",
+		"  h, ?, F1     this help (any key returns)",
 		"  Enter        details and history of the selected process",
 		"  Esc, Bksp    back to the list",
-		"  Up/Down j/k  select a row; PgUp/PgDn a page",
+		"  Up/Down j/k  select a row; PgUp/PgDn a page; Home/End",
+		"  / F3         search pid or command; n: next match",
+		"  \\ F4         filter rows by pid or command (empty: all)",
+		"  d, s         set the refresh delay in seconds",
 		"  < >          sort by the column left/right",
 		"  r            reverse the sort order",
 		"  space        refresh now",
 		"",
-		"Sort keys: P pid, U user, C command, D device, A allocated,",
-		"  R reserved, K peak reserved, F fragmentation, S stitched,",
-		"  M maps/s, O spilled, B offload bandwidth",
+		"Sort keys: M memory (reserved), P activity (map calls/s),",
+		"  N pid, U user, C command, D device, A allocated, R reserved,",
+		"  K peak reserved, F fragmentation, S stitched, O spilled,",
+		"  B offload bandwidth",
 		"",
-		"FRAG% is 1 - allocated/reserved. MAPS/s counts mem_map calls.",
-		"[gone]: the process died; its segment is removed when it is ours.",
+		"FRAG% is 1 - resident/reserved now, never below 0 (resident:",
+		"  allocated less spilled). MAP/s counts mem_map calls.",
+		"[gone]: the process ended; its segment is removed when ours.",
 	};
 
 	(void)ui;
@@ -276,13 +321,91 @@ static void draw_help(struct ui *ui)
 		mvaddnstr((int)i, 0, lines[i], COLS);
 }
 
+/*
+ * A line of text typed on the last line: Enter takes it, Esc gives up
+ * (false). Blocks; the screen is not refreshed meanwhile.
+ */
+static bool prompt(const char *label, char *buf, size_t len)
+{
+	size_t n = 0;
+	int ch;
+
+	buf[0] = '\0';
+	timeout(-1);
+	curs_set(1);
+	for (;;) {
+		move(LINES - 1, 0);
+		clrtoeol();
+		mvprintw(LINES - 1, 0, "%s%s", label, buf);
+		refresh();
+		ch = getch();
+		if (ch == '\n' || ch == '\r' || ch == KEY_ENTER)
+			break;
+		if (ch == 27 || ch == ERR) {
+			curs_set(0);
+			return false;
+		}
+		if ((ch == KEY_BACKSPACE || ch == 127 || ch == 8) && n)
+			buf[--n] = '\0';
+		else if (ch >= 0x20 && ch < 0x7f && n + 1 < len) {
+			buf[n++] = (char)ch;
+			buf[n] = '\0';
+		}
+	}
+	curs_set(0);
+	return true;
+}
+
+static bool row_matches(const struct top_row *r, const char *text)
+{
+	char pid[16];
+
+	snprintf(pid, sizeof(pid), "%d", r->pid);
+	return strstr(pid, text) || strcasestr(r->comm, text);
+}
+
+/* Select the next row after the selected one that matches ui->search. */
+static void search_next(struct ui *ui)
+{
+	struct top_state *st = ui->st;
+
+	for (size_t i = 1; i <= st->nview; i++) {
+		size_t k = (ui->sel + i) % st->nview;
+
+		if (row_matches(&st->rows[st->view[k]], ui->search)) {
+			ui->sel = k;
+			return;
+		}
+	}
+	snprintf(ui->note, sizeof(ui->note), "no row matches \"%s\"",
+		 ui->search);
+}
+
+static void ask_delay(struct ui *ui, double *next)
+{
+	char buf[32], *end;
+	double v;
+
+	if (!prompt("delay in seconds (0.05 to 86400): ", buf, sizeof(buf)))
+		return;
+	errno = 0;
+	v = strtod(buf, &end);
+	if (errno || end == buf || *end || !(v >= 0.05) || v > 86400) {
+		snprintf(ui->note, sizeof(ui->note), "not a delay: \"%s\"",
+			 buf);
+		return;
+	}
+	ui->delay = v;
+	*next = 0;
+}
+
 static bool sort_key(struct ui *ui, int ch)
 {
 	struct top_state *st = ui->st;
 
-	for (int c = 0; c < COL_COUNT; c++)
-		if (ch == col_keys[c]) {
-			st->sort_col = c;
+	for (size_t i = 0; i < sizeof(col_keys) / sizeof(col_keys[0]); i++)
+		if (ch == col_keys[i].ch) {
+			st->sort_col = col_keys[i].col;
 			return true;
 		}
 	if (ch == '<' || ch == '>') {
@@ -297,18 +420,42 @@ static bool sort_key(struct ui *ui, int ch)
 	return false;
 }
 
-/* One key; false to quit. */
-static bool key(struct ui *ui, int ch, bool *refresh_now)
+/* Keys that move the selection; false when ch is none of them. */
+static bool move_key(struct ui *ui, int ch)
 {
-	size_t n = ui->st->nrows;
+	size_t n = ui->st->nview;
 
-	if (ch == 'q' || ch == 'Q')
-		return false;
+	if ((ch == KEY_DOWN || ch == 'j') && ui->sel + 1 < n)
+		ui->sel++;
+	else if ((ch == KEY_UP || ch == 'k') && ui->sel > 0)
+		ui->sel--;
+	else if (ch == KEY_NPAGE)
+		ui->sel = ui->sel + 10 < n ? ui->sel + 10 : (n ? n - 1 : 0);
+	else if (ch == KEY_PPAGE)
+		ui->sel = ui->sel > 10 ? ui->sel - 10 : 0;
+	else if (ch == KEY_HOME)
+		ui->sel = 0;
+	else if (ch == KEY_END)
+		ui->sel = n ? n - 1 : 0;
+	else
+		return ch == KEY_DOWN || ch == KEY_UP || ch == 'j' || ch == 'k';
+	return true;
+}
+
+/* One key; false to quit. */
+static bool key(struct ui *ui, int ch, double *next)
+{
+	struct top_state *st = ui->st;
+
+	ui->note[0] = '\0';
 	if (ui->view == VIEW_HELP) {
+		/* any key closes the help, q and F10 too (as in htop) */
 		ui->view = ui->back;
 		return true;
 	}
-	if (ch == 'h' || ch == '?') {
+	if (ch == 'q' || ch == 'Q' || ch == KEY_F(10))
+		return false;
+	if (ch == 'h' || ch == '?' || ch == KEY_F(1)) {
 		ui->back = ui->view;
 		ui->view = VIEW_HELP;
 	} else if (ch == 27 || ch == KEY_BACKSPACE || ch == 127 ||
@@ -316,19 +463,31 @@ static bool key(struct ui *ui, int ch, bool *refresh_now)
 		ui->view = VIEW_MAIN;
 	} else if (ch == '\n' || ch == '\r' || ch == KEY_ENTER) {
 		ui->view = ui->view == VIEW_DETAIL ? VIEW_MAIN : VIEW_DETAIL;
-	} else if ((ch == KEY_DOWN || ch == 'j') && ui->sel + 1 < n) {
-		ui->sel++;
-	} else if ((ch == KEY_UP || ch == 'k') && ui->sel > 0) {
-		ui->sel--;
-	} else if (ch == KEY_NPAGE) {
-		ui->sel = ui->sel + 10 < n ? ui->sel + 10 : (n ? n - 1 : 0);
-	} else if (ch == KEY_PPAGE) {
-		ui->sel = ui->sel > 10 ? ui->sel - 10 : 0;
+	} else if (move_key(ui, ch)) {
+		;
+	} else if (ch == '/' || ch == KEY_F(3)) {
+		if (prompt("search: ", ui->search, sizeof(ui->search)) &&
+		    ui->search[0])
+			search_next(ui);
+	} else if (ch == 'n' && ui->search[0]) {
+		search_next(ui);
+	} else if (ch == '\\' || ch == KEY_F(4)) {
+		char buf[sizeof(st->filter)];
+
+		if (prompt("filter (pid or command, empty: all): ", buf,
+			   sizeof(buf))) {
+			snprintf(st->filter, sizeof(st->filter), "%s", buf);
+			remember(ui);
+			top_sort(st);
+			reselect(ui);
+		}
+	} else if (ch == 'd' || ch == 's') {
+		ask_delay(ui, next);
 	} else if (ch == ' ') {
-		*refresh_now = true;
+		*next = 0;
 	} else if (sort_key(ui, ch)) {
 		remember(ui);
-		top_sort(ui->st);
+		top_sort(st);
 		reselect(ui);
 	}
 	remember(ui);
@@ -367,14 +526,13 @@ int top_ui_run(struct top_state *st, double delay)
 	set_escdelay(25);
 	curs_set(0);
 	while (again && !quit_flag) {
-		bool refresh_now = false;
 		double now = mono();
 		int ch, ms;
 
 		if (now >= next) {
 			top_refresh(st);
 			reselect(&ui);
-			next = now + delay;
+			next = now + ui.delay;
 		}
 		draw(&ui);
 		ms = (int)((next - mono()) * 1000);
@@ -386,9 +544,7 @@ int top_ui_run(struct top_state *st, double delay)
 			clear();
 			continue;
 		}
-		again = key(&ui, ch, &refresh_now);
-		if (refresh_now)
-			next = 0;
+		again = key(&ui, ch, &next);
 	}
 	endwin();
 	return 0;

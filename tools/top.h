@@ -18,6 +18,10 @@
 #define TOP_HISTORY 512		/* samples kept per row */
 #define TOP_MAX_GPUS 64
 #define TOP_GONE_KEEP 3		/* refreshes a gone process stays shown */
+#define TOP_MAX_BAD 16		/* refused segments shown; the rest counted */
+#define TOP_MAX_PENDING 64	/* segments being written, kept as they were */
+#define TOP_MAX_PIDS 64		/* --pid list */
+#define TOP_CELL 48
 
 enum top_row_state {
 	TOP_LIVE = 0,
@@ -25,14 +29,20 @@ enum top_row_state {
 	TOP_BROKEN = 2,		/* segment refused by the reader */
 };
 
-/* Columns, in display order; also the sort keys. */
+/*
+ * Columns, in display order; also the sort keys. COMMAND comes last and
+ * takes what is left of the line, as in top and htop, so the figures stay
+ * in place whatever the name or mark ([gone], [bad]) and fit 80 columns.
+ */
 enum top_col {
-	COL_PID, COL_USER, COL_CMD, COL_DEV, COL_ALLOC, COL_RES, COL_PEAK,
-	COL_FRAG, COL_STITCH, COL_MAPS, COL_SPILL, COL_BW, COL_COUNT
+	COL_PID, COL_USER, COL_DEV, COL_ALLOC, COL_RES, COL_PEAK, COL_FRAG,
+	COL_STITCH, COL_MAPS, COL_SPILL, COL_BW, COL_CMD, COL_COUNT
 };
 
 struct top_row {
-	int pid;
+	int pid;			/* as published (its own namespace) */
+	uint64_t token;			/* the segment's: rows are per
+					   (token, ctx_id) */
 	uint32_t uid;
 	char user[33];
 	char comm[GMLAKE_SHM_COMM_LEN];
@@ -65,6 +75,14 @@ struct top_state {
 	uint32_t expect_uid;		/* GMLAKE_SHM_ANY_UID as root */
 	struct top_row *rows;
 	size_t nrows, cap;
+	uint32_t *index;		/* (token, ctx_id) -> row + 1 */
+	size_t index_cap;		/* a power of two, > 2 * nrows */
+	size_t *view;			/* rows shown, in order (filter) */
+	size_t nview, view_cap;
+	size_t nbroken;			/* TOP_BROKEN rows */
+	uint64_t skipped;		/* entries refused unread, last scan */
+	uint64_t pending[TOP_MAX_PENDING];
+	unsigned npending;
 	bool nvml_ok;
 	char nvml_msg[160];
 	unsigned ngpus;
@@ -72,6 +90,9 @@ struct top_state {
 	double now;			/* seconds, CLOCK_MONOTONIC */
 	int sort_col;
 	bool sort_reverse;
+	int pids[TOP_MAX_PIDS];		/* --pid: only these (none: all) */
+	unsigned npids;
+	char filter[64];		/* pid or command substring */
 };
 
 /* top-data.c */
@@ -79,15 +100,18 @@ int top_init(struct top_state *st, const char *dir);
 void top_fini(struct top_state *st);
 int top_refresh(struct top_state *st);
 void top_sort(struct top_state *st);
+int top_sort_key(const char *name);
+int top_parse_pids(struct top_state *st, const char *list);
 double top_frag(const struct top_row *r, bool *valid);
 const char *top_col_name(int col);
 void top_fmt_bytes(char *buf, size_t len, double v);
-void top_row_cells(const struct top_row *r, char cells[][48]);
+void top_row_cells(const struct top_row *r, char cells[][TOP_CELL]);
 extern const int top_col_width[COL_COUNT];
 void top_gpu_lines(struct top_state *st, void (*line)(void *, const char *),
 		   void *arg);
 void top_print_text(struct top_state *st, FILE *f);
 void top_print_json(struct top_state *st, FILE *f);
+void top_json_str(FILE *f, const char *s);
 
 /* top-ui.c */
 int top_ui_run(struct top_state *st, double delay);

@@ -341,6 +341,26 @@ void gml_trace_close(struct gml_trace *t)
 	free(t);
 }
 
+int gml_trace_rewind(struct gml_trace *t)
+{
+	if (gzrewind(t->gz)) {
+		snprintf(t->err, sizeof(t->err), "%s: cannot read it again "
+			 "from the start (a pipe?)", t->path);
+		t->io_err = -EIO;
+		return -EIO;
+	}
+	memset(&t->info, 0, sizeof(t->info));
+	t->header_done = false;
+	t->eof = false;
+	t->skipping = false;
+	t->truncated = false;
+	t->io_err = 0;
+	t->pending = false;
+	t->start = t->end = 0;
+	t->err[0] = '\0';
+	return 0;
+}
+
 const struct gml_trace_info *gml_trace_info(const struct gml_trace *t)
 {
 	return &t->info;

@@ -108,6 +108,13 @@ int gml_trace_open(const char *path, struct gml_trace **t);
 void gml_trace_close(struct gml_trace *t);
 
 /*
+ * Back to the start of the file, to read it again (a second pass): the
+ * header, counters and errors start afresh. 0, or -EIO (with
+ * gml_trace_error()) when the file cannot be read twice, a pipe say.
+ */
+int gml_trace_rewind(struct gml_trace *t);
+
+/*
  * Read the leading comment block into the header, stopping before the
  * first event. Optional (gml_trace_next() does it too); calling it again
  * does nothing. 0, -EINVAL for a malformed header or -EIO.
