@@ -13,26 +13,10 @@
 
 #include "ctx.h"
 #include "error.h"
+#include "lock.h"
 #include "options.h"
 #include "shm.h"
 #include "types.h"
-
-int gml_ctx_lock(gmlake_ctx *ctx)
-{
-	int ret;
-
-	pthread_mutex_lock(&ctx->lock);
-	ret = ctx->dev.ops->enter(ctx->dev.priv);
-	if (ret)
-		pthread_mutex_unlock(&ctx->lock);
-	return ret;
-}
-
-void gml_ctx_unlock(gmlake_ctx *ctx)
-{
-	ctx->dev.ops->leave(ctx->dev.priv);
-	pthread_mutex_unlock(&ctx->lock);
-}
 
 static int ctx_enter(gmlake_ctx *ctx)
 {

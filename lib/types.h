@@ -269,11 +269,7 @@ void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 void gml_small_trim(gmlake_ctx *ctx, int stream);
 void gml_spools_fini(gmlake_ctx *ctx);
 
-/* ctx.c */
-/* The context lock, with the device's context current (CUDA). 0 or
- * -errno; on failure the lock is not held. */
-int gml_ctx_lock(gmlake_ctx *ctx);
-void gml_ctx_unlock(gmlake_ctx *ctx);
+/* ctx.c (the context lock is in lock.h) */
 void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 		       const struct gml_guard *g);
 

@@ -21,6 +21,7 @@
 #include <liburing.h>
 
 #include "gmlake-offload.h"
+#include "lock.h"
 #include "types.h"
 
 /* ---- host.c: the pinned host arena ---- */
