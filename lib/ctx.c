@@ -131,8 +131,10 @@ void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 	b->extra = NULL;
 	b->nextra = 0;
 	if (!b->small) {
-		/* Offload: the host copy goes; a spilled run stays holes. */
-		gml_off_block_gone(ctx, b);
+		/* A tier forgets the block (its host copy goes); a spilled
+		 * run stays holes. */
+		if (ctx->tier)
+			ctx->tier->block_gone(ctx, b);
 		if (b->off_state == GML_OFF_SPILLED) {
 			gml_large_free_spilled(ctx, b);
 			return;
@@ -581,10 +583,10 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		ctx_leave(ctx);
 		return ret;
 	}
-	if (ctx->off) {
-		/* The offload engine takes the lock: stop it without. */
+	if (ctx->tier) {
+		/* A tier's engine takes the lock: stop it without. */
 		ctx_leave(ctx);
-		gml_off_quiesce(ctx);
+		ctx->tier->quiesce(ctx);
 		ret = ctx_enter(ctx);
 		if (ret)
 			return ret;
@@ -605,7 +607,11 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		gml_block_release(ctx, b, &none);
 	}
 	gml_small_trim(ctx, -1);
-	gml_off_fini(ctx);
+	if (ctx->tier) {
+		ctx->tier->fini(ctx);
+		ctx->tier = NULL;
+		ctx->tier_priv = NULL;
+	}
 	gml_views_fini(ctx);
 	gml_spares_release(ctx);
 	gml_zombies_reap(ctx);

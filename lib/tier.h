@@ -24,7 +24,16 @@ struct gml_tier_ops {
 	void (*block_gone)(gmlake_ctx *ctx, struct gml_block *b);
 	/* Stop moving and wait for what is in flight. */
 	void (*quiesce)(gmlake_ctx *ctx);
-	/* The context goes: free the tier's state. */
+	/* The context goes: free the tier's state. The context forgets
+	 * the registration afterwards. */
 	void (*fini)(gmlake_ctx *ctx);
 };
+
+/*
+ * Register ops with ctx, priv being the tier's state (ctx->tier_priv);
+ * ctx lock held. 0, or -EBUSY when another tier is registered already.
+ * The registration lasts until the context is destroyed.
+ */
+int gml_tier_register(gmlake_ctx *ctx, const struct gml_tier_ops *ops,
+		      void *priv);
 #endif

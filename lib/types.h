@@ -40,6 +40,7 @@
 #include "error.h"
 #include "gmlake.h"
 #include "ptrmap.h"
+#include "tier.h"
 
 struct gml_block;
 struct gml_view;
@@ -103,7 +104,6 @@ struct gml_stream {
 };
 
 struct gml_schunk;
-struct gml_offload;
 
 /* A segment position whose chunk moved to a fetched block before the work
  * that used it here completed: still mapped (to no chunk of its own) until
@@ -194,8 +194,10 @@ struct gmlake_ctx {
 	gml_event *event_pool;
 	size_t nevent_pool, cap_event_pool;
 
-	/* Offload manager (offload/): NULL until first used. */
-	struct gml_offload *off;
+	/* A tier below the device (offload/, lib/tier.h): NULL until the
+	 * tier is first used and registers itself. */
+	const struct gml_tier_ops *tier;
+	void *tier_priv;		/* the tier's state */
 	struct gml_block *lru, *lru_tail; /* offloadable resident blocks */
 	gml_handle *zombies;		/* chunks whose release failed */
 	uint32_t nzombies, cap_zombies;
@@ -252,12 +254,6 @@ static inline void gml_log_peak_slack(gmlake_ctx *ctx, const char *what,
 void gml_stale_reap(gmlake_ctx *ctx, bool all);
 /* Wait for the work queued so far on every stream; 0 or the first error. */
 int gml_streams_wait_all(gmlake_ctx *ctx);
-
-/* offload/: hooks into the allocator, ctx lock held. */
-bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep);
-void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b);
-void gml_off_quiesce(gmlake_ctx *ctx);
-void gml_off_fini(gmlake_ctx *ctx);
 
 /* small.c */
 int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,

@@ -22,8 +22,9 @@
  *
  * Automatic offload: blocks advised offloadable sit on ctx->lru, least
  * recently used first. When an allocation (or a fetch) would fail, or pass
- * cfg.device_limit, gml_off_reclaim spills from the head of that list
- * synchronously, in the caller's thread, with the context lock held.
+ * cfg.device_limit, the tier's reclaim hook (off_reclaim) spills from the
+ * head of that list synchronously, in the caller's thread, with the
+ * context lock held.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -44,7 +45,7 @@
 /* Move the arena's byte counts into the context's gauges; ctx lock held. */
 static void sync_gauges(gmlake_ctx *ctx)
 {
-	struct gml_host *h = &ctx->off->host;
+	struct gml_host *h = &gml_off_of(ctx)->host;
 
 	pthread_mutex_lock(&h->lock);
 	gml_gauge_add(&ctx->st.host_bytes, h->d_used);
@@ -538,9 +539,12 @@ static int spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
 	return 0;
 }
 
-bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep)
+/* The tier's reclaim hook: spill one offloadable block, least recently
+ * used first, never keep. */
+static bool off_reclaim(gmlake_ctx *ctx, uint32_t chunks,
+			struct gml_block *keep)
 {
-	struct gml_offload *off = ctx->off;
+	struct gml_offload *off = gml_off_of(ctx);
 	struct gml_block *b, *next;
 	uint32_t freed = 0;
 
@@ -605,7 +609,7 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 		b->inplace_mapped = false;
 	}
 	ret = gml_large_attach(ctx, b);
-	while (ret == -ENOMEM && gml_off_reclaim(ctx, b->n, b))
+	while (ret == -ENOMEM && off_reclaim(ctx, b->n, b))
 		ret = gml_large_attach(ctx, b);
 	if (ret) {
 		if (b->inplace)
@@ -843,7 +847,7 @@ static void *engine_main(void *arg)
 	gml_host_prepin(&off->host);
 	if (!gml_ctx_lock(off->ctx)) {
 		/* Else the next sync counts what was pinned. */
-		if (off->ctx->off == off)
+		if (gml_off_of(off->ctx) == off)
 			sync_gauges(off->ctx);
 		gml_ctx_unlock(off->ctx);
 	}
@@ -938,13 +942,27 @@ static void off_free(gmlake_ctx *ctx, struct gml_offload *off)
 	free(off);
 }
 
+/* Stop the engine: requests not started are cancelled, copies in flight
+ * finish. No lock held. */
+static void off_quiesce(struct gml_offload *off)
+{
+	if (!off->started)
+		return;
+	pthread_mutex_lock(&off->lock);
+	off->stop = true;
+	pthread_mutex_unlock(&off->lock);
+	wake(off);
+	pthread_join(off->thread, NULL);
+	off->started = false;
+}
+
 int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 {
 	struct gml_offload *off;
 	int ret;
 
-	if (ctx->off) {
-		*out = ctx->off;
+	if (gml_off_of(ctx)) {
+		*out = gml_off_of(ctx);
 		return 0;
 	}
 	off = calloc(1, sizeof(*off));
@@ -980,7 +998,11 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 	}
 	off->started = true;
 	ctx->st.offload_engine = off->engine;
-	ctx->off = off;
+	ret = gml_tier_register(ctx, &gml_off_tier, off);
+	if (ret) {
+		off_quiesce(off);
+		goto out_free;
+	}
 	gml_streams_mark_always(ctx);
 	sync_gauges(ctx);
 	*out = off;
@@ -990,49 +1012,47 @@ out_free:
 	return ret;
 }
 
-/* Stop the engine: requests not started are cancelled, copies in flight
- * finish. No lock held. */
-void gml_off_quiesce(gmlake_ctx *ctx)
+/* The tier's quiesce hook. */
+static void off_tier_quiesce(gmlake_ctx *ctx)
 {
-	struct gml_offload *off = ctx->off;
-
-	if (!off || !off->started)
-		return;
-	pthread_mutex_lock(&off->lock);
-	off->stop = true;
-	pthread_mutex_unlock(&off->lock);
-	wake(off);
-	pthread_join(off->thread, NULL);
-	off->started = false;
+	off_quiesce(gml_off_of(ctx));
 }
 
-/* After every block is gone; ctx lock held. */
-void gml_off_fini(gmlake_ctx *ctx)
+/* The tier's fini hook: after every block is gone; ctx lock held. */
+static void off_fini(gmlake_ctx *ctx)
 {
-	if (!ctx->off)
-		return;
-	gml_off_quiesce(ctx);
+	struct gml_offload *off = gml_off_of(ctx);
+
+	off_quiesce(off);
 	sync_gauges(ctx);
-	off_free(ctx, ctx->off);
-	ctx->off = NULL;
+	off_free(ctx, off);
 }
 
-/* A block is freed: its host side goes with it. ctx lock held. */
-void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b)
+/* The tier's block_gone hook: a block is freed, its host side goes with
+ * it. ctx lock held. */
+static void off_block_gone(gmlake_ctx *ctx, struct gml_block *b)
 {
+	struct gml_offload *off = gml_off_of(ctx);
+
 	lru_del(ctx, b);
 	if (b->off_state != GML_OFF_SPILLED)
 		return;
-	if (b->host && ctx->off)
-		gml_host_free(&ctx->off->host, b->host, b->host_size);
-	if (b->inplace && ctx->off)
-		inplace_drop(ctx, ctx->off, b);
+	if (b->host)
+		gml_host_free(&off->host, b->host, b->host_size);
+	if (b->inplace)
+		inplace_drop(ctx, off, b);
 	b->host = NULL;
 	gml_gauge_add(&ctx->st.spilled_bytes, -(int64_t)b->size);
 	gml_gauge_add(&ctx->st.spilled_blocks, -1);
-	if (ctx->off)
-		sync_gauges(ctx);
+	sync_gauges(ctx);
 }
+
+const struct gml_tier_ops gml_off_tier = {
+	.reclaim = off_reclaim,
+	.block_gone = off_block_gone,
+	.quiesce = off_tier_quiesce,
+	.fini = off_fini,
+};
 
 /* ---------------------------------------------------------------------- */
 /* Public calls on blocks                                                  */

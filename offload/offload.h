@@ -99,6 +99,16 @@ struct gml_offload {
 	uint64_t efd_buf;
 };
 
+/* The offload manager's hooks, registered with the context on first use
+ * (lib/tier.h). */
+extern const struct gml_tier_ops gml_off_tier;
+
+/* The context's manager, or NULL before its first use; ctx lock held. */
+static inline struct gml_offload *gml_off_of(gmlake_ctx *ctx)
+{
+	return ctx->tier == &gml_off_tier ? ctx->tier_priv : NULL;
+}
+
 /* The context's manager, made on first use; ctx lock held. */
 int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out);
 /* Queue requests for the engine (any thread, no lock held). */

@@ -118,7 +118,7 @@ GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
 	pthread_mutex_unlock(&r->lock);
 	ctx = r->ctx;
 	pthread_mutex_lock(&ctx->lock);
-	if (ctx->off == r->off)
+	if (gml_off_of(ctx) == r->off)
 		r->off->nrings--;
 	pthread_mutex_unlock(&ctx->lock);
 	pthread_cond_destroy(&r->cond);

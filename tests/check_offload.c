@@ -1218,9 +1218,9 @@ START_TEST(test_auto_oom)
 END_TEST
 
 /*
- * The allocation path's own spill (gml_off_reclaim) on a device gone bad:
- * the allocation fails, the block stays resident with its bytes, and the
- * host buffer its copy may still write stays taken.
+ * The allocation path's own spill (the tier's reclaim hook) on a device
+ * gone bad: the allocation fails, the block stays resident with its bytes,
+ * and the host buffer its copy may still write stays taken.
  */
 START_TEST(test_sticky_auto)
 {
