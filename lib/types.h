@@ -141,14 +141,14 @@ struct gml_block {
 	/* Offload (offload/), large blocks only. */
 	uint8_t off_state;		/* enum gml_off_state */
 	bool offloadable;		/* gmlake_advise: may spill by LRU */
-	bool on_lru;			/* on ctx->lru */
+	bool on_lru;			/* on the offload manager's LRU */
 	bool inplace;			/* spilled: host memory mapped at ptr */
 	void *host;			/* spilled: the copy in the host arena */
 	size_t host_size;
 	gml_handle host_h;		/* in place: host memory handle, */
 	gml_va host_va;			/* and its second mapping; */
 	bool inplace_mapped;		/* also mapped at ptr */
-	struct gml_block *oprev, *onext; /* ctx->lru, oldest first */
+	struct gml_block *oprev, *onext; /* that LRU, oldest first */
 };
 
 struct gml_schunk {
@@ -198,7 +198,6 @@ struct gmlake_ctx {
 	 * tier is first used and registers itself. */
 	const struct gml_tier_ops *tier;
 	void *tier_priv;		/* the tier's state */
-	struct gml_block *lru, *lru_tail; /* offloadable resident blocks */
 	gml_handle *zombies;		/* chunks whose release failed */
 	uint32_t nzombies, cap_zombies;
 	struct gml_stale *stale;	/* positions a moved chunk still maps */

@@ -20,7 +20,7 @@
  * request whose host function could not be queued is polled every
  * millisecond instead.
  *
- * Automatic offload: blocks advised offloadable sit on ctx->lru, least
+ * Automatic offload: blocks advised offloadable sit on off->lru, least
  * recently used first. When an allocation (or a fetch) would fail, or pass
  * cfg.device_limit, the tier's reclaim hook (off_reclaim) spills from the
  * head of that list synchronously, in the caller's thread, with the
@@ -72,35 +72,35 @@ static void notify(void *arg)
 /* ---------------------------------------------------------------------- */
 /* LRU of offloadable resident blocks                                      */
 
-static void lru_del(gmlake_ctx *ctx, struct gml_block *b)
+static void lru_del(struct gml_offload *off, struct gml_block *b)
 {
 	if (!b->on_lru)
 		return;
 	if (b->oprev)
 		b->oprev->onext = b->onext;
 	else
-		ctx->lru = b->onext;
+		off->lru = b->onext;
 	if (b->onext)
 		b->onext->oprev = b->oprev;
 	else
-		ctx->lru_tail = b->oprev;
+		off->lru_tail = b->oprev;
 	b->oprev = b->onext = NULL;
 	b->on_lru = false;
 }
 
 /* Most recently used: to the tail. */
-static void lru_touch(gmlake_ctx *ctx, struct gml_block *b)
+static void lru_touch(struct gml_offload *off, struct gml_block *b)
 {
-	lru_del(ctx, b);
+	lru_del(off, b);
 	if (!b->offloadable || b->off_state != GML_OFF_RESIDENT)
 		return;
-	b->oprev = ctx->lru_tail;
+	b->oprev = off->lru_tail;
 	b->onext = NULL;
-	if (ctx->lru_tail)
-		ctx->lru_tail->onext = b;
+	if (off->lru_tail)
+		off->lru_tail->onext = b;
 	else
-		ctx->lru = b;
-	ctx->lru_tail = b;
+		off->lru = b;
+	off->lru_tail = b;
 	b->on_lru = true;
 }
 
@@ -327,7 +327,7 @@ static void spill_done(gmlake_ctx *ctx, struct gml_block *b, void *host,
 	b->off_state = GML_OFF_SPILLED;
 	b->host = host;
 	b->host_size = size;
-	lru_del(ctx, b);
+	lru_del(gml_off_of(ctx), b);
 	gml_gauge_add(&ctx->st.spilled_bytes, (int64_t)b->size);
 	gml_gauge_add(&ctx->st.spilled_blocks, 1);
 	gml_gauge_add(&ctx->st.resident_bytes, -(int64_t)b->alloc_size);
@@ -551,7 +551,7 @@ static bool off_reclaim(gmlake_ctx *ctx, uint32_t chunks,
 	if (!off)
 		return false;
 	/* One block a call: the caller tries again after each. */
-	for (b = ctx->lru; b && !freed; b = next) {
+	for (b = off->lru; b && !freed; b = next) {
 		next = b->onext;
 		if (b == keep || b->off_state != GML_OFF_RESIDENT)
 			continue;
@@ -655,7 +655,7 @@ static int fetch_finish(struct gml_offload *off, struct gml_off_req *req)
 	ctx->st.fetches++;
 	ctx->st.h2d_bytes += req->size;
 	ctx->st.h2d_ns += gml_now_ns() - req->t0;
-	lru_touch(ctx, b);
+	lru_touch(off, b);
 	sync_gauges(ctx);
 	return 0;
 }
@@ -1034,7 +1034,7 @@ static void off_block_gone(gmlake_ctx *ctx, struct gml_block *b)
 {
 	struct gml_offload *off = gml_off_of(ctx);
 
-	lru_del(ctx, b);
+	lru_del(off, b);
 	if (b->off_state != GML_OFF_SPILLED)
 		return;
 	if (b->host)
@@ -1081,7 +1081,8 @@ GML_EXPORT int gmlake_advise(gmlake_ctx *ctx, void *ptr, int advice)
 	}
 	if (advice == GMLAKE_ADVISE_NOT_OFFLOADABLE) {
 		b->offloadable = false;
-		lru_del(ctx, b);
+		if (b->on_lru)	/* only while the manager exists */
+			lru_del(gml_off_of(ctx), b);
 		goto out_unlock;
 	}
 	if (b->small) {
@@ -1093,7 +1094,7 @@ GML_EXPORT int gmlake_advise(gmlake_ctx *ctx, void *ptr, int advice)
 	if (ret)
 		goto out_unlock;
 	b->offloadable = true;
-	lru_touch(ctx, b);
+	lru_touch(off, b);
 out_unlock:
 	gml_ctx_unlock(ctx);
 	return ret;

@@ -85,6 +85,9 @@ struct gml_offload {
 	int engine;			/* enum gmlake_offload_engine */
 	int numa;
 
+	/* Offloadable resident blocks, least recently used first; ctx lock. */
+	struct gml_block *lru, *lru_tail;
+
 	pthread_mutex_t lock;		/* the queues below */
 	pthread_cond_t idle;		/* a ring's requests all done */
 	struct gml_off_req *incoming;	/* submitted, not started */
