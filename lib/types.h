@@ -254,6 +254,20 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all);
 /* Wait for the work queued so far on every stream; 0 or the first error. */
 int gml_streams_wait_all(gmlake_ctx *ctx);
 
+/* tier.c: what a tier below the device (offload/) asks of the allocator
+ * instead of reading its fields; ctx lock held. */
+/* Stream indices run from 0 to gml_stream_count() - 1; the handle of a
+ * live one, false for an index out of range or a destroyed stream. */
+int gml_stream_count(gmlake_ctx *ctx);
+bool gml_stream_handle(gmlake_ctx *ctx, int idx, gmlake_stream_t *s);
+/* Whether segment positions still wait to be unmapped (gml_stale_reap). */
+bool gml_stale_pending(gmlake_ctx *ctx);
+/* The chunk timer, run by a tier's thread: unmap the stale positions
+ * whose work completed, give back spare chunks unused for
+ * cfg.spare_keep_ms. Milliseconds until the next look is due, -1: none. */
+int gml_chunks_tend(gmlake_ctx *ctx);
+const struct gmlake_config *gml_ctx_config(const gmlake_ctx *ctx);
+
 /* small.c */
 int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		    struct gml_block **out);

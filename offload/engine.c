@@ -31,7 +31,6 @@
 #endif
 
 #include <errno.h>
-#include <limits.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,15 +109,16 @@ static void lru_touch(struct gml_offload *off, struct gml_block *b)
 /* Make copy stream cs wait for the work queued so far on stream idx. */
 static int after_stream(gmlake_ctx *ctx, int idx, gmlake_stream_t cs)
 {
+	gmlake_stream_t s;
 	gml_event e;
 	int ret;
 
-	if (idx < 0 || idx >= ctx->nstreams || ctx->streams[idx].dead)
+	if (!gml_stream_handle(ctx, idx, &s))
 		return 0;
 	ret = gml_event_create(&ctx->dev, &e);
 	if (ret)
 		return ret;
-	ret = gml_event_record(&ctx->dev, e, ctx->streams[idx].handle);
+	ret = gml_event_record(&ctx->dev, e, s);
 	if (!ret)
 		ret = gml_stream_wait_event(&ctx->dev, cs, e);
 	gml_event_destroy(&ctx->dev, e);
@@ -139,9 +139,9 @@ static int after_block(gmlake_ctx *ctx, struct gml_block *b, gmlake_stream_t cs)
 /* ... for all work: free chunks a fetch takes may still be in use. */
 static int after_all(gmlake_ctx *ctx, gmlake_stream_t cs)
 {
-	int ret = 0;
+	int n = gml_stream_count(ctx), ret = 0;
 
-	for (int i = 0; i < ctx->nstreams && !ret; i++)
+	for (int i = 0; i < n && !ret; i++)
 		ret = after_stream(ctx, i, cs);
 	return ret;
 }
@@ -575,7 +575,7 @@ static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
 {
 	/* The fetch may have taken chunks whose last work elsewhere is
 	 * still queued; as spares they would serve at once. */
-	if (ctx->nstale && gml_streams_wait_all(ctx))
+	if (gml_stale_pending(ctx) && gml_streams_wait_all(ctx))
 		gml_log(GMLAKE_LOG_ERROR, "offload: cannot wait for the work "
 			"on the chunks of block %#lx: %s", (unsigned long)b->ptr,
 			gmlake_last_error());
@@ -731,44 +731,18 @@ static void reap(struct gml_offload *off)
 }
 
 /*
- * Spilled chunks wait cfg.spare_keep_ms for a fetch or an allocation to
- * take them, then go back to the driver: reserved memory falls once the
- * spills and fetches end. The wait is long (5 s) because with 100 ms the
- * chunks went back between training steps and were made again at the
- * next large one: on the H200 the 5 s wait cut the offload benchmark's
- * cuMemCreate calls from 20,446 to 7,359, its cuMemRelease calls to none
- * and its step times by 12-15% (bench/results/offload.md). Stale positions (a fetch moved their chunk before its
- * work there completed) are unmapped once it did. The milliseconds until
- * the next look, or -1: none due.
+ * The allocator's chunk timer (gml_chunks_tend: stale positions, spare
+ * chunks kept for fetches), which only offload makes work for, runs on
+ * the engine thread. The milliseconds until its next look, or -1.
  */
-#define STALE_LOOK_MS 10
-
-static int tend_spares(struct gml_offload *off)
+static int tend_chunks(struct gml_offload *off)
 {
 	gmlake_ctx *ctx = off->ctx;
-	uint64_t age, keep;
-	int ms = -1;
+	int ms;
 
 	if (gml_ctx_lock(ctx))
 		return -1;
-	if (ctx->nstale) {
-		gml_stale_reap(ctx, false);
-		if (ctx->nstale)
-			ms = STALE_LOOK_MS;
-	}
-	if (ctx->nspares) {
-		keep = (uint64_t)ctx->cfg.spare_keep_ms * 1000000;
-		age = gml_now_ns() - ctx->spare_ns;
-		if (age >= keep) {
-			gml_spares_release(ctx);
-		} else {
-			uint64_t left = (keep - age) / 1000000 + 1;
-			int due = left > INT_MAX ? INT_MAX : (int)left;
-
-			if (ms < 0 || due < ms)
-				ms = due;
-		}
-	}
+	ms = gml_chunks_tend(ctx);
 	gml_ctx_unlock(ctx);
 	return ms;
 }
@@ -879,7 +853,7 @@ static void *engine_main(void *arg)
 		 * miss a wake-up, not understood yet).
 		 */
 		timeout = poll_needed || stop ? 1 : off->inflight ? 5 : 200;
-		spares_ms = tend_spares(off);
+		spares_ms = tend_chunks(off);
 		if (spares_ms >= 0 && spares_ms < timeout)
 			timeout = spares_ms;
 		if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
@@ -908,7 +882,7 @@ void gml_off_queue(struct gml_offload *off, struct gml_off_req *list)
 /* io_uring unless told otherwise and if the kernel lets us. */
 static int pick_engine(gmlake_ctx *ctx, struct gml_offload *off)
 {
-	int want = ctx->cfg.offload_engine, ret;
+	int want = gml_ctx_config(ctx)->offload_engine, ret;
 
 	if (want == GMLAKE_OFFLOAD_ENGINE_THREAD)
 		return GMLAKE_OFFLOAD_ENGINE_THREAD;
@@ -976,7 +950,8 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 	if (gml_host_numa(&ctx->dev, &off->numa))
 		off->numa = -1;
 	ret = gml_host_init(&off->host, &ctx->dev, off->numa,
-			    ctx->cfg.host_limit, ctx->cfg.host_pin);
+			    gml_ctx_config(ctx)->host_limit,
+			    gml_ctx_config(ctx)->host_pin);
 	if (ret)
 		goto out_free;
 	ret = ctx->dev.ops->stream_create(ctx->dev.priv, &off->d2h);
