@@ -693,7 +693,7 @@ static void start(struct gml_offload *off, struct gml_off_req *req)
 		break;
 	}
 	if (ret) {
-		gml_ring_complete(req, ret > 0 ? 0 : ret);
+		req->complete(req, ret > 0 ? 0 : ret);
 		return;
 	}
 	req->next = off->inflight;
@@ -725,7 +725,7 @@ static void reap(struct gml_offload *off)
 			ret = spill ? spill_finish(off, req) :
 				      fetch_finish(off, req);
 		sync_gauges(ctx);
-		gml_ring_complete(req, ret);
+		req->complete(req, ret);
 	}
 	gml_ctx_unlock(ctx);
 }
@@ -835,7 +835,7 @@ static void *engine_main(void *arg)
 			/* Not started: cancelled. In flight: waited for. */
 			for (; list; list = req) {
 				req = list->next;
-				gml_ring_complete(list, -ECANCELED);
+				list->complete(list, -ECANCELED);
 			}
 		}
 		start_incoming(off, list);

@@ -64,7 +64,10 @@ struct gml_ring;
 
 struct gml_off_req {
 	struct gml_off_req *next;
-	struct gml_ring *ring;
+	/* Called once when the request is over, res 0 or -errno; frees req.
+	 * Set by whoever made the request (ring.c), any lock may be held. */
+	void (*complete)(struct gml_off_req *req, int res);
+	struct gml_ring *ring;		/* complete's: the ring to post to */
 	uint8_t op;			/* enum gmlake_offload_op */
 	bool inplace;
 	uintptr_t ptr;
@@ -118,10 +121,5 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out);
 void gml_off_queue(struct gml_offload *off, struct gml_off_req *list);
 /* A ring went away / came. */
 void gml_off_ring_ref(struct gml_offload *off, int delta);
-
-/* ---- ring.c ---- */
-
-/* Post a completion for req to its ring and free req. */
-void gml_ring_complete(struct gml_off_req *req, int res);
 
 #endif

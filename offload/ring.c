@@ -198,7 +198,8 @@ static void post(struct gml_ring *r, uint64_t user_data, int res)
 	pthread_cond_broadcast(&r->cond);
 }
 
-void gml_ring_complete(struct gml_off_req *req, int res)
+/* A request's completion callback: post to its ring and free it. */
+static void ring_complete(struct gml_off_req *req, int res)
 {
 	struct gml_ring *r = req->ring;
 
@@ -233,6 +234,7 @@ static int take_entries(struct gml_ring *r, struct gml_off_req **list)
 		req = calloc(1, sizeof(*req));
 		if (!req)
 			break;
+		req->complete = ring_complete;
 		req->ring = r;
 		req->op = sqe->opcode;
 		req->inplace = (sqe->flags & GMLAKE_OFFLOAD_SQE_INPLACE) ||
