@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The offload manager's insides, shared by host.c (the pinned host arena),
- * engine.c (spill and fetch, the completion engine, automatic offload) and
- * ring.c (the io_uring-shaped rings of include/gmlake-offload.h).
+ * The offload manager's insides, one section per file: host.c (the pinned
+ * host arena), move.c (one request's mechanics: spill and fetch of a
+ * block), engine.c (the engine thread, set-up and tear-down), advise.c
+ * (advice, the LRU and automatic offload, where a block is) and ring.c
+ * (the io_uring-shaped rings of include/gmlake-offload.h).
  *
  * Locking, outermost first: a ring's lock (ring.c), then the context lock,
  * then off->lock (the engine's queues), then the arena's lock. The engine
@@ -58,7 +60,7 @@ void gml_host_grow_ahead(struct gml_host *h);
 /* Pin what set-up asked for (engine thread, before any request). */
 void gml_host_prepin(struct gml_host *h);
 
-/* ---- engine.c ---- */
+/* ---- the manager and its requests ---- */
 
 struct gml_ring;
 
@@ -105,6 +107,8 @@ struct gml_offload {
 	uint64_t efd_buf;
 };
 
+/* ---- engine.c: the engine thread ---- */
+
 /* The offload manager's hooks, registered with the context on first use
  * (lib/tier.h). */
 extern const struct gml_tier_ops gml_off_tier;
@@ -119,6 +123,40 @@ static inline struct gml_offload *gml_off_of(gmlake_ctx *ctx)
 int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out);
 /* Queue requests for the engine (any thread, no lock held). */
 void gml_off_queue(struct gml_offload *off, struct gml_off_req *list);
+/* Wake the engine (any thread, any lock held; a driver thread too). */
+void gml_off_wake(struct gml_offload *off);
+
+/* ---- move.c: one request's mechanics ---- */
+
+/* Start req (ctx lock not held; taken here): 0 with its copy in flight,
+ * 1 when the block already is where req would put it, -errno when it
+ * failed (the block as it was). */
+int gml_off_move_start(struct gml_offload *off, struct gml_off_req *req);
+/* Whether the copy of req (started, 0 above) is over: then the move is
+ * finished or undone and *res is req's result. ctx lock held. */
+bool gml_off_move_reap(struct gml_offload *off, struct gml_off_req *req,
+		       int *res);
+/* Spill b now, in this thread, from the arena's free space only: the
+ * allocation path under pressure. ctx lock held. 0 or -errno, b intact. */
+int gml_off_spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
+		       struct gml_block *b);
+/* Free a spilled block's in-place host memory (and its mappings). */
+void gml_off_inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
+			  struct gml_block *b);
+/* Move the arena's byte counts into the context's gauges; ctx lock held. */
+void gml_off_sync_gauges(gmlake_ctx *ctx);
+
+/* ---- advise.c: advice, the LRU, automatic offload ---- */
+
+/* Off the LRU; to its tail (most recently used, if offloadable and
+ * resident). ctx lock held. */
+void gml_off_lru_del(struct gml_offload *off, struct gml_block *b);
+void gml_off_lru_touch(struct gml_offload *off, struct gml_block *b);
+/* The tier's hooks (lib/tier.h): spill one block, least recently used
+ * first, never keep; a freed block's host side goes. ctx lock held. */
+bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks,
+		     struct gml_block *keep);
+void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b);
 /* A ring went away / came. */
 void gml_off_ring_ref(struct gml_offload *off, int delta);
 
