@@ -104,12 +104,11 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 	ret = set_chunk(ctx);
 	if (ret)
 		goto out_close;
-	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	ret = gml_dev_enter(&ctx->dev);
 	if (ret)
 		goto out_close;
-	ret = ctx->dev.ops->mem_info(ctx->dev.priv, &free_bytes,
-				     &ctx->dev_total);
-	ctx->dev.ops->leave(ctx->dev.priv);
+	ret = gml_dev_mem_info(&ctx->dev, &free_bytes, &ctx->dev_total);
+	gml_dev_leave(&ctx->dev);
 	if (ret)
 		goto out_close;
 	pthread_mutex_init(&ctx->lock, NULL);
@@ -195,7 +194,7 @@ static int oom_error(gmlake_ctx *ctx, size_t size)
 	size_t free_bytes = 0, total = 0;
 
 	ctx->st.ooms++;
-	ctx->dev.ops->mem_info(ctx->dev.priv, &free_bytes, &total);
+	gml_dev_mem_info(&ctx->dev, &free_bytes, &total);
 	return gml_set_error(-ENOMEM, "out of memory allocating %zu bytes: "
 			     "%lld bytes allocated, %lld reserved in %lld "
 			     "chunks, device has %zu of %zu bytes free",
@@ -499,7 +498,7 @@ GML_EXPORT int gmlake_stream_create(gmlake_ctx *ctx, gmlake_stream_t *stream)
 		ctx->created = grown;
 		ctx->cap_created = cap;
 	}
-	ret = ctx->dev.ops->stream_create(ctx->dev.priv, stream);
+	ret = gml_dev_stream_create(&ctx->dev, stream);
 	if (!ret)
 		ctx->created[ctx->ncreated++] = *stream;
 out_leave:
@@ -536,7 +535,7 @@ GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 		if (ret)
 			goto out_leave;
 	}
-	ret = ctx->dev.ops->stream_destroy(ctx->dev.priv, stream);
+	ret = gml_dev_stream_destroy(&ctx->dev, stream);
 	if (!ret)
 		ctx->created[created] = ctx->created[--ctx->ncreated];
 	if (!ret && idx >= 0) {
@@ -619,10 +618,13 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 	gml_spools_fini(ctx);
 	gml_streams_fini(ctx);
 	gml_ptrmap_fini(&ctx->blocks);
+	/* A stream whose destroy failed is tried once more: the driver
+	 * would keep it (and its thread, on the emulated device). */
 	for (int i = 0; i < ctx->ncreated; i++)
-		ctx->dev.ops->stream_destroy(ctx->dev.priv, ctx->created[i]);
+		if (gml_dev_stream_destroy(&ctx->dev, ctx->created[i]))
+			gml_dev_stream_destroy(&ctx->dev, ctx->created[i]);
 	free(ctx->created);
-	ctx->dev.ops->leave(ctx->dev.priv);
+	gml_dev_leave(&ctx->dev);
 	gml_dev_close(&ctx->dev);
 	pthread_mutex_unlock(&ctx->lock);
 	pthread_mutex_destroy(&ctx->lock);

@@ -82,9 +82,23 @@ struct gml_drv_ops {
 extern const struct gml_drv_ops gml_drv_cuda;
 extern const struct gml_drv_ops gml_drv_emu;
 
+/*
+ * Call kinds of the device layer beyond the published ones (enum
+ * gmlake_call of gmlake-stats.h): counted and fault-injectable like them,
+ * but not in struct gmlake_stats, whose layout (and version) would change.
+ * gml_dev_call_name() names every kind.
+ */
+enum gml_dev_call {
+	GML_CALL_stream_create = GMLAKE_CALL_COUNT,
+	GML_CALL_stream_destroy,
+	GML_CALL_mem_info,
+	GML_CALL_enter,
+	GML_CALL_COUNT
+};
+
 /* Fault plan: fail call number nth (1-based) of kind call, once. */
 struct gml_fault {
-	int call;		/* enum gmlake_call, or -1 for none */
+	int call;		/* enum gmlake_call or gml_dev_call; -1: none */
 	uint64_t nth;
 	int err;		/* errno to return (positive), ENOMEM by default */
 };
@@ -94,9 +108,9 @@ struct gml_dev {
 	const struct gml_drv_ops *ops;
 	void *priv;
 	size_t granularity;
-	uint64_t calls[GMLAKE_CALL_COUNT];
-	uint64_t call_ns[GMLAKE_CALL_COUNT];
-	uint64_t call_failures[GMLAKE_CALL_COUNT];
+	uint64_t calls[GML_CALL_COUNT];
+	uint64_t call_ns[GML_CALL_COUNT];
+	uint64_t call_failures[GML_CALL_COUNT];
 	struct gml_fault fault;
 };
 
@@ -104,6 +118,18 @@ int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg);
 void gml_dev_close(struct gml_dev *dev);
 /* Arm a fault: call kind `call` fails with -err on its nth call from now. */
 void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err);
+/* The name of a call kind, published or not ("enter"); NULL if none. */
+const char *gml_dev_call_name(int call);
+
+/* The device's context made current in this thread (CUDA), and undone;
+ * enter is counted and fault-injectable, neither is timed: they run on
+ * every public call, and two clock reads would cost about what the push
+ * and pop of a context cost. */
+int gml_dev_enter(struct gml_dev *dev);
+void gml_dev_leave(struct gml_dev *dev);
+int gml_dev_mem_info(struct gml_dev *dev, size_t *free, size_t *total);
+int gml_dev_stream_create(struct gml_dev *dev, gmlake_stream_t *s);
+int gml_dev_stream_destroy(struct gml_dev *dev, gmlake_stream_t s);
 
 int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h);
 int gml_mem_release(struct gml_dev *dev, gml_handle h);

@@ -19,7 +19,7 @@ static inline int gml_ctx_lock(gmlake_ctx *ctx)
 	int ret;
 
 	pthread_mutex_lock(&ctx->lock);
-	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	ret = gml_dev_enter(&ctx->dev);
 	if (ret)
 		pthread_mutex_unlock(&ctx->lock);
 	return ret;
@@ -27,7 +27,7 @@ static inline int gml_ctx_lock(gmlake_ctx *ctx)
 
 static inline void gml_ctx_unlock(gmlake_ctx *ctx)
 {
-	ctx->dev.ops->leave(ctx->dev.priv);
+	gml_dev_leave(&ctx->dev);
 	pthread_mutex_unlock(&ctx->lock);
 }
 

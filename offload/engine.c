@@ -237,19 +237,20 @@ static int pick_engine(gmlake_ctx *ctx, struct gml_offload *off)
 
 static void off_free(gmlake_ctx *ctx, struct gml_offload *off)
 {
-	/* Host functions still queued write the eventfd: let them run. */
-	if (off->d2h)
-		ctx->dev.ops->stream_sync(ctx->dev.priv, off->d2h);
-	if (off->h2d)
-		ctx->dev.ops->stream_sync(ctx->dev.priv, off->h2d);
+	/* Host functions still queued write the eventfd: let them run (a
+	 * failed wait is tried once more, before the eventfd closes). */
+	if (off->d2h && gml_stream_sync(&ctx->dev, off->d2h))
+		gml_stream_sync(&ctx->dev, off->d2h);
+	if (off->h2d && gml_stream_sync(&ctx->dev, off->h2d))
+		gml_stream_sync(&ctx->dev, off->h2d);
 	if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
 		io_uring_queue_exit(&off->uring);
 	if (off->efd >= 0)
 		close(off->efd);
-	if (off->h2d)
-		ctx->dev.ops->stream_destroy(ctx->dev.priv, off->h2d);
-	if (off->d2h)
-		ctx->dev.ops->stream_destroy(ctx->dev.priv, off->d2h);
+	if (off->h2d && gml_dev_stream_destroy(&ctx->dev, off->h2d))
+		gml_dev_stream_destroy(&ctx->dev, off->h2d);
+	if (off->d2h && gml_dev_stream_destroy(&ctx->dev, off->d2h))
+		gml_dev_stream_destroy(&ctx->dev, off->d2h);
 	gml_host_fini(&off->host);
 	pthread_cond_destroy(&off->idle);
 	pthread_mutex_destroy(&off->lock);
@@ -294,9 +295,9 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 			    gml_ctx_config(ctx)->host_pin);
 	if (ret)
 		goto out_free;
-	ret = ctx->dev.ops->stream_create(ctx->dev.priv, &off->d2h);
+	ret = gml_dev_stream_create(&ctx->dev, &off->d2h);
 	if (!ret)
-		ret = ctx->dev.ops->stream_create(ctx->dev.priv, &off->h2d);
+		ret = gml_dev_stream_create(&ctx->dev, &off->h2d);
 	if (ret)
 		goto out_free;
 	off->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
