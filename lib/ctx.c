@@ -43,8 +43,8 @@ static int check_config(const struct gmlake_config *cfg)
 				     "gmlake_config_init)", cfg->version,
 				     cfg->size, GMLAKE_CONFIG_VERSION,
 				     sizeof(*cfg));
-	if (cfg->backend < GMLAKE_BACKEND_DEFAULT ||
-	    cfg->backend > GMLAKE_BACKEND_EMU)
+	if (cfg->backend != GMLAKE_BACKEND_DEFAULT &&
+	    !gml_backend_by_id(cfg->backend))
 		return gml_set_error(-EINVAL, "unknown backend %d",
 				     cfg->backend);
 	if (cfg->device < 0)
@@ -89,14 +89,7 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 		ctx->cfg = *cfg;
 	else
 		gmlake_config_init(&ctx->cfg);
-	if (ctx->cfg.backend == GMLAKE_BACKEND_DEFAULT) {
-		struct gmlake_config env;
-
-		gmlake_config_init(&env);
-		ctx->cfg.backend = env.backend == GMLAKE_BACKEND_EMU ?
-					   GMLAKE_BACKEND_EMU :
-					   GMLAKE_BACKEND_CUDA;
-	}
+	ctx->cfg.backend = gml_config_backend(&ctx->cfg);
 	gml_log_level = ctx->cfg.log_level;
 	ret = gml_dev_open(&ctx->dev, &ctx->cfg);
 	if (ret)

@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "drv.h"
@@ -23,14 +24,49 @@ uint64_t gml_now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* The first row is the default: a real user without a GPU gets -ENODEV
+ * from the driver, never a silent emulation. */
+static const struct gml_backend backends[] = {
+	{ GMLAKE_BACKEND_CUDA, "cuda", &gml_drv_cuda },
+	{ GMLAKE_BACKEND_EMU, "emu", &gml_drv_emu },
+};
+
+#define NBACKENDS (sizeof(backends) / sizeof(backends[0]))
+
+const struct gml_backend *gml_backend_by_id(int id)
+{
+	for (size_t i = 0; i < NBACKENDS; i++)
+		if (backends[i].id == id)
+			return &backends[i];
+	return NULL;
+}
+
+const struct gml_backend *gml_backend_by_name(const char *name)
+{
+	for (size_t i = 0; i < NBACKENDS; i++)
+		if (!strcasecmp(backends[i].name, name))
+			return &backends[i];
+	return NULL;
+}
+
+const struct gml_backend *gml_backend_default(void)
+{
+	return &backends[0];
+}
+
+/* Open the backend cfg->backend names (a row of the table, never the
+ * default: gmlake_ctx_init resolves that first). */
 int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg)
 {
+	const struct gml_backend *be = gml_backend_by_id(cfg->backend);
 	int ret;
 
 	memset(dev, 0, sizeof(*dev));
 	dev->fault.call = -1;
-	dev->ops = cfg->backend == GMLAKE_BACKEND_EMU ? &gml_drv_emu :
-							&gml_drv_cuda;
+	if (!be)
+		return gml_set_error(-EINVAL, "unknown backend %d",
+				     cfg->backend);
+	dev->ops = be->ops;
 	ret = dev->ops->open(cfg, &dev->priv);
 	if (ret)
 		return ret;

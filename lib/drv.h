@@ -83,6 +83,25 @@ extern const struct gml_drv_ops gml_drv_cuda;
 extern const struct gml_drv_ops gml_drv_emu;
 
 /*
+ * The backends, one row each: its enum gmlake_backend value, the name
+ * GMLAKE_BACKEND gives it, its table. The one table that the options
+ * (names), gmlake_ctx_init (which values are valid, which is the default)
+ * and gml_dev_open (which table to open) all read.
+ */
+struct gml_backend {
+	int id;				/* enum gmlake_backend */
+	const char *name;		/* GMLAKE_BACKEND=name */
+	const struct gml_drv_ops *ops;
+};
+
+/* The row of id, or NULL (GMLAKE_BACKEND_DEFAULT has none). */
+const struct gml_backend *gml_backend_by_id(int id);
+/* The row named name (any case), or NULL. */
+const struct gml_backend *gml_backend_by_name(const char *name);
+/* The row GMLAKE_BACKEND_DEFAULT opens when GMLAKE_BACKEND names none. */
+const struct gml_backend *gml_backend_default(void);
+
+/*
  * Call kinds of the device layer beyond the published ones (enum
  * gmlake_call of gmlake-stats.h): counted and fault-injectable like them,
  * but not in struct gmlake_stats, whose layout (and version) would change.
