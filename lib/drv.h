@@ -189,13 +189,9 @@ int gml_emu_info(void *priv, struct gml_emu_info *info);
 /* Emulated device only: hold a stream's worker (queued work waits) or let
  * it go, so tests can stall a stream on purpose. -EOPNOTSUPP elsewhere. */
 int gml_emu_stream_hold(void *priv, gmlake_stream_t s, bool hold);
-/* Emulated device only: the host NUMA node it reports (-1: none). */
-int gml_emu_set_host_numa(void *priv, int node);
-/* Emulated device only: host bytes held by mem_create_host handles. */
-int gml_emu_host_used(void *priv, size_t *bytes);
-/* Whether priv belongs to the emulated backend. */
 /* CLOCK_MONOTONIC in nanoseconds, for the call timers and the stats. */
 uint64_t gml_now_ns(void);
+/* Whether dev opened the emulated backend. */
 bool gml_dev_is_emu(const struct gml_dev *dev);
 
 #endif

@@ -252,7 +252,6 @@ static void off_free(gmlake_ctx *ctx, struct gml_offload *off)
 	if (off->d2h && gml_dev_stream_destroy(&ctx->dev, off->d2h))
 		gml_dev_stream_destroy(&ctx->dev, off->d2h);
 	gml_host_fini(&off->host);
-	pthread_cond_destroy(&off->idle);
 	pthread_mutex_destroy(&off->lock);
 	free(off);
 }
@@ -287,7 +286,6 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 	off->ctx = ctx;
 	off->efd = -1;
 	pthread_mutex_init(&off->lock, NULL);
-	pthread_cond_init(&off->idle, NULL);
 	if (gml_host_numa(&ctx->dev, &off->numa))
 		off->numa = -1;
 	ret = gml_host_init(&off->host, &ctx->dev, off->numa,

@@ -53,8 +53,6 @@ void gml_host_free(struct gml_host *h, void *p, size_t size);
 /* Charge (or with a negative size, refund) in-place host memory against
  * the budget; -ENOMEM when it would pass it. */
 int gml_host_charge(struct gml_host *h, int64_t size);
-/* Whether a request of size bytes would need a new region. */
-bool gml_host_needs_growth(struct gml_host *h, size_t size);
 /* Pin ahead: a region when less than a step is free (engine thread). */
 void gml_host_grow_ahead(struct gml_host *h);
 /* Pin what set-up asked for (engine thread, before any request). */
@@ -94,10 +92,8 @@ struct gml_offload {
 	struct gml_block *lru, *lru_tail;
 
 	pthread_mutex_t lock;		/* the queues below */
-	pthread_cond_t idle;		/* a ring's requests all done */
 	struct gml_off_req *incoming;	/* submitted, not started */
 	struct gml_off_req *inflight;	/* copies under way (engine only) */
-	unsigned nrings;
 	bool stop;
 	bool started;
 	pthread_t thread;
@@ -157,7 +153,5 @@ void gml_off_lru_touch(struct gml_offload *off, struct gml_block *b);
 bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks,
 		     struct gml_block *keep);
 void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b);
-/* A ring went away / came. */
-void gml_off_ring_ref(struct gml_offload *off, int delta);
 
 #endif

@@ -86,8 +86,6 @@ GML_EXPORT int gmlake_offload_init(struct gmlake_offload *ring,
 	ret = gml_ctx_lock(ctx);
 	if (!ret) {
 		ret = gml_off_get(ctx, &off);
-		if (!ret)
-			off->nrings++;
 		gml_ctx_unlock(ctx);
 	}
 	if (ret)
@@ -108,7 +106,6 @@ out_free:
 GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
 {
 	struct gml_ring *r = ring_of(ring, "gmlake_offload_exit");
-	gmlake_ctx *ctx;
 
 	if (!r)
 		return -EINVAL;
@@ -116,11 +113,6 @@ GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
 	while (r->inflight)
 		pthread_cond_wait(&r->cond, &r->lock);
 	pthread_mutex_unlock(&r->lock);
-	ctx = r->ctx;
-	pthread_mutex_lock(&ctx->lock);
-	if (gml_off_of(ctx) == r->off)
-		r->off->nrings--;
-	pthread_mutex_unlock(&ctx->lock);
 	pthread_cond_destroy(&r->cond);
 	pthread_mutex_destroy(&r->lock);
 	free(r->sqes);
