@@ -55,8 +55,7 @@ void gml_off_lru_touch(struct gml_offload *off, struct gml_block *b)
 
 /* The tier's reclaim hook: spill one offloadable block, least recently
  * used first, never keep. */
-bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks,
-		     struct gml_block *keep)
+bool gml_off_reclaim(gmlake_ctx *ctx, struct gml_block *keep)
 {
 	struct gml_offload *off = gml_off_of(ctx);
 	struct gml_block *b, *next;
@@ -74,7 +73,6 @@ bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks,
 		freed += b->n;
 		ctx->st.auto_spills++;
 	}
-	(void)chunks;
 	return freed > 0;
 }
 

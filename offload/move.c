@@ -526,7 +526,7 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 		b->inplace_mapped = false;
 	}
 	ret = gml_large_attach(ctx, b);
-	while (ret == -ENOMEM && gml_off_reclaim(ctx, b->n, b))
+	while (ret == -ENOMEM && gml_off_reclaim(ctx, b))
 		ret = gml_large_attach(ctx, b);
 	if (ret) {
 		if (b->inplace)

@@ -150,8 +150,7 @@ void gml_off_lru_del(struct gml_offload *off, struct gml_block *b);
 void gml_off_lru_touch(struct gml_offload *off, struct gml_block *b);
 /* The tier's hooks (lib/tier.h): spill one block, least recently used
  * first, never keep; a freed block's host side goes. ctx lock held. */
-bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks,
-		     struct gml_block *keep);
+bool gml_off_reclaim(gmlake_ctx *ctx, struct gml_block *keep);
 void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b);
 
 #endif
