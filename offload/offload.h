@@ -6,11 +6,15 @@
  * (advice, the LRU and automatic offload, where a block is) and ring.c
  * (the io_uring-shaped rings of include/gmlake-offload.h).
  *
- * Locking, outermost first: a ring's lock (ring.c), then the context lock,
- * then off->lock (the engine's queues), then the arena's lock. The engine
- * thread takes the context lock only with no other lock held, and never
- * waits for a device copy while holding it, except in the allocation
- * path's synchronous spill (gml_off_reclaim), which the caller asked for.
+ * Locking: the context lock is outermost. Under it one more may be taken:
+ * a ring's lock (the engine posts completions with the context lock
+ * held), off->lock (the engine's queues) or the arena's lock (h->lock);
+ * these three never nest in one another, and no code takes the context
+ * lock while holding any of them. The engine thread takes the context lock
+ * with no other lock held, and waits for device work while holding it
+ * only in the allocation path's synchronous spill (gml_off_reclaim, which
+ * the caller asked for, in the caller's thread or for a fetch) and on
+ * error paths (a copy whose event fails, a fetch undone).
  */
 #ifndef GML_OFFLOAD_H
 #define GML_OFFLOAD_H

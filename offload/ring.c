@@ -10,9 +10,9 @@
  * queue's size, so the engine never finds it full and a completion stays
  * where wait_cqe pointed until cqe_seen.
  *
- * A ring's lock is innermost: the engine posts completions with the
- * context lock held, and nothing here takes the context lock with the
- * ring's lock held.
+ * A ring's lock is innermost (offload.h): the engine posts completions
+ * with the context lock held, and nothing here takes the context lock, or
+ * any other lock, with the ring's lock held.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
