@@ -290,11 +290,13 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 	if (ret)
 		return ret;
 	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
-	if (b && !b->small && (b->off_state == GML_OFF_SPILLING ||
+	/* An offload request bound to the block must never act on the
+	 * block a later allocation puts at the same address. */
+	if (b && !b->small && (b->off_refs || b->off_state == GML_OFF_SPILLING ||
 			       b->off_state == GML_OFF_FETCHING)) {
-		ret = gml_set_error(-EBUSY, "gmlake_free: %p is being spilled "
-				    "or fetched; free it after its completion",
-				    ptr);
+		ret = gml_set_error(-EBUSY, "gmlake_free: %p has offload "
+				    "requests queued or in flight; free it after "
+				    "their completions", ptr);
 		goto out_leave;
 	}
 	b = gml_ptrmap_del(&ctx->blocks, (uintptr_t)ptr);

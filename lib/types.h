@@ -141,6 +141,8 @@ struct gml_block {
 	/* Offload (offload/), large blocks only. */
 	uint8_t off_state;		/* enum gml_off_state */
 	bool offloadable;		/* gmlake_advise: may spill by LRU */
+	uint32_t off_refs;		/* offload requests bound to it, queued
+					   or in flight: it may not be freed */
 	bool on_lru;			/* on the offload manager's LRU */
 	bool inplace;			/* spilled: host memory mapped at ptr */
 	void *host;			/* spilled: the copy in the host arena */

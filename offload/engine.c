@@ -37,12 +37,25 @@ void gml_off_wake(struct gml_offload *off)
 /* ---------------------------------------------------------------------- */
 /* The engine thread                                                       */
 
+/* The request is over: its block may be freed again, and it completes.
+ * locked: the ctx lock is held already. */
+static void finish(struct gml_offload *off, struct gml_off_req *req, int res,
+		   bool locked)
+{
+	if (!locked)
+		pthread_mutex_lock(&off->ctx->lock);	/* no driver call */
+	gml_off_unbind(req);
+	if (!locked)
+		pthread_mutex_unlock(&off->ctx->lock);
+	req->complete(req, res);
+}
+
 static void start(struct gml_offload *off, struct gml_off_req *req)
 {
 	int ret = gml_off_move_start(off, req);
 
 	if (ret) {
-		req->complete(req, ret > 0 ? 0 : ret);
+		finish(off, req, ret > 0 ? 0 : ret, false);
 		return;
 	}
 	req->next = off->inflight;
@@ -65,7 +78,7 @@ static void reap(struct gml_offload *off)
 		}
 		*pp = req->next;
 		gml_off_sync_gauges(ctx);
-		req->complete(req, ret);
+		finish(off, req, ret, true);
 	}
 	gml_ctx_unlock(ctx);
 }
@@ -202,7 +215,7 @@ static void *engine_main(void *arg)
 			/* Not started: cancelled. In flight: waited for. */
 			for (; list; list = req) {
 				req = list->next;
-				list->complete(list, -ECANCELED);
+				finish(off, list, -ECANCELED, false);
 			}
 		}
 		start_incoming(off, list);

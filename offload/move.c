@@ -290,19 +290,48 @@ static void leak_host(struct gml_off_req *req, struct gml_block *b)
 	req->host = NULL;
 }
 
-/* The block req names, if it may take part; ctx lock held. */
-static int req_block(gmlake_ctx *ctx, struct gml_off_req *req)
+/*
+ * A request is bound to the block at its address when it is submitted,
+ * not when the engine starts it: by then the caller may have freed that
+ * block and allocated another at the same address. The binding is a
+ * count on the block (off_refs) that makes gmlake_free refuse with -EBUSY
+ * until the request is over.
+ */
+void gml_off_bind(gmlake_ctx *ctx, struct gml_off_req *list)
 {
-	struct gml_block *b = gml_ptrmap_get(&ctx->blocks, req->ptr);
+	pthread_mutex_lock(&ctx->lock);	/* no driver call: no enter */
+	for (struct gml_off_req *req = list; req; req = req->next) {
+		struct gml_block *b = gml_ptrmap_get(&ctx->blocks, req->ptr);
 
-	if (!b)
-		return gml_set_error(-EINVAL, "offload: %#lx is not a live "
-				     "block", (unsigned long)req->ptr);
-	if (b->small)
+		if (!b) {
+			req->err = -EINVAL;
+		} else if (b->small) {
+			req->err = -EOPNOTSUPP;
+		} else {
+			b->off_refs++;
+			req->b = b;
+		}
+	}
+	pthread_mutex_unlock(&ctx->lock);
+}
+
+void gml_off_unbind(struct gml_off_req *req)
+{
+	if (req->b)
+		req->b->off_refs--;
+	req->b = NULL;
+}
+
+/* Whether req is bound to a block that may take part. */
+static int req_block(const struct gml_off_req *req)
+{
+	if (req->err == -EOPNOTSUPP)
 		return gml_set_error(-EOPNOTSUPP, "offload: %#lx is a small "
 				     "block (below the small size); only large "
 				     "blocks move", (unsigned long)req->ptr);
-	req->b = b;
+	if (req->err || !req->b)
+		return gml_set_error(-EINVAL, "offload: %#lx is not a live "
+				     "block", (unsigned long)req->ptr);
 	return 0;
 }
 
@@ -320,7 +349,7 @@ static int req_begin(gmlake_ctx *ctx, struct gml_off_req *req, int from,
 	ret = gml_ctx_lock(ctx);
 	if (ret)
 		return ret;
-	ret = req_block(ctx, req);
+	ret = req_block(req);
 	if (!ret && req->b->off_state == done)
 		ret = 1;		/* nothing to do */
 	else if (!ret && req->b->off_state != from)

@@ -76,7 +76,10 @@ struct gml_off_req {
 	bool inplace;
 	uintptr_t ptr;
 	uint64_t user_data;
+	/* Bound at submit (gml_off_bind) to the block at ptr then, which
+	 * cannot be freed until the request is over; or err says why not. */
 	struct gml_block *b;
+	int err;
 	gml_event done;			/* after the copy and the notify */
 	bool has_done;
 	bool notified;			/* no host_func: poll the event */
@@ -127,6 +130,12 @@ void gml_off_queue(struct gml_offload *off, struct gml_off_req *list);
 void gml_off_wake(struct gml_offload *off);
 
 /* ---- move.c: one request's mechanics ---- */
+
+/* Bind each request of list to the block at its address now (a
+ * reference that gmlake_free honours), or note why it cannot move; takes
+ * the ctx lock. Unbind when the request is over, ctx lock held. */
+void gml_off_bind(gmlake_ctx *ctx, struct gml_off_req *list);
+void gml_off_unbind(struct gml_off_req *req);
 
 /* Start req (ctx lock not held; taken here): 0 with its copy in flight,
  * 1 when the block already is where req would put it, -errno when it

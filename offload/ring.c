@@ -260,8 +260,10 @@ GML_EXPORT int gmlake_offload_submit(struct gmlake_offload *ring)
 	pthread_mutex_lock(&r->lock);
 	count = take_entries(r, &list);
 	pthread_mutex_unlock(&r->lock);
-	if (list)
+	if (list) {
+		gml_off_bind(r->ctx, list);	/* to the blocks there now */
 		gml_off_queue(r->off, list);
+	}
 	return count;
 }
 
