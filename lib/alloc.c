@@ -1210,7 +1210,7 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
 	}
 	/* Offload: spill offloadable blocks, least recently used first. */
-	while (ret == -ENOMEM && gml_off_reclaim(ctx, (uint32_t)chunks, NULL))
+	while (ret == -ENOMEM && ctx->tier && ctx->tier->reclaim(ctx, NULL))
 		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
 	if (ret) {
 		free(b);

@@ -13,26 +13,10 @@
 
 #include "ctx.h"
 #include "error.h"
+#include "lock.h"
 #include "options.h"
 #include "shm.h"
 #include "types.h"
-
-int gml_ctx_lock(gmlake_ctx *ctx)
-{
-	int ret;
-
-	pthread_mutex_lock(&ctx->lock);
-	ret = ctx->dev.ops->enter(ctx->dev.priv);
-	if (ret)
-		pthread_mutex_unlock(&ctx->lock);
-	return ret;
-}
-
-void gml_ctx_unlock(gmlake_ctx *ctx)
-{
-	ctx->dev.ops->leave(ctx->dev.priv);
-	pthread_mutex_unlock(&ctx->lock);
-}
 
 static int ctx_enter(gmlake_ctx *ctx)
 {
@@ -59,8 +43,8 @@ static int check_config(const struct gmlake_config *cfg)
 				     "gmlake_config_init)", cfg->version,
 				     cfg->size, GMLAKE_CONFIG_VERSION,
 				     sizeof(*cfg));
-	if (cfg->backend < GMLAKE_BACKEND_DEFAULT ||
-	    cfg->backend > GMLAKE_BACKEND_EMU)
+	if (cfg->backend != GMLAKE_BACKEND_DEFAULT &&
+	    !gml_backend_by_id(cfg->backend))
 		return gml_set_error(-EINVAL, "unknown backend %d",
 				     cfg->backend);
 	if (cfg->device < 0)
@@ -105,14 +89,7 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 		ctx->cfg = *cfg;
 	else
 		gmlake_config_init(&ctx->cfg);
-	if (ctx->cfg.backend == GMLAKE_BACKEND_DEFAULT) {
-		struct gmlake_config env;
-
-		gmlake_config_init(&env);
-		ctx->cfg.backend = env.backend == GMLAKE_BACKEND_EMU ?
-					   GMLAKE_BACKEND_EMU :
-					   GMLAKE_BACKEND_CUDA;
-	}
+	ctx->cfg.backend = gml_config_backend(&ctx->cfg);
 	gml_log_level = ctx->cfg.log_level;
 	ret = gml_dev_open(&ctx->dev, &ctx->cfg);
 	if (ret)
@@ -120,12 +97,11 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 	ret = set_chunk(ctx);
 	if (ret)
 		goto out_close;
-	ret = ctx->dev.ops->enter(ctx->dev.priv);
+	ret = gml_dev_enter(&ctx->dev);
 	if (ret)
 		goto out_close;
-	ret = ctx->dev.ops->mem_info(ctx->dev.priv, &free_bytes,
-				     &ctx->dev_total);
-	ctx->dev.ops->leave(ctx->dev.priv);
+	ret = gml_dev_mem_info(&ctx->dev, &free_bytes, &ctx->dev_total);
+	gml_dev_leave(&ctx->dev);
 	if (ret)
 		goto out_close;
 	pthread_mutex_init(&ctx->lock, NULL);
@@ -147,8 +123,10 @@ void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 	b->extra = NULL;
 	b->nextra = 0;
 	if (!b->small) {
-		/* Offload: the host copy goes; a spilled run stays holes. */
-		gml_off_block_gone(ctx, b);
+		/* A tier forgets the block (its host copy goes); a spilled
+		 * run stays holes. */
+		if (ctx->tier)
+			ctx->tier->block_gone(ctx, b);
 		if (b->off_state == GML_OFF_SPILLED) {
 			gml_large_free_spilled(ctx, b);
 			return;
@@ -209,7 +187,7 @@ static int oom_error(gmlake_ctx *ctx, size_t size)
 	size_t free_bytes = 0, total = 0;
 
 	ctx->st.ooms++;
-	ctx->dev.ops->mem_info(ctx->dev.priv, &free_bytes, &total);
+	gml_dev_mem_info(&ctx->dev, &free_bytes, &total);
 	return gml_set_error(-ENOMEM, "out of memory allocating %zu bytes: "
 			     "%lld bytes allocated, %lld reserved in %lld "
 			     "chunks, device has %zu of %zu bytes free",
@@ -312,11 +290,13 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 	if (ret)
 		return ret;
 	b = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr);
-	if (b && !b->small && (b->off_state == GML_OFF_SPILLING ||
+	/* An offload request bound to the block must never act on the
+	 * block a later allocation puts at the same address. */
+	if (b && !b->small && (b->off_refs || b->off_state == GML_OFF_SPILLING ||
 			       b->off_state == GML_OFF_FETCHING)) {
-		ret = gml_set_error(-EBUSY, "gmlake_free: %p is being spilled "
-				    "or fetched; free it after its completion",
-				    ptr);
+		ret = gml_set_error(-EBUSY, "gmlake_free: %p has offload "
+				    "requests queued or in flight; free it after "
+				    "their completions", ptr);
 		goto out_leave;
 	}
 	b = gml_ptrmap_del(&ctx->blocks, (uintptr_t)ptr);
@@ -513,7 +493,7 @@ GML_EXPORT int gmlake_stream_create(gmlake_ctx *ctx, gmlake_stream_t *stream)
 		ctx->created = grown;
 		ctx->cap_created = cap;
 	}
-	ret = ctx->dev.ops->stream_create(ctx->dev.priv, stream);
+	ret = gml_dev_stream_create(&ctx->dev, stream);
 	if (!ret)
 		ctx->created[ctx->ncreated++] = *stream;
 out_leave:
@@ -550,7 +530,7 @@ GML_EXPORT int gmlake_stream_destroy(gmlake_ctx *ctx, gmlake_stream_t stream)
 		if (ret)
 			goto out_leave;
 	}
-	ret = ctx->dev.ops->stream_destroy(ctx->dev.priv, stream);
+	ret = gml_dev_stream_destroy(&ctx->dev, stream);
 	if (!ret)
 		ctx->created[created] = ctx->created[--ctx->ncreated];
 	if (!ret && idx >= 0) {
@@ -597,10 +577,10 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		ctx_leave(ctx);
 		return ret;
 	}
-	if (ctx->off) {
-		/* The offload engine takes the lock: stop it without. */
+	if (ctx->tier) {
+		/* A tier's engine takes the lock: stop it without. */
 		ctx_leave(ctx);
-		gml_off_quiesce(ctx);
+		ctx->tier->quiesce(ctx);
 		ret = ctx_enter(ctx);
 		if (ret)
 			return ret;
@@ -621,7 +601,11 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		gml_block_release(ctx, b, &none);
 	}
 	gml_small_trim(ctx, -1);
-	gml_off_fini(ctx);
+	if (ctx->tier) {
+		ctx->tier->fini(ctx);
+		ctx->tier = NULL;
+		ctx->tier_priv = NULL;
+	}
 	gml_views_fini(ctx);
 	gml_spares_release(ctx);
 	gml_zombies_reap(ctx);
@@ -629,10 +613,13 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 	gml_spools_fini(ctx);
 	gml_streams_fini(ctx);
 	gml_ptrmap_fini(&ctx->blocks);
+	/* A stream whose destroy failed is tried once more: the driver
+	 * would keep it (and its thread, on the emulated device). */
 	for (int i = 0; i < ctx->ncreated; i++)
-		ctx->dev.ops->stream_destroy(ctx->dev.priv, ctx->created[i]);
+		if (gml_dev_stream_destroy(&ctx->dev, ctx->created[i]))
+			gml_dev_stream_destroy(&ctx->dev, ctx->created[i]);
 	free(ctx->created);
-	ctx->dev.ops->leave(ctx->dev.priv);
+	gml_dev_leave(&ctx->dev);
 	gml_dev_close(&ctx->dev);
 	pthread_mutex_unlock(&ctx->lock);
 	pthread_mutex_destroy(&ctx->lock);

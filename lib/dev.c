@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The device wrapper: every driver operation of the allocator goes through
- * here to be counted, timed, and failed on purpose when a test armed a fault.
+ * The device wrapper: every driver operation of the library (allocator,
+ * context and offload manager) goes through here to be counted, timed, and
+ * failed on purpose when a test armed a fault.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -9,6 +10,7 @@
 
 #include <errno.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "drv.h"
@@ -22,14 +24,49 @@ uint64_t gml_now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* The first row is the default: a real user without a GPU gets -ENODEV
+ * from the driver, never a silent emulation. */
+static const struct gml_backend backends[] = {
+	{ GMLAKE_BACKEND_CUDA, "cuda", &gml_drv_cuda },
+	{ GMLAKE_BACKEND_EMU, "emu", &gml_drv_emu },
+};
+
+#define NBACKENDS (sizeof(backends) / sizeof(backends[0]))
+
+const struct gml_backend *gml_backend_by_id(int id)
+{
+	for (size_t i = 0; i < NBACKENDS; i++)
+		if (backends[i].id == id)
+			return &backends[i];
+	return NULL;
+}
+
+const struct gml_backend *gml_backend_by_name(const char *name)
+{
+	for (size_t i = 0; i < NBACKENDS; i++)
+		if (!strcasecmp(backends[i].name, name))
+			return &backends[i];
+	return NULL;
+}
+
+const struct gml_backend *gml_backend_default(void)
+{
+	return &backends[0];
+}
+
+/* Open the backend cfg->backend names (a row of the table, never the
+ * default: gmlake_ctx_init resolves that first). */
 int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg)
 {
+	const struct gml_backend *be = gml_backend_by_id(cfg->backend);
 	int ret;
 
 	memset(dev, 0, sizeof(*dev));
 	dev->fault.call = -1;
-	dev->ops = cfg->backend == GMLAKE_BACKEND_EMU ? &gml_drv_emu :
-							&gml_drv_cuda;
+	if (!be)
+		return gml_set_error(-EINVAL, "unknown backend %d",
+				     cfg->backend);
+	dev->ops = be->ops;
 	ret = dev->ops->open(cfg, &dev->priv);
 	if (ret)
 		return ret;
@@ -63,9 +100,33 @@ bool gml_dev_is_emu(const struct gml_dev *dev)
 void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err)
 {
 	dev->fault.call = call;
-	dev->fault.nth = call >= 0 && call < GMLAKE_CALL_COUNT ?
+	dev->fault.nth = call >= 0 && call < GML_CALL_COUNT ?
 				 dev->calls[call] + nth : 0;
 	dev->fault.err = err ? err : ENOMEM;
+}
+
+const char *gml_dev_call_name(int call)
+{
+	static const char *const names[] = {
+		[GML_CALL_stream_create - GMLAKE_CALL_COUNT] = "stream_create",
+		[GML_CALL_stream_destroy - GMLAKE_CALL_COUNT] = "stream_destroy",
+		[GML_CALL_mem_info - GMLAKE_CALL_COUNT] = "mem_info",
+		[GML_CALL_enter - GMLAKE_CALL_COUNT] = "enter",
+	};
+
+	if (call >= GMLAKE_CALL_COUNT && call < GML_CALL_COUNT)
+		return names[call - GMLAKE_CALL_COUNT];
+	return gmlake_call_name(call);
+}
+
+/* Count the call; true when an armed fault says this one fails. */
+static bool counted(struct gml_dev *dev, int call)
+{
+	dev->calls[call]++;
+	if (dev->fault.call != call || dev->calls[call] != dev->fault.nth)
+		return false;
+	dev->fault.call = -1;
+	return true;
 }
 
 /*
@@ -75,11 +136,7 @@ void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err)
 static bool begin(struct gml_dev *dev, int call, uint64_t *t0)
 {
 	*t0 = gml_now_ns();
-	dev->calls[call]++;
-	if (dev->fault.call != call || dev->calls[call] != dev->fault.nth)
-		return false;
-	dev->fault.call = -1;
-	return true;
+	return counted(dev, call);
 }
 
 static int end(struct gml_dev *dev, int call, uint64_t t0, int ret)
@@ -94,7 +151,54 @@ static int injected(struct gml_dev *dev, int call)
 {
 	dev->call_failures[call]++;
 	return gml_set_error(-dev->fault.err, "%s: injected fault",
-			     gmlake_call_name(call));
+			     gml_dev_call_name(call));
+}
+
+int gml_dev_enter(struct gml_dev *dev)
+{
+	int ret;
+
+	if (counted(dev, GML_CALL_enter))
+		return injected(dev, GML_CALL_enter);
+	ret = dev->ops->enter(dev->priv);
+	if (ret)
+		dev->call_failures[GML_CALL_enter]++;
+	return ret;
+}
+
+void gml_dev_leave(struct gml_dev *dev)
+{
+	dev->ops->leave(dev->priv);
+}
+
+int gml_dev_mem_info(struct gml_dev *dev, size_t *free, size_t *total)
+{
+	uint64_t t0;
+
+	if (begin(dev, GML_CALL_mem_info, &t0))
+		return injected(dev, GML_CALL_mem_info);
+	return end(dev, GML_CALL_mem_info, t0,
+		   dev->ops->mem_info(dev->priv, free, total));
+}
+
+int gml_dev_stream_create(struct gml_dev *dev, gmlake_stream_t *s)
+{
+	uint64_t t0;
+
+	if (begin(dev, GML_CALL_stream_create, &t0))
+		return injected(dev, GML_CALL_stream_create);
+	return end(dev, GML_CALL_stream_create, t0,
+		   dev->ops->stream_create(dev->priv, s));
+}
+
+int gml_dev_stream_destroy(struct gml_dev *dev, gmlake_stream_t s)
+{
+	uint64_t t0;
+
+	if (begin(dev, GML_CALL_stream_destroy, &t0))
+		return injected(dev, GML_CALL_stream_destroy);
+	return end(dev, GML_CALL_stream_destroy, t0,
+		   dev->ops->stream_destroy(dev->priv, s));
 }
 
 int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h)

@@ -82,9 +82,42 @@ struct gml_drv_ops {
 extern const struct gml_drv_ops gml_drv_cuda;
 extern const struct gml_drv_ops gml_drv_emu;
 
+/*
+ * The backends, one row each: its enum gmlake_backend value, the name
+ * GMLAKE_BACKEND gives it, its table. The one table that the options
+ * (names), gmlake_ctx_init (which values are valid, which is the default)
+ * and gml_dev_open (which table to open) all read.
+ */
+struct gml_backend {
+	int id;				/* enum gmlake_backend */
+	const char *name;		/* GMLAKE_BACKEND=name */
+	const struct gml_drv_ops *ops;
+};
+
+/* The row of id, or NULL (GMLAKE_BACKEND_DEFAULT has none). */
+const struct gml_backend *gml_backend_by_id(int id);
+/* The row named name (any case), or NULL. */
+const struct gml_backend *gml_backend_by_name(const char *name);
+/* The row GMLAKE_BACKEND_DEFAULT opens when GMLAKE_BACKEND names none. */
+const struct gml_backend *gml_backend_default(void);
+
+/*
+ * Call kinds of the device layer beyond the published ones (enum
+ * gmlake_call of gmlake-stats.h): counted and fault-injectable like them,
+ * but not in struct gmlake_stats, whose layout (and version) would change.
+ * gml_dev_call_name() names every kind.
+ */
+enum gml_dev_call {
+	GML_CALL_stream_create = GMLAKE_CALL_COUNT,
+	GML_CALL_stream_destroy,
+	GML_CALL_mem_info,
+	GML_CALL_enter,
+	GML_CALL_COUNT
+};
+
 /* Fault plan: fail call number nth (1-based) of kind call, once. */
 struct gml_fault {
-	int call;		/* enum gmlake_call, or -1 for none */
+	int call;		/* enum gmlake_call or gml_dev_call; -1: none */
 	uint64_t nth;
 	int err;		/* errno to return (positive), ENOMEM by default */
 };
@@ -94,9 +127,9 @@ struct gml_dev {
 	const struct gml_drv_ops *ops;
 	void *priv;
 	size_t granularity;
-	uint64_t calls[GMLAKE_CALL_COUNT];
-	uint64_t call_ns[GMLAKE_CALL_COUNT];
-	uint64_t call_failures[GMLAKE_CALL_COUNT];
+	uint64_t calls[GML_CALL_COUNT];
+	uint64_t call_ns[GML_CALL_COUNT];
+	uint64_t call_failures[GML_CALL_COUNT];
 	struct gml_fault fault;
 };
 
@@ -104,6 +137,18 @@ int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg);
 void gml_dev_close(struct gml_dev *dev);
 /* Arm a fault: call kind `call` fails with -err on its nth call from now. */
 void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err);
+/* The name of a call kind, published or not ("enter"); NULL if none. */
+const char *gml_dev_call_name(int call);
+
+/* The device's context made current in this thread (CUDA), and undone;
+ * enter is counted and fault-injectable, neither is timed: they run on
+ * every public call, and two clock reads would cost about what the push
+ * and pop of a context cost. */
+int gml_dev_enter(struct gml_dev *dev);
+void gml_dev_leave(struct gml_dev *dev);
+int gml_dev_mem_info(struct gml_dev *dev, size_t *free, size_t *total);
+int gml_dev_stream_create(struct gml_dev *dev, gmlake_stream_t *s);
+int gml_dev_stream_destroy(struct gml_dev *dev, gmlake_stream_t s);
 
 int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h);
 int gml_mem_release(struct gml_dev *dev, gml_handle h);
@@ -144,13 +189,9 @@ int gml_emu_info(void *priv, struct gml_emu_info *info);
 /* Emulated device only: hold a stream's worker (queued work waits) or let
  * it go, so tests can stall a stream on purpose. -EOPNOTSUPP elsewhere. */
 int gml_emu_stream_hold(void *priv, gmlake_stream_t s, bool hold);
-/* Emulated device only: the host NUMA node it reports (-1: none). */
-int gml_emu_set_host_numa(void *priv, int node);
-/* Emulated device only: host bytes held by mem_create_host handles. */
-int gml_emu_host_used(void *priv, size_t *bytes);
-/* Whether priv belongs to the emulated backend. */
 /* CLOCK_MONOTONIC in nanoseconds, for the call timers and the stats. */
 uint64_t gml_now_ns(void);
+/* Whether dev opened the emulated backend. */
 bool gml_dev_is_emu(const struct gml_dev *dev);
 
 #endif

@@ -177,7 +177,6 @@ struct emu_dev {
 	pthread_cond_t ev_cond;	/* broadcast when any event completes */
 	int host_fd;		/* host memory of mem_create_host, -1 */
 	uint64_t host_next;	/* next free offset in host_fd, in units */
-	size_t host_used;
 	int host_numa;		/* reported host NUMA node */
 };
 
@@ -411,9 +410,7 @@ static void emu_chunk_free(struct emu_dev *dev, struct emu_chunk *c)
 		gml_log(GMLAKE_LOG_WARN,
 			"emu: cannot punch a hole over a released chunk: %s",
 			strerror(errno));
-	if (c->host) {
-		dev->host_used -= len;
-	} else {
+	if (!c->host) {
 		emu_extent_give(dev, c->start, c->units);
 		dev->used -= len;
 	}
@@ -1411,7 +1408,6 @@ static int emu_mem_create_host(void *priv, size_t size, int numa,
 	}
 	c->start = dev->host_next;
 	dev->host_next += c->units;
-	dev->host_used += size;
 	dev->live_handles++;
 	*h = c->id;
 	pthread_mutex_unlock(&dev->lock);
@@ -1666,34 +1662,6 @@ int gml_emu_stream_hold(void *priv, gmlake_stream_t h, bool hold)
 	}
 	pthread_mutex_unlock(&dev->lock);
 	return s ? 0 : -EINVAL;
-}
-
-int gml_emu_set_host_numa(void *priv, int node)
-{
-	struct emu_dev *dev = emu_dev_of(priv);
-
-	if (!dev)
-		return gml_set_error(-EOPNOTSUPP,
-			"emu_set_host_numa: not an emulated device");
-	if (node < -1)
-		return gml_set_error(-EINVAL, "emu_set_host_numa: node %d", node);
-	pthread_mutex_lock(&dev->lock);
-	dev->host_numa = node;
-	pthread_mutex_unlock(&dev->lock);
-	return 0;
-}
-
-int gml_emu_host_used(void *priv, size_t *bytes)
-{
-	struct emu_dev *dev = emu_dev_of(priv);
-
-	if (!dev)
-		return gml_set_error(-EOPNOTSUPP,
-			"emu_host_used: not an emulated device");
-	pthread_mutex_lock(&dev->lock);
-	*bytes = dev->host_used;
-	pthread_mutex_unlock(&dev->lock);
-	return 0;
 }
 
 const struct gml_drv_ops gml_drv_emu = {

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "drv.h"
 #include "error.h"
 #include "options.h"
 
@@ -92,14 +93,14 @@ int gml_parse_bool(const char *s, bool *out)
 	return -EINVAL;
 }
 
+/* A name of the backend table (lib/dev.c). */
 static int parse_backend(const char *s, int *out)
 {
-	if (!strcasecmp(s, "cuda"))
-		*out = GMLAKE_BACKEND_CUDA;
-	else if (!strcasecmp(s, "emu"))
-		*out = GMLAKE_BACKEND_EMU;
-	else
+	const struct gml_backend *be = gml_backend_by_name(s);
+
+	if (!be)
 		return -EINVAL;
+	*out = be->id;
 	return 0;
 }
 
@@ -191,21 +192,38 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->spare_keep_ms = 5000;
 }
 
+/* Apply the environment's value of option o, if set, to cfg; a bad value
+ * warns and leaves cfg as it was. */
+static void apply_env(const struct option_def *o, struct gmlake_config *cfg)
+{
+	const char *val = getenv(o->name);
+
+	if (val && apply(o, val, cfg))
+		gml_log(GMLAKE_LOG_WARN, "%s: invalid value '%s', using the "
+			"default", o->name, val);
+}
+
 GML_EXPORT int gmlake_config_init(struct gmlake_config *cfg)
 {
 	if (!cfg)
 		return gml_set_error(-EINVAL, "gmlake_config_init: cfg is NULL");
 	gml_config_defaults(cfg);
-	for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++) {
-		const char *val = getenv(options[i].name);
-
-		if (!val)
-			continue;
-		if (apply(&options[i], val, cfg))
-			gml_log(GMLAKE_LOG_WARN,
-				"%s: invalid value '%s', using the default",
-				options[i].name, val);
-	}
+	for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++)
+		apply_env(&options[i], cfg);
 	gml_log_level = cfg->log_level;
 	return 0;
+}
+
+int gml_config_backend(const struct gmlake_config *cfg)
+{
+	struct gmlake_config env = { .backend = GMLAKE_BACKEND_DEFAULT };
+
+	if (cfg->backend != GMLAKE_BACKEND_DEFAULT)
+		return cfg->backend;
+	for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++)
+		if (options[i].offset == FIELD(backend))
+			apply_env(&options[i], &env);
+	if (env.backend != GMLAKE_BACKEND_DEFAULT)
+		return env.backend;
+	return gml_backend_default()->id;
 }

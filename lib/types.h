@@ -40,6 +40,7 @@
 #include "error.h"
 #include "gmlake.h"
 #include "ptrmap.h"
+#include "tier.h"
 
 struct gml_block;
 struct gml_view;
@@ -109,7 +110,6 @@ struct gml_stream {
 };
 
 struct gml_schunk;
-struct gml_offload;
 
 /* A segment position whose chunk moved to a fetched block before the work
  * that used it here completed: still mapped (to no chunk of its own) until
@@ -147,14 +147,16 @@ struct gml_block {
 	/* Offload (offload/), large blocks only. */
 	uint8_t off_state;		/* enum gml_off_state */
 	bool offloadable;		/* gmlake_advise: may spill by LRU */
-	bool on_lru;			/* on ctx->lru */
+	uint32_t off_refs;		/* offload requests bound to it, queued
+					   or in flight: it may not be freed */
+	bool on_lru;			/* on the offload manager's LRU */
 	bool inplace;			/* spilled: host memory mapped at ptr */
 	void *host;			/* spilled: the copy in the host arena */
 	size_t host_size;
 	gml_handle host_h;		/* in place: host memory handle, */
 	gml_va host_va;			/* and its second mapping; */
 	bool inplace_mapped;		/* also mapped at ptr */
-	struct gml_block *oprev, *onext; /* ctx->lru, oldest first */
+	struct gml_block *oprev, *onext; /* that LRU, oldest first */
 };
 
 struct gml_schunk {
@@ -202,9 +204,10 @@ struct gmlake_ctx {
 	gml_event *event_pool;
 	size_t nevent_pool, cap_event_pool;
 
-	/* Offload manager (offload/): NULL until first used. */
-	struct gml_offload *off;
-	struct gml_block *lru, *lru_tail; /* offloadable resident blocks */
+	/* A tier below the device (offload/, lib/tier.h): NULL until the
+	 * tier is first used and registers itself. */
+	const struct gml_tier_ops *tier;
+	void *tier_priv;		/* the tier's state */
 	gml_handle *zombies;		/* chunks whose release failed */
 	uint32_t nzombies, cap_zombies;
 	struct gml_stale *stale;	/* positions a moved chunk still maps */
@@ -267,11 +270,19 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all);
 /* Wait for the work queued so far on every stream; 0 or the first error. */
 int gml_streams_wait_all(gmlake_ctx *ctx);
 
-/* offload/: hooks into the allocator, ctx lock held. */
-bool gml_off_reclaim(gmlake_ctx *ctx, uint32_t chunks, struct gml_block *keep);
-void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b);
-void gml_off_quiesce(gmlake_ctx *ctx);
-void gml_off_fini(gmlake_ctx *ctx);
+/* tier.c: what a tier below the device (offload/) asks of the allocator
+ * instead of reading its fields; ctx lock held. */
+/* Stream indices run from 0 to gml_stream_count() - 1; the handle of a
+ * live one, false for an index out of range or a destroyed stream. */
+int gml_stream_count(gmlake_ctx *ctx);
+bool gml_stream_handle(gmlake_ctx *ctx, int idx, gmlake_stream_t *s);
+/* Whether segment positions still wait to be unmapped (gml_stale_reap). */
+bool gml_stale_pending(gmlake_ctx *ctx);
+/* The chunk timer, run by a tier's thread: unmap the stale positions
+ * whose work completed, give back spare chunks unused for
+ * cfg.spare_keep_ms. Milliseconds until the next look is due, -1: none. */
+int gml_chunks_tend(gmlake_ctx *ctx);
+const struct gmlake_config *gml_ctx_config(const gmlake_ctx *ctx);
 
 /* small.c */
 int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
@@ -283,11 +294,7 @@ void gml_small_free(gmlake_ctx *ctx, struct gml_block *b,
 void gml_small_trim(gmlake_ctx *ctx, int stream);
 void gml_spools_fini(gmlake_ctx *ctx);
 
-/* ctx.c */
-/* The context lock, with the device's context current (CUDA). 0 or
- * -errno; on failure the lock is not held. */
-int gml_ctx_lock(gmlake_ctx *ctx);
-void gml_ctx_unlock(gmlake_ctx *ctx);
+/* ctx.c (the context lock is in lock.h) */
 void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 		       const struct gml_guard *g);
 

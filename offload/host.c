@@ -354,19 +354,6 @@ int gml_host_charge(struct gml_host *h, int64_t size)
 	return ret;
 }
 
-bool gml_host_needs_growth(struct gml_host *h, size_t size)
-{
-	bool fits = false;
-
-	size = round_unit(size ? size : 1);
-	pthread_mutex_lock(&h->lock);
-	for (struct gml_host_region *r = h->regions; r && !fits; r = r->next)
-		for (size_t i = 0; i < r->nfree && !fits; i++)
-			fits = r->free[i].len >= size;
-	pthread_mutex_unlock(&h->lock);
-	return !fits;
-}
-
 void gml_host_grow_ahead(struct gml_host *h)
 {
 	bool want;

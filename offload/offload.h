@@ -1,14 +1,20 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The offload manager's insides, shared by host.c (the pinned host arena),
- * engine.c (spill and fetch, the completion engine, automatic offload) and
- * ring.c (the io_uring-shaped rings of include/gmlake-offload.h).
+ * The offload manager's insides, one section per file: host.c (the pinned
+ * host arena), move.c (one request's mechanics: spill and fetch of a
+ * block), engine.c (the engine thread, set-up and tear-down), advise.c
+ * (advice, the LRU and automatic offload, where a block is) and ring.c
+ * (the io_uring-shaped rings of include/gmlake-offload.h).
  *
- * Locking, outermost first: a ring's lock (ring.c), then the context lock,
- * then off->lock (the engine's queues), then the arena's lock. The engine
- * thread takes the context lock only with no other lock held, and never
- * waits for a device copy while holding it, except in the allocation
- * path's synchronous spill (gml_off_reclaim), which the caller asked for.
+ * Locking: the context lock is outermost. Under it one more may be taken:
+ * a ring's lock (the engine posts completions with the context lock
+ * held), off->lock (the engine's queues) or the arena's lock (h->lock);
+ * these three never nest in one another, and no code takes the context
+ * lock while holding any of them. The engine thread takes the context lock
+ * with no other lock held, and waits for device work while holding it
+ * only in the allocation path's synchronous spill (gml_off_reclaim, which
+ * the caller asked for, in the caller's thread or for a fetch) and on
+ * error paths (a copy whose event fails, a fetch undone).
  */
 #ifndef GML_OFFLOAD_H
 #define GML_OFFLOAD_H
@@ -21,6 +27,7 @@
 #include <liburing.h>
 
 #include "gmlake-offload.h"
+#include "lock.h"
 #include "types.h"
 
 /* ---- host.c: the pinned host arena ---- */
@@ -50,25 +57,29 @@ void gml_host_free(struct gml_host *h, void *p, size_t size);
 /* Charge (or with a negative size, refund) in-place host memory against
  * the budget; -ENOMEM when it would pass it. */
 int gml_host_charge(struct gml_host *h, int64_t size);
-/* Whether a request of size bytes would need a new region. */
-bool gml_host_needs_growth(struct gml_host *h, size_t size);
 /* Pin ahead: a region when less than a step is free (engine thread). */
 void gml_host_grow_ahead(struct gml_host *h);
 /* Pin what set-up asked for (engine thread, before any request). */
 void gml_host_prepin(struct gml_host *h);
 
-/* ---- engine.c ---- */
+/* ---- the manager and its requests ---- */
 
 struct gml_ring;
 
 struct gml_off_req {
 	struct gml_off_req *next;
-	struct gml_ring *ring;
+	/* Called once when the request is over, res 0 or -errno; frees req.
+	 * Set by whoever made the request (ring.c), any lock may be held. */
+	void (*complete)(struct gml_off_req *req, int res);
+	struct gml_ring *ring;		/* complete's: the ring to post to */
 	uint8_t op;			/* enum gmlake_offload_op */
 	bool inplace;
 	uintptr_t ptr;
 	uint64_t user_data;
+	/* Bound at submit (gml_off_bind) to the block at ptr then, which
+	 * cannot be freed until the request is over; or err says why not. */
 	struct gml_block *b;
+	int err;
 	gml_event done;			/* after the copy and the notify */
 	bool has_done;
 	bool notified;			/* no host_func: poll the event */
@@ -84,11 +95,12 @@ struct gml_offload {
 	int engine;			/* enum gmlake_offload_engine */
 	int numa;
 
+	/* Offloadable resident blocks, least recently used first; ctx lock. */
+	struct gml_block *lru, *lru_tail;
+
 	pthread_mutex_t lock;		/* the queues below */
-	pthread_cond_t idle;		/* a ring's requests all done */
 	struct gml_off_req *incoming;	/* submitted, not started */
 	struct gml_off_req *inflight;	/* copies under way (engine only) */
-	unsigned nrings;
 	bool stop;
 	bool started;
 	pthread_t thread;
@@ -98,16 +110,60 @@ struct gml_offload {
 	uint64_t efd_buf;
 };
 
+/* ---- engine.c: the engine thread ---- */
+
+/* The offload manager's hooks, registered with the context on first use
+ * (lib/tier.h). */
+extern const struct gml_tier_ops gml_off_tier;
+
+/* The context's manager, or NULL before its first use; ctx lock held. */
+static inline struct gml_offload *gml_off_of(gmlake_ctx *ctx)
+{
+	return ctx->tier == &gml_off_tier ? ctx->tier_priv : NULL;
+}
+
 /* The context's manager, made on first use; ctx lock held. */
 int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out);
 /* Queue requests for the engine (any thread, no lock held). */
 void gml_off_queue(struct gml_offload *off, struct gml_off_req *list);
-/* A ring went away / came. */
-void gml_off_ring_ref(struct gml_offload *off, int delta);
+/* Wake the engine (any thread, any lock held; a driver thread too). */
+void gml_off_wake(struct gml_offload *off);
 
-/* ---- ring.c ---- */
+/* ---- move.c: one request's mechanics ---- */
 
-/* Post a completion for req to its ring and free req. */
-void gml_ring_complete(struct gml_off_req *req, int res);
+/* Bind each request of list to the block at its address now (a
+ * reference that gmlake_free honours), or note why it cannot move; takes
+ * the ctx lock. Unbind when the request is over, ctx lock held. */
+void gml_off_bind(gmlake_ctx *ctx, struct gml_off_req *list);
+void gml_off_unbind(struct gml_off_req *req);
+
+/* Start req (ctx lock not held; taken here): 0 with its copy in flight,
+ * 1 when the block already is where req would put it, -errno when it
+ * failed (the block as it was). */
+int gml_off_move_start(struct gml_offload *off, struct gml_off_req *req);
+/* Whether the copy of req (started, 0 above) is over: then the move is
+ * finished or undone and *res is req's result. ctx lock held. */
+bool gml_off_move_reap(struct gml_offload *off, struct gml_off_req *req,
+		       int *res);
+/* Spill b now, in this thread, from the arena's free space only: the
+ * allocation path under pressure. ctx lock held. 0 or -errno, b intact. */
+int gml_off_spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
+		       struct gml_block *b);
+/* Free a spilled block's in-place host memory (and its mappings). */
+void gml_off_inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
+			  struct gml_block *b);
+/* Move the arena's byte counts into the context's gauges; ctx lock held. */
+void gml_off_sync_gauges(gmlake_ctx *ctx);
+
+/* ---- advise.c: advice, the LRU, automatic offload ---- */
+
+/* Off the LRU; to its tail (most recently used, if offloadable and
+ * resident). ctx lock held. */
+void gml_off_lru_del(struct gml_offload *off, struct gml_block *b);
+void gml_off_lru_touch(struct gml_offload *off, struct gml_block *b);
+/* The tier's hooks (lib/tier.h): spill one block, least recently used
+ * first, never keep; a freed block's host side goes. ctx lock held. */
+bool gml_off_reclaim(gmlake_ctx *ctx, struct gml_block *keep);
+void gml_off_block_gone(gmlake_ctx *ctx, struct gml_block *b);
 
 #endif

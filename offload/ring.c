@@ -10,9 +10,9 @@
  * queue's size, so the engine never finds it full and a completion stays
  * where wait_cqe pointed until cqe_seen.
  *
- * A ring's lock is innermost: the engine posts completions with the
- * context lock held, and nothing here takes the context lock with the
- * ring's lock held.
+ * A ring's lock is innermost (offload.h): the engine posts completions
+ * with the context lock held, and nothing here takes the context lock, or
+ * any other lock, with the ring's lock held.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -86,8 +86,6 @@ GML_EXPORT int gmlake_offload_init(struct gmlake_offload *ring,
 	ret = gml_ctx_lock(ctx);
 	if (!ret) {
 		ret = gml_off_get(ctx, &off);
-		if (!ret)
-			off->nrings++;
 		gml_ctx_unlock(ctx);
 	}
 	if (ret)
@@ -108,7 +106,6 @@ out_free:
 GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
 {
 	struct gml_ring *r = ring_of(ring, "gmlake_offload_exit");
-	gmlake_ctx *ctx;
 
 	if (!r)
 		return -EINVAL;
@@ -116,11 +113,6 @@ GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
 	while (r->inflight)
 		pthread_cond_wait(&r->cond, &r->lock);
 	pthread_mutex_unlock(&r->lock);
-	ctx = r->ctx;
-	pthread_mutex_lock(&ctx->lock);
-	if (ctx->off == r->off)
-		r->off->nrings--;
-	pthread_mutex_unlock(&ctx->lock);
 	pthread_cond_destroy(&r->cond);
 	pthread_mutex_destroy(&r->lock);
 	free(r->sqes);
@@ -198,7 +190,8 @@ static void post(struct gml_ring *r, uint64_t user_data, int res)
 	pthread_cond_broadcast(&r->cond);
 }
 
-void gml_ring_complete(struct gml_off_req *req, int res)
+/* A request's completion callback: post to its ring and free it. */
+static void ring_complete(struct gml_off_req *req, int res)
 {
 	struct gml_ring *r = req->ring;
 
@@ -233,6 +226,7 @@ static int take_entries(struct gml_ring *r, struct gml_off_req **list)
 		req = calloc(1, sizeof(*req));
 		if (!req)
 			break;
+		req->complete = ring_complete;
 		req->ring = r;
 		req->op = sqe->opcode;
 		req->inplace = (sqe->flags & GMLAKE_OFFLOAD_SQE_INPLACE) ||
@@ -266,8 +260,10 @@ GML_EXPORT int gmlake_offload_submit(struct gmlake_offload *ring)
 	pthread_mutex_lock(&r->lock);
 	count = take_entries(r, &list);
 	pthread_mutex_unlock(&r->lock);
-	if (list)
+	if (list) {
+		gml_off_bind(r->ctx, list);	/* to the blocks there now */
 		gml_off_queue(r->off, list);
+	}
 	return count;
 }
 

@@ -16,14 +16,20 @@
  * the fault is disarmed), and even after a failed wait the copy must be
  * over when the call returns (the host buffer is freed at once).
  *
+ * The kinds walked include the device layer's own (gml_dev_call): stream
+ * create and destroy, the memory query and entering the device's context,
+ * which every public call does.
+ *
  * Further cases fail calls inside gmlake_ctx_destroy and check that the
- * process is left with no descriptor and no mapping of the device; fail the
- * backend's stream create and destroy (not counted call kinds, so through
- * a copy of the operation table); and make gmlake_ctx_init fail at each of
- * its steps. Each walk prints its number of fault sites.
+ * process is left with no descriptor and no mapping of the device; fail
+ * stream create and destroy once each; walk the offload manager's life
+ * (its set-up with two copy streams, a spill and a fetch, its tear-down);
+ * and make gmlake_ctx_init fail at each of its steps. Each walk prints its
+ * number of fault sites.
  */
 #include <sys/resource.h>
 
+#include "gmlake-offload.h"
 #include "helpers.h"
 #include "error.h"
 
@@ -39,7 +45,9 @@ static const int fault_kinds[] = {
 	GMLAKE_CALL_va_free,	  GMLAKE_CALL_event_create,
 	GMLAKE_CALL_event_record, GMLAKE_CALL_event_query,
 	GMLAKE_CALL_event_sync,	  GMLAKE_CALL_stream_sync,
-	GMLAKE_CALL_memcpy,
+	GMLAKE_CALL_memcpy,	  GML_CALL_stream_create,
+	GML_CALL_stream_destroy,  GML_CALL_mem_info,
+	GML_CALL_enter,
 };
 #define N_KINDS ((int)(sizeof(fault_kinds) / sizeof(fault_kinds[0])))
 
@@ -310,7 +318,7 @@ static bool run_one(int kind, uint64_t nth, int err, int *failed, int *lost)
 	dev = th_dev(f.ctx);
 	before = dev->call_failures[kind];
 	snprintf(site, sizeof(site), "%s nth %" PRIu64 " %s",
-		 gmlake_call_name(kind), nth, err == EIO ? "EIO" : "ENOMEM");
+		 gml_dev_call_name(kind), nth, err == EIO ? "EIO" : "ENOMEM");
 	gml_dev_fail_nth(dev, kind, nth, err);
 
 	scenario(&f);
@@ -319,7 +327,7 @@ static bool run_one(int kind, uint64_t nth, int err, int *failed, int *lost)
 	gml_dev_fail_nth(dev, -1, 0, 0);
 	ck_assert_msg(fired || f.failed == 0,
 		      "%s nth %" PRIu64 ": %d calls failed, no fault fired",
-		      gmlake_call_name(kind), nth, f.failed);
+		      gml_dev_call_name(kind), nth, f.failed);
 	aftermath(&f, &base);
 	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.a));
 	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.b));
@@ -343,11 +351,11 @@ START_TEST(test_fault_walk)
 			sites++;
 		}
 		ck_assert_msg(nth <= F_MAX_NTH, "%s: still firing at nth %d",
-			      gmlake_call_name(kind), F_MAX_NTH);
+			      gml_dev_call_name(kind), F_MAX_NTH);
 	}
 	printf("fault sites exercised: %s: %d (kind, nth, errno) runs, %d "
 	       "public calls failed, %d failed frees ended their block\n",
-	       gmlake_call_name(kind), sites, failed, lost);
+	       gml_dev_call_name(kind), sites, failed, lost);
 	/* The scenario maps, unmaps and releases memory: those must fire. */
 	switch (kind) {
 	case GMLAKE_CALL_mem_create:
@@ -359,8 +367,12 @@ START_TEST(test_fault_walk)
 	case GMLAKE_CALL_va_free:
 	case GMLAKE_CALL_stream_sync:
 	case GMLAKE_CALL_memcpy:
+	case GML_CALL_stream_create:
+	case GML_CALL_stream_destroy:
+	case GML_CALL_mem_info:
+	case GML_CALL_enter:
 		ck_assert_msg(sites > 0, "%s never called by the scenario",
-			      gmlake_call_name(kind));
+			      gml_dev_call_name(kind));
 		break;
 	default:
 		break;
@@ -480,69 +492,48 @@ START_TEST(test_fault_destroy)
 			ret = gmlake_ctx_destroy(ctx, force);
 			ck_assert_msg(ret == 0 || ret == -EIO,
 				      "destroy (%s nth %d): %d",
-				      gmlake_call_name(kind), nth, ret);
+				      gml_dev_call_name(kind), nth, ret);
 			ck_assert_msg(ret != -EBUSY, "destroy refused");
 			errors += ret != 0;
+			/* It could not enter the device's context: nothing
+			 * was destroyed, and the next try does it. */
+			if (ret && kind == GML_CALL_enter)
+				ret = gmlake_ctx_destroy(ctx, force);
+			ck_assert_msg(ret == 0, "destroy (%s nth %d) once "
+				      "more: %d", gml_dev_call_name(kind), nth,
+				      ret);
 			ck_assert_msg(th_count_fds() == fds &&
 					      th_count_memfd_maps() == maps,
 				      "destroy with %s nth %d failing (force "
 				      "%d) left %d descriptors, %d device "
 				      "mappings (before: %d, %d)",
-				      gmlake_call_name(kind), nth, force,
+				      gml_dev_call_name(kind), nth, force,
 				      th_count_fds(), th_count_memfd_maps(),
 				      fds, maps);
 		}
 	}
 	printf("destroy with %s failing: %d of %d destroys reported it\n",
-	       gmlake_call_name(kind), errors, 2 * D_MAX_NTH);
+	       gml_dev_call_name(kind), errors, 2 * D_MAX_NTH);
 }
 END_TEST
 
 /* ---------------------------------------------------------------------- */
-/* The backend's stream create and destroy, failed through a copy of its  */
-/* operation table (they are not counted call kinds of the device layer). */
-
-static int s_calls, s_fail_at;
-static int (*real_stream_create)(void *priv, gmlake_stream_t *s);
-static int (*real_stream_destroy)(void *priv, gmlake_stream_t s);
-
-static int failing_stream_create(void *priv, gmlake_stream_t *s)
-{
-	if (++s_calls == s_fail_at)
-		return gml_set_error(-ENOMEM, "stream_create: injected fault");
-	return real_stream_create(priv, s);
-}
-
-static int failing_stream_destroy(void *priv, gmlake_stream_t s)
-{
-	if (++s_calls == s_fail_at)
-		return gml_set_error(-EIO, "stream_destroy: injected fault");
-	return real_stream_destroy(priv, s);
-}
+/* Stream create and destroy failing once each                            */
 
 START_TEST(test_fault_stream_ops)
 {
 	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
 	struct gml_dev *dev = th_dev(ctx);
-	const struct gml_drv_ops *saved = dev->ops;
-	struct gml_drv_ops ops = *saved;
 	struct gml_emu_info base, info;
 	gmlake_stream_t s = NULL, t = NULL;
 	void *p;
 	int ret, sites = 0;
 
 	th_emu_info(ctx, &base);
-	real_stream_create = saved->stream_create;
-	real_stream_destroy = saved->stream_destroy;
-	ops.stream_create = failing_stream_create;
-	ops.stream_destroy = failing_stream_destroy;
 
 	/* Create fails: an error, nothing made, the next create works. */
-	s_calls = 0;
-	s_fail_at = 1;
-	dev->ops = &ops;
+	gml_dev_fail_nth(dev, GML_CALL_stream_create, 1, ENOMEM);
 	ret = gmlake_stream_create(ctx, &s);
-	dev->ops = saved;
 	ck_assert_int_eq(ret, -ENOMEM);
 	ck_assert_str_ne(gmlake_last_error(), "");
 	th_check(ctx);
@@ -555,11 +546,8 @@ START_TEST(test_fault_stream_ops)
 	p = th_alloc(ctx, 4 * TH_MiB, s);
 	th_fill_ok(ctx, p, 4 * TH_MiB, 7, s);
 	th_free(ctx, p);
-	s_calls = 0;
-	s_fail_at = 1;
-	dev->ops = &ops;
+	gml_dev_fail_nth(dev, GML_CALL_stream_destroy, 1, EIO);
 	ret = gmlake_stream_destroy(ctx, s);
-	dev->ops = saved;
 	ck_assert_int_eq(ret, -EIO);
 	th_check(ctx);
 	sites++;
@@ -581,6 +569,151 @@ START_TEST(test_fault_stream_ops)
 	printf("fault sites exercised: stream_create/stream_destroy: %d\n",
 	       sites);
 	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* The offload manager's life: set-up, a round trip, tear-down            */
+
+#define O_MAX_NTH 60
+
+/* One request through ring, waited for: its completion's res. */
+static int o_move(struct gmlake_offload *ring, int op, void *p)
+{
+	struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
+	struct gmlake_offload_cqe *cqe;
+	int ret, res;
+
+	ck_assert_ptr_nonnull(sqe);
+	if (op == GMLAKE_OFFLOAD_SPILL)
+		gmlake_offload_prep_spill(sqe, p);
+	else
+		gmlake_offload_prep_fetch(sqe, p);
+	ck_assert_int_eq(gmlake_offload_submit(ring), 1);
+	ret = gmlake_offload_wait_cqe(ring, &cqe);
+	ck_assert_msg(ret == 0, "%s: wait_cqe: %d", site, ret);
+	res = cqe->res;
+	gmlake_offload_cqe_seen(ring, cqe);
+	ck_assert_msg(res <= 0 && res > -4096, "%s: res %d", site, res);
+	return res;
+}
+
+/*
+ * One run with the fault armed: at set-up (the first ring starts the
+ * manager: its copy streams, eventfd and engine thread) and through one
+ * spill and fetch; or (teardown) only while the context, whose manager
+ * ran, is destroyed. Every call succeeds or fails with -errno, the block
+ * keeps its bytes, the next round trip works, and nothing is left: no
+ * descriptor (eventfd, io_uring) and no mapping of the device.
+ */
+static bool o_run(int kind, uint64_t nth, bool teardown, int *failed)
+{
+	int fds = th_count_fds(), maps = th_count_memfd_maps();
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(16));
+	struct gml_dev *dev = th_dev(ctx);
+	uint64_t before = dev->call_failures[kind];
+	struct gmlake_offload ring;
+	void *p = th_alloc_filled(ctx, 4 * TH_MiB, 0x0ff, NULL);
+	bool fired = false;
+	int ret;
+
+	snprintf(site, sizeof(site), "offload %s: %s nth %" PRIu64,
+		 teardown ? "teardown" : "setup", gml_dev_call_name(kind), nth);
+	if (!teardown)
+		gml_dev_fail_nth(dev, kind, nth, EIO);
+	ret = gmlake_offload_init(&ring, ctx, 4, 0);
+	ck_assert_msg(ret <= 0, "%s: offload_init: %d", site, ret);
+	if (ret) {
+		ck_assert_str_ne(gmlake_last_error(), "");
+		(*failed)++;
+		gml_dev_fail_nth(dev, -1, 0, 0);
+		TH_OK(ctx, gmlake_offload_init(&ring, ctx, 4, 0));
+	}
+	*failed += o_move(&ring, GMLAKE_OFFLOAD_SPILL, p) != 0;
+	th_check(ctx);
+	if (gmlake_offload_state(ctx, p) == GMLAKE_BLOCK_SPILLED &&
+	    o_move(&ring, GMLAKE_OFFLOAD_FETCH, p)) {
+		(*failed)++;
+		gml_dev_fail_nth(dev, -1, 0, 0);	/* fired: try again */
+		ck_assert_int_eq(o_move(&ring, GMLAKE_OFFLOAD_FETCH, p), 0);
+	}
+	th_check(ctx);
+	if (!teardown) {
+		fired = dev->call_failures[kind] > before;
+		gml_dev_fail_nth(dev, -1, 0, 0);
+	}
+	th_verify_ok(ctx, p, 4 * TH_MiB, 0x0ff, NULL);
+	ck_assert_int_eq(o_move(&ring, GMLAKE_OFFLOAD_SPILL, p), 0);
+	ck_assert_int_eq(o_move(&ring, GMLAKE_OFFLOAD_FETCH, p), 0);
+	th_verify_ok(ctx, p, 4 * TH_MiB, 0x0ff, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, p);
+	if (teardown) {
+		/* The device closes with the context, and its counters: the
+		 * injected fault's message tells whether it fired (destroy
+		 * runs the tear-down in this thread). */
+		gml_clear_error();
+		gml_dev_fail_nth(dev, kind, nth, EIO);
+		ret = gmlake_ctx_destroy(ctx, false);
+		ck_assert_msg(ret == 0 || ret == -EIO, "%s: destroy: %d", site,
+			      ret);
+		fired = strstr(gmlake_last_error(), "injected fault") != NULL;
+		if (ret) {
+			/* It could not enter: nothing destroyed. */
+			ck_assert_int_eq(kind, GML_CALL_enter);
+			(*failed)++;
+			th_destroy(ctx);
+		}
+	} else {
+		th_destroy(ctx);
+	}
+	ck_assert_msg(th_count_fds() == fds && th_count_memfd_maps() == maps,
+		      "%s: %d descriptors, %d device mappings left (before: "
+		      "%d, %d)", site, th_count_fds(), th_count_memfd_maps(),
+		      fds, maps);
+	return fired;
+}
+
+/* Set-up and a round trip: nth = 1, 2, ... until the fault no longer
+ * fires. */
+START_TEST(test_fault_offload_setup)
+{
+	int kind = fault_kinds[_i];
+	int sites = 0, failed = 0;
+	uint64_t nth;
+
+	for (nth = 1; nth <= O_MAX_NTH; nth++) {
+		if (!o_run(kind, nth, false, &failed))
+			break;
+		sites++;
+	}
+	ck_assert_msg(nth <= O_MAX_NTH, "offload set-up: %s still firing at "
+		      "nth %d", gml_dev_call_name(kind), O_MAX_NTH);
+	printf("fault sites exercised: offload set-up: %s: %d runs, %d "
+	       "calls failed\n", gml_dev_call_name(kind), sites, failed);
+	if (kind == GML_CALL_stream_create || kind == GML_CALL_enter)
+		ck_assert_msg(sites > 0, "offload set-up never calls %s",
+			      gml_dev_call_name(kind));
+}
+END_TEST
+
+/* Tear-down: the first calls of each kind that destroy makes (the
+ * counters go with the device, so a fixed number of them). */
+#define O_TEARDOWN_NTH 8
+
+START_TEST(test_fault_offload_teardown)
+{
+	int kind = fault_kinds[_i];
+	int sites = 0, failed = 0;
+
+	for (uint64_t nth = 1; nth <= O_TEARDOWN_NTH; nth++)
+		sites += o_run(kind, nth, true, &failed);
+	printf("fault sites exercised: offload tear-down: %s: %d runs, %d "
+	       "calls failed\n", gml_dev_call_name(kind), sites, failed);
+	if (kind == GMLAKE_CALL_stream_sync ||
+	    kind == GML_CALL_stream_destroy || kind == GML_CALL_enter)
+		ck_assert_msg(sites > 0, "offload tear-down never calls %s",
+			      gml_dev_call_name(kind));
 }
 END_TEST
 
@@ -676,6 +809,9 @@ static Suite *fault_suite(void)
 	tcase_add_loop_test(tc, test_fault_destroy, 0, N_KINDS);
 	tc = th_tcase(s, "Streams");
 	tcase_add_test(tc, test_fault_stream_ops);
+	tc = th_tcase(s, "Offload");
+	tcase_add_loop_test(tc, test_fault_offload_setup, 0, N_KINDS);
+	tcase_add_loop_test(tc, test_fault_offload_teardown, 0, N_KINDS);
 	tc = th_tcase(s, "Init");
 	tcase_add_test(tc, test_fault_init);
 	return s;

@@ -1222,9 +1222,9 @@ START_TEST(test_auto_oom)
 END_TEST
 
 /*
- * The allocation path's own spill (gml_off_reclaim) on a device gone bad:
- * the allocation fails, the block stays resident with its bytes, and the
- * host buffer its copy may still write stays taken.
+ * The allocation path's own spill (the tier's reclaim hook) on a device
+ * gone bad: the allocation fails, the block stays resident with its bytes,
+ * and the host buffer its copy may still write stays taken.
  */
 START_TEST(test_sticky_auto)
 {
@@ -1273,6 +1273,167 @@ START_TEST(test_sticky_auto)
 	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_free(ctx, a);
 	th_free(ctx, b);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* A request is bound to a block, not to an address                      */
+
+/*
+ * The engine held where it pins host memory, outside the context lock:
+ * once armed (gate_at), that host_register waits until gate_open. The
+ * wrapper goes in before the engine starts and stays (as sticky_ctx's).
+ */
+static const struct gml_drv_ops *gate_real;
+static struct gml_drv_ops gate_ops;
+static atomic_int gate_calls, gate_at, gate_held, gate_open;
+
+static int gate_host_register(void *priv, void *p, size_t size)
+{
+	if (atomic_fetch_add(&gate_calls, 1) + 1 == atomic_load(&gate_at)) {
+		atomic_store(&gate_held, 1);
+		while (!atomic_load(&gate_open))
+			usleep(1000);
+	}
+	return gate_real->host_register(priv, p, size);
+}
+
+/* A context whose engine pins one 64 MiB region at start (more than a
+ * growth step of its 128 MiB budget); the gate not armed yet. */
+static gmlake_ctx *gate_ctx(void)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx;
+	struct gml_dev *dev;
+
+	th_config(&cfg, 192 * TH_MiB);
+	cfg.host_limit = 128 * TH_MiB;
+	cfg.host_pin = 64 * TH_MiB;
+	ctx = th_ctx_cfg(&cfg);
+	dev = th_dev(ctx);
+	gate_real = dev->ops;
+	gate_ops = *dev->ops;
+	gate_ops.host_register = gate_host_register;
+	atomic_store(&gate_calls, 0);
+	atomic_store(&gate_at, 0);
+	atomic_store(&gate_held, 0);
+	atomic_store(&gate_open, 0);
+	dev->ops = &gate_ops;
+	return ctx;
+}
+
+/* The engine holds at its next host_register: wait until it does. */
+static void gate_hold(void)
+{
+	atomic_store(&gate_at, atomic_load(&gate_calls) + 1);
+}
+
+static void gate_wait_held(void)
+{
+	for (int ms = 0; !atomic_load(&gate_held); ms++) {
+		ck_assert_msg(ms < 10000, "the engine never reached the gate");
+		usleep(1000);
+	}
+}
+
+/* Reap n completions, each of a tag below n; their res by tag. */
+static void reap_tags(struct gmlake_offload *ring, int n, int *res)
+{
+	struct gmlake_offload_cqe *cqe;
+
+	for (int i = 0; i < n; i++) {
+		for (int ms = 0; gmlake_offload_peek_cqe(ring, &cqe); ms++) {
+			ck_assert_msg(ms < 10000, "no completion in 10 s");
+			usleep(1000);
+		}
+		ck_assert_uint_lt(gmlake_offload_cqe_get_data(cqe), n);
+		res[gmlake_offload_cqe_get_data(cqe)] = cqe->res;
+		gmlake_offload_cqe_seen(ring, cqe);
+	}
+}
+
+/*
+ * A spill (_i 0) or a fetch (_i 1) of p waits in the queue behind the
+ * spill of r, which holds the engine while it pins a region for r (a
+ * first spill, of p or of f, left too little of the first one); then
+ * gmlake_free(p) must refuse with -EBUSY. Were it to succeed, the next
+ * allocation would get p's address and the queued request would move that
+ * new, unrelated block (a spill unmaps it under its owner's feet). Once
+ * the requests completed, the free works, and the block allocated next at
+ * the address is left alone.
+ */
+START_TEST(test_free_with_request_queued)
+{
+	bool fetch_queued = _i == 1;
+	size_t size = 28 * TH_MiB;
+	gmlake_ctx *ctx = gate_ctx();
+	struct gmlake_offload_sqe *sqe;
+	struct gmlake_offload ring;
+	void *f, *p, *q, *r;
+	int ret, res[2], where;
+
+	p = th_alloc_filled(ctx, size, 91, NULL);
+	f = th_alloc_filled(ctx, size, 94, NULL);
+	r = th_alloc_filled(ctx, 40 * TH_MiB, 93, NULL);
+	ring_init(&ring, ctx, 4);
+	/* After the set-up's pinning: r does not fit in what the first spill
+	 * leaves of the first region. */
+	ck_assert_int_eq(spill(&ring, fetch_queued ? p : f), 0);
+	gate_hold();
+	sqe = gmlake_offload_get_sqe(&ring);
+	gmlake_offload_prep_spill(sqe, r);
+	gmlake_offload_sqe_set_data(sqe, 0);
+	sqe = gmlake_offload_get_sqe(&ring);
+	if (fetch_queued)
+		gmlake_offload_prep_fetch(sqe, p);
+	else
+		gmlake_offload_prep_spill(sqe, p);
+	gmlake_offload_sqe_set_data(sqe, 1);
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 2);
+	gate_wait_held();
+
+	ret = gmlake_free(ctx, p);
+	if (ret == 0) {
+		q = th_alloc_filled(ctx, size, 92, NULL);
+		atomic_store(&gate_open, 1);
+		reap_tags(&ring, 2, res);
+		where = gmlake_offload_state(ctx, q);
+		ck_assert_msg(0, "gmlake_free(p) with a %s queued returned 0; "
+			      "the next block, at %p (p was %p), is then in "
+			      "state %d (the %s completed with %d)",
+			      fetch_queued ? "fetch" : "spill", q, p, where,
+			      fetch_queued ? "fetch" : "spill", res[1]);
+	}
+	ck_assert_int_eq(ret, -EBUSY);
+	ck_assert_str_ne(gmlake_last_error(), "");
+	th_check(ctx);
+	atomic_store(&gate_open, 1);
+	reap_tags(&ring, 2, res);
+	ck_assert_int_eq(res[0], 0);
+	ck_assert_int_eq(res[1], 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), fetch_queued ?
+			 GMLAKE_BLOCK_RESIDENT : GMLAKE_BLOCK_SPILLED);
+	if (fetch_queued)
+		th_verify_ok(ctx, p, size, 91, NULL);
+	TH_OK(ctx, gmlake_free(ctx, p));
+
+	/* Nothing bound to p is left to act on what comes next. */
+	q = th_alloc_filled(ctx, size, 92, NULL);
+	usleep(20000);
+	ck_assert_int_eq(gmlake_offload_state(ctx, q), GMLAKE_BLOCK_RESIDENT);
+	th_verify_ok(ctx, q, size, 92, NULL);
+	th_check(ctx);
+	ck_assert_int_eq(fetch(&ring, r), 0);
+	th_verify_ok(ctx, r, 40 * TH_MiB, 93, NULL);
+	if (!fetch_queued) {
+		ck_assert_int_eq(fetch(&ring, f), 0);
+		th_verify_ok(ctx, f, size, 94, NULL);
+	}
+	th_free(ctx, q);
+	th_free(ctx, r);
+	th_free(ctx, f);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_destroy(ctx);
 }
 END_TEST
@@ -1625,6 +1786,9 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_auto_device_limit);
 	tcase_add_test(tc, test_auto_oom);
 	tcase_add_test(tc, test_sticky_auto);
+
+	tc = th_tcase(s, "Bound");
+	tcase_add_loop_test(tc, test_free_with_request_queued, 0, 2);
 
 	tc = th_tcase(s, "Stress");
 	tcase_add_loop_test(tc, test_stress, 0, 2);
