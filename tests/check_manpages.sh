@@ -10,9 +10,10 @@
 # built, its dynamic symbol table must match the map both ways. gmlake(7)'s
 # EXAMPLES must be examples/example.c. gmlake_config_init(3) must show
 # struct gmlake_config with the fields of include/gmlake.h, in order; the
-# ENVIRONMENT sections of gmlake_config_init(3) and gmlake(7), and
-# README.md's table, must name every GMLAKE_* variable of lib/options.c's
-# table and no variable the library does not read.
+# ENVIRONMENT sections of gmlake_config_init(3) and gmlake(7), and the
+# table of README.md's "Environment" section, must name every GMLAKE_*
+# variable of lib/options.c's table and no variable the library does not
+# read.
 #
 # Environment: srcdir (default: the directory above this script),
 # top_builddir (default: .). Exit 0 when all pass, 1 otherwise; the last
@@ -195,8 +196,9 @@ else
 		"$tmp/env.table"
 	env_documented "$mandir/gmlake.7" >"$tmp/env.7"
 	env_check "gmlake.7 ENVIRONMENT" "$tmp/env.7" "$tmp/env.read"
-	# README.md: the rows of its table that start with a variable.
-	sed -n 's/^| `\(GMLAKE_[A-Z0-9_]*\)` |.*/\1/p' "$srcdir/README.md" |
+	# README.md: the rows of the table in its "Environment" section.
+	sed -n '/^## Environment/,/^## /p' "$srcdir/README.md" |
+		sed -n 's/^| `\(GMLAKE_[A-Z0-9_]*\)` |.*/\1/p' |
 		sort -u >"$tmp/env.readme"
 	env_check "README.md's environment table" "$tmp/env.readme" \
 		"$tmp/env.read"
