@@ -71,8 +71,8 @@ struct gmlake_stat {
 #define GMLAKE_FOREACH_COUNTER(X)					\
 	X(allocs)							\
 	X(frees)							\
-	X(fits)			/* served by best fit, no driver work */\
-	X(stitch_reuses)	/* served by a cached stitched range */	\
+	X(fits)			/* segment first fit, no driver work */\
+	X(stitch_reuses)	/* best fit in a cached stitched range */\
 	X(stitches)		/* new stitched ranges mapped */	\
 	X(stitch_repairs)	/* cached ranges partly remapped */	\
 	X(grows)		/* growths by new chunks */		\

@@ -8,7 +8,12 @@
 # target is checked instead) and has the sections NAME, SYNOPSIS,
 # DESCRIPTION, RETURN VALUE and ERRORS. When the shared library has been
 # built, its dynamic symbol table must match the map both ways. gmlake(7)'s
-# EXAMPLES must be examples/example.c.
+# EXAMPLES must be examples/example.c. gmlake_config_init(3) must show
+# struct gmlake_config with the fields of include/gmlake.h, in order; the
+# ENVIRONMENT sections of gmlake_config_init(3) and gmlake(7), and the
+# table of README.md's "Environment" section, must name every GMLAKE_*
+# variable of lib/options.c's table and no variable the library does not
+# read.
 #
 # Environment: srcdir (default: the directory above this script),
 # top_builddir (default: .). Exit 0 when all pass, 1 otherwise; the last
@@ -111,6 +116,92 @@ if cmp -s "$tmp/example.7" "$tmp/example.c"; then
 else
 	fail "gmlake.7: EXAMPLES is not examples/example.c; diff:"
 	diff "$tmp/example.7" "$tmp/example.c" | head -20
+fi
+
+# The fields of struct gmlake_config, one a line ("reserved[6]" with its
+# size), from a C declaration; comments, also over several lines, dropped.
+config_fields() {
+	awk '
+		/struct gmlake_config \{/ { on = 1; next }
+		on && /^[[:space:]]*\};/ { exit }
+		!on { next }
+		{
+			line = $0; code = ""
+			while (line != "") {
+				if (incomment) {
+					i = index(line, "*/")
+					if (!i) { line = ""; break }
+					line = substr(line, i + 2); incomment = 0
+					continue
+				}
+				i = index(line, "/*")
+				if (!i) { code = code line; break }
+				code = code substr(line, 1, i - 1)
+				line = substr(line, i + 2); incomment = 1
+			}
+			n = split(code, decl, ";")
+			for (k = 1; k < n; k++) {
+				f = decl[k]; gsub(/[[:space:]]*\[[[:space:]]*/, "[", f)
+				gsub(/[[:space:]]*\]/, "]", f)
+				m = split(f, w, /[[:space:]*]+/)
+				while (m > 0 && w[m] == "") m--
+				if (m > 0) print w[m]
+			}
+		}' "$1"
+}
+config_fields "$srcdir/include/gmlake.h" >"$tmp/fields.h"
+config_fields "$mandir/gmlake_config_init.3" >"$tmp/fields.3"
+if [ ! -s "$tmp/fields.h" ]; then
+	fail "no struct gmlake_config found in include/gmlake.h"
+elif cmp -s "$tmp/fields.h" "$tmp/fields.3"; then
+	passed=$((passed + 1))
+else
+	fail "gmlake_config_init.3: struct gmlake_config is not include/gmlake.h's; diff:"
+	diff "$tmp/fields.3" "$tmp/fields.h" | head -20
+fi
+
+# The GMLAKE_* variables: lib/options.c's table (string literals there),
+# and any other the library reads with getenv().
+grep -o '"GMLAKE_[A-Z0-9_]*"' "$srcdir/lib/options.c" | tr -d '"' |
+	sort -u >"$tmp/env.table"
+cat "$srcdir"/lib/*.c "$srcdir"/offload/*.c |
+	grep -o 'getenv("GMLAKE_[A-Z0-9_]*")' |
+	sed 's/getenv("\(.*\)")/\1/' | sort -u >"$tmp/env.getenv"
+sort -u "$tmp/env.table" "$tmp/env.getenv" >"$tmp/env.read"
+
+# The variables a page's ENVIRONMENT section gives a paragraph of its own
+# (".TP" followed by ".B NAME").
+env_documented() {
+	sed -n '/^\.SH ENVIRONMENT/,/^\.SH /p' "$1" |
+		awk 'tp && $1 == ".B" && $2 ~ /^GMLAKE_/ { print $2 }
+		     { tp = ($1 == ".TP") }' | sort -u
+}
+env_check() {
+	# $1: what, $2: documented list, $3: list that must all be there
+	missing=$(comm -23 "$3" "$2" | tr '\n' ' ')
+	unknown=$(comm -13 "$tmp/env.read" "$2" | tr '\n' ' ')
+	if [ -n "$missing" ]; then
+		fail "$1 does not document: $missing"
+	elif [ -n "$unknown" ]; then
+		fail "$1 documents variables the library does not read: $unknown"
+	else
+		passed=$((passed + 1))
+	fi
+}
+if [ ! -s "$tmp/env.table" ]; then
+	fail "no GMLAKE_* names found in lib/options.c"
+else
+	env_documented "$mandir/gmlake_config_init.3" >"$tmp/env.config_init"
+	env_check "gmlake_config_init.3 ENVIRONMENT" "$tmp/env.config_init" \
+		"$tmp/env.table"
+	env_documented "$mandir/gmlake.7" >"$tmp/env.7"
+	env_check "gmlake.7 ENVIRONMENT" "$tmp/env.7" "$tmp/env.read"
+	# README.md: the rows of the table in its "Environment" section.
+	sed -n '/^## Environment/,/^## /p' "$srcdir/README.md" |
+		sed -n 's/^| `\(GMLAKE_[A-Z0-9_]*\)` |.*/\1/p' |
+		sort -u >"$tmp/env.readme"
+	env_check "README.md's environment table" "$tmp/env.readme" \
+		"$tmp/env.read"
 fi
 
 # Cross-check with what the built library really exports.
