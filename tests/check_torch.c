@@ -714,6 +714,42 @@ START_TEST(test_pool_live)
 }
 END_TEST
 
+/* While a pool routes (a graph captures), no trim and no stream waits:
+ * an allocation that does not fit fails without the retry, empty_cache
+ * keeps the cache. */
+START_TEST(test_pool_no_trim)
+{
+	struct gmlake_torch_stats ts = {
+		.version = GMLAKE_TORCH_STATS_VERSION, .size = sizeof(ts) };
+	struct gmlake_stats st;
+	void *p, *q;
+
+	q = torch_alloc_ok(32 * TH_MiB, 0, NULL);
+	gmlake_torch_free(q, 32 * TH_MiB, 0, NULL);
+	p = torch_alloc_ok(64 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	gmlake_torch_empty_cache();
+	stats_of(0, &st);
+	ck_assert_int_ge(st.reserved_bytes.current, 64 * TH_MiB);
+	ck_assert_ptr_null(gmlake_torch_pool_alloc(250 * TH_MiB, 0, NULL,
+						   POOL_A));
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.num_alloc_retries, 0);
+	ck_assert_int_eq(ts.num_ooms, 1);
+	ck_assert_int_eq(ts.num_sync_all_streams, 0);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_ptr_null(gmlake_torch_alloc(250 * TH_MiB, 0, NULL));
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.num_alloc_retries, 1);
+	ck_assert_int_eq(ts.num_ooms, 2);
+	gmlake_torch_free(p, 64 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	gmlake_torch_empty_cache();
+	stats_of(0, &st);
+	ck_assert_int_eq(st.reserved_bytes.current, 0);
+}
+END_TEST
+
 static int nsyncs;
 
 static int count_sync(int device)
@@ -961,6 +997,7 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_pool_reuse_rules);
 		tcase_add_test(tc, test_pool_live);
 		tcase_add_test(tc, test_pool_sync_hook);
+		tcase_add_test(tc, test_pool_no_trim);
 
 		tc = th_tcase(s, "Figures");
 		tcase_add_checked_fixture(tc, setup, teardown);
