@@ -125,10 +125,9 @@ int gmlake_torch_stats_reset_peaks(int device);
 /* torch.cuda.reset_accumulated_memory_stats(): the allocated and freed
  * figures and the counters start again from 0. */
 int gmlake_torch_stats_reset_accumulated(int device);
-/* The largest request the device can serve now: the cache's largest
- * (gmlake_cache_info()), or its free chunks together with the driver's
- * free memory where they stitch, under the device limit; 0 before the
- * first allocation. 0 or -EINVAL. */
+/* The largest request the device's cache serves without asking the
+ * driver for memory (gmlake_cache_info()), as PyTorch's cacheInfo answers
+ * for cuDNN's workspace; 0 before the first allocation. 0 or -EINVAL. */
 int gmlake_torch_cache_info(int device, size_t *largest);
 
 /*

@@ -285,9 +285,11 @@ static void report_oom(gmlake_ctx *ctx, int device, size_t size)
 	if (gml_history_on()) {
 		size_t free_b = 0, total = 0;
 
-		pthread_mutex_lock(&ctx->lock);
-		ctx->dev.ops->mem_info(ctx->dev.priv, &free_b, &total);
-		pthread_mutex_unlock(&ctx->lock);
+		/* With the device's context current: any thread. */
+		if (!gml_ctx_lock(ctx)) {
+			ctx->dev.ops->mem_info(ctx->dev.priv, &free_b, &total);
+			gml_ctx_unlock(ctx);
+		}
 		gml_history_add(device, GMLAKE_TORCH_OOM, free_b, size, NULL,
 				0, 0);
 	}
@@ -704,9 +706,7 @@ GML_EXPORT int gmlake_torch_stats_reset_accumulated(int device)
 
 GML_EXPORT int gmlake_torch_cache_info(int device, size_t *largest)
 {
-	size_t cached = 0, dev_free = 0, total = 0, grow, stitch_min;
 	int ret = check_device(device);
-	struct torch_state s;
 	gmlake_ctx *ctx;
 
 	if (ret)
@@ -716,25 +716,5 @@ GML_EXPORT int gmlake_torch_cache_info(int device, size_t *largest)
 				     "largest is NULL");
 	*largest = 0;
 	ctx = gml_torch_ctx_peek(device);
-	if (!ctx)
-		return 0;
-	ret = gmlake_cache_info(ctx, &cached, largest);
-	if (ret)
-		return ret;
-	/* Growth adds just the shortfall, and chunks stitch. */
-	get_state(ctx, &s);
-	pthread_mutex_lock(&ctx->lock);
-	if (ctx->dev.ops->mem_info(ctx->dev.priv, &dev_free, &total))
-		dev_free = 0;
-	stitch_min = ctx->cfg.stitch_min;
-	pthread_mutex_unlock(&ctx->lock);
-	grow = cached + dev_free;
-	if (s.limit)
-		grow = (size_t)s.allocated < s.limit ?
-		       s.limit - (size_t)s.allocated : 0;
-	if (grow > cached + dev_free)
-		grow = cached + dev_free;
-	if (grow >= stitch_min && grow > *largest)
-		*largest = grow;
-	return 0;
+	return ctx ? gmlake_cache_info(ctx, NULL, largest) : 0;
 }
