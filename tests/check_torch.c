@@ -957,6 +957,71 @@ START_TEST(test_history)
 }
 END_TEST
 
+/* Contexts from the owner's hooks: each made is freed once. */
+static int ctx_made, ctx_freed;
+static uint64_t ticks;
+
+static uint64_t test_clock(void)
+{
+	return ++ticks;
+}
+
+static void *test_context(int action)
+{
+	int *c = malloc(sizeof(*c));
+
+	ck_assert_ptr_nonnull(c);
+	*c = action;
+	ctx_made++;
+	return c;
+}
+
+static void *test_context_dup(void *c)
+{
+	return test_context(*(int *)c);
+}
+
+static void test_context_free(void *c)
+{
+	ctx_freed++;
+	free(c);
+}
+
+START_TEST(test_history_hooks)
+{
+	const struct gmlake_torch_history_hooks hooks = {
+		.clock = test_clock, .context = test_context,
+		.context_dup = test_context_dup,
+		.context_free = test_context_free,
+	};
+	struct gmlake_torch_event ev[4];
+	int n;
+
+	ctx_made = ctx_freed = 0;
+	ticks = 0;
+	ck_assert_int_eq(gmlake_torch_history_start(4, 0, &hooks, true), 0);
+	for (int i = 0; i < 5; i++) {
+		void *p = torch_alloc_ok(TH_MiB, 0, NULL);
+
+		gmlake_torch_free(p, TH_MiB, 0, NULL);
+	}
+	/* The ring kept the newest 4; older contexts were freed. */
+	ck_assert_int_eq(ctx_made - ctx_freed, 4);
+	n = gmlake_torch_history_read(0, ev, 4);
+	ck_assert_int_eq(n, 4);
+	ck_assert_int_eq(ctx_made - ctx_freed, 8);
+	for (int i = 0; i < n; i++) {
+		ck_assert_int_eq(*(int *)ev[i].context, (int)ev[i].action);
+		if (i)
+			ck_assert_uint_gt(ev[i].time, ev[i - 1].time);
+		test_context_free(ev[i].context);
+	}
+	ck_assert_uint_eq(ev[3].action, GMLAKE_TORCH_FREE_COMPLETED);
+	gmlake_torch_history_stop(true);
+	ck_assert_int_eq(ctx_made, ctx_freed);
+}
+END_TEST
+
 static Suite *torch_suite(void)
 {
 	Suite *s = suite_create("torch");
@@ -1004,6 +1069,7 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_torch_stats);
 		tcase_add_test(tc, test_snapshot);
 		tcase_add_test(tc, test_history);
+		tcase_add_test(tc, test_history_hooks);
 	}
 	return s;
 }
