@@ -143,10 +143,9 @@ static int ring_resize(struct ring *r, size_t cap, struct graveyard *g)
 	return 0;
 }
 
-GML_EXPORT int gmlake_torch_history_start(size_t max_entries,
-					  uint32_t skip_mask,
-					  const struct gmlake_torch_history_hooks *hooks,
-					  bool clear)
+GML_EXPORT int gmlake_torch_history_start(
+	size_t max_entries, uint32_t skip_mask,
+	const struct gmlake_torch_history_hooks *hooks, bool clear)
 {
 	struct graveyard g = { 0 };
 	int ret = 0;

@@ -324,6 +324,7 @@ static size_t handed_out(gmlake_ctx *ctx, void *p, size_t size)
 void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 			 size_t *alloc_size)
 {
+	int level = atomic_load(&torch_fail_level);
 	gmlake_ctx *ctx;
 	void *p = NULL;
 	int ret;
@@ -333,8 +334,8 @@ void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 		return NULL;
 	ret = get_ctx(device, true, &ctx);
 	if (ret) {
-		torch_fail(ret, atomic_load(&torch_fail_level), "device %d: no libgmlake "
-			   "context to allocate %zu bytes: %s", device, size,
+		torch_fail(ret, level, "device %d: no libgmlake context to "
+			   "allocate %zu bytes: %s", device, size,
 			   gmlake_last_error());
 		return NULL;
 	}
@@ -342,8 +343,8 @@ void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 	if (ret == -ENOMEM)
 		report_oom(ctx, device, size);
 	else if (ret)
-		torch_fail(ret, atomic_load(&torch_fail_level), "device %d: allocating %zu "
-			   "bytes failed: %s", device, size, gmlake_last_error());
+		torch_fail(ret, level, "device %d: allocating %zu bytes "
+			   "failed: %s", device, size, gmlake_last_error());
 	if (ret)
 		return NULL;
 	if (alloc_size)
@@ -566,8 +567,8 @@ GML_EXPORT int gmlake_torch_memory_fraction_get(int device, double *fraction)
 	if (ret)
 		return ret;
 	if (!fraction)
-		return gml_set_error(-EINVAL, "gmlake_torch_memory_fraction_get: "
-				     "fraction is NULL");
+		return gml_set_error(-EINVAL, "gmlake_torch_memory_fraction_get"
+				     ": fraction is NULL");
 	pthread_mutex_lock(&torch_lock);
 	*fraction = torch_fraction_set[device] ? torch_fraction[device] : 1.0;
 	pthread_mutex_unlock(&torch_lock);
