@@ -297,6 +297,12 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     DeviceIndex device = -1;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+    TORCH_CHECK(
+        device >= 0 && device < kMaxDevices,
+        "libgmlake serves CUDA devices 0 to ",
+        kMaxDevices - 1,
+        ", not ",
+        static_cast<int>(device));
     void* p = malloc(size, device, stream);
     return {p, p, kDeleters[device], c10::Device(c10::DeviceType::CUDA, device)};
   }
