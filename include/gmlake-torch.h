@@ -164,6 +164,20 @@ void *gmlake_torch_pool_alloc(size_t size, int device, gmlake_stream_t stream,
  * of expected (in any order, repeats ignored): 1 or 0; -EINVAL, -ENOMEM. */
 int gmlake_torch_pool_check_live(int device, uint64_t id0, uint64_t id1,
 				 void *const *expected, size_t n);
+/*
+ * Checkpoints (torch.compile's CUDA graph trees): the pool's live blocks
+ * (at most n into ptrs; returns how many there are), and their restore:
+ * every live block of the pool is parked (its pointer stored in freed, of
+ * room cap) and exactly the nkeep blocks of keep, which must still belong
+ * to the pool, are live again. Returns the number parked, -ENOSPC (cap too
+ * small; nothing changed), -ENOENT (pool, or a block of keep, unknown;
+ * nothing changed), -EINVAL.
+ */
+int gmlake_torch_pool_live(int device, uint64_t id0, uint64_t id1,
+			   void **ptrs, size_t n);
+int gmlake_torch_pool_restore(int device, uint64_t id0, uint64_t id1,
+			      void *const *keep, size_t nkeep, void **freed,
+			      size_t cap);
 /* Give the parked blocks of a pool without users back (emptyCache of a
  * pool); a pool in use keeps them. 0 or -EINVAL. */
 int gmlake_torch_pool_empty(int device, uint64_t id0, uint64_t id1);

@@ -750,6 +750,47 @@ START_TEST(test_pool_no_trim)
 }
 END_TEST
 
+/* A checkpoint of the pool's live blocks, and its restore. */
+START_TEST(test_pool_checkpoint)
+{
+	void *a, *b, *c, *state[4], *freed[4], *bogus = (void *)0x1000;
+	int n;
+
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	a = gmlake_torch_pool_alloc(2 * TH_MiB, 0, NULL, POOL_A);
+	c = gmlake_torch_pool_alloc(3 * TH_MiB, 0, NULL, POOL_A);
+	gmlake_torch_free(c, 3 * TH_MiB, 0, NULL);
+	n = gmlake_torch_pool_live(0, POOL_A, state, 4);
+	ck_assert_int_eq(n, 1);
+	ck_assert_ptr_eq(state[0], a);
+	ck_assert_int_eq(gmlake_torch_pool_live(0, POOL_A, NULL, 0), 1);
+
+	/* After the checkpoint: a dies, b is made (it takes c's block). */
+	gmlake_torch_free(a, 2 * TH_MiB, 0, NULL);
+	b = gmlake_torch_pool_alloc(3 * TH_MiB, 0, NULL, POOL_A);
+	ck_assert_ptr_eq(b, c);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, state, 1,
+						   freed, 0), -ENOSPC);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, &bogus, 1,
+						   freed, 4), -ENOENT);
+	ck_assert_int_eq(pool_of(0, b), 1);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, state, 1,
+						   freed, 4), 1);
+	ck_assert_ptr_eq(freed[0], b);
+	ck_assert_int_eq(pool_of(0, a), 1);
+	ck_assert_int_eq(pool_of(0, b), 2);
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_A, state, 1), 1);
+
+	gmlake_torch_free(a, 2 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(pool_of(0, a), 0);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, NULL, 0, NULL,
+						   0), -ENOENT);
+	th_check(torch_ctx(0));
+}
+END_TEST
+
 static int nsyncs;
 
 static int count_sync(int device)
@@ -1063,6 +1104,7 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_pool_live);
 		tcase_add_test(tc, test_pool_sync_hook);
 		tcase_add_test(tc, test_pool_no_trim);
+		tcase_add_test(tc, test_pool_checkpoint);
 
 		tc = th_tcase(s, "Figures");
 		tcase_add_checked_fixture(tc, setup, teardown);

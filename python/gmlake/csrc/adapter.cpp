@@ -9,7 +9,8 @@
 // private pools of CUDA graphs, the statistics under PyTorch's names and
 // the history ring are in the C library. What it keeps is what only C++
 // can: PyTorch's routing filters (std::function) of beginAllocateToPool,
-// the out-of-memory observers and the history's context recorder.
+// the out-of-memory observers, the history's context recorder, and
+// checkpoints as PyTorch's AllocatorState objects.
 //
 // gmlake.torch builds it once with torch.utils.cpp_extension against the
 // installed torch (PyTorch 2.11's interface) and calls install(path) with
@@ -82,6 +83,8 @@ using c10::MempoolId_t;
   X(gmlake_torch_pool_check_live)          \
   X(gmlake_torch_pool_empty)               \
   X(gmlake_torch_pool_of)                  \
+  X(gmlake_torch_pool_live)                \
+  X(gmlake_torch_pool_restore)             \
   X(gmlake_torch_pool_routing)             \
   X(gmlake_torch_set_sync_hook)            \
   X(gmlake_torch_history_start)            \
@@ -281,6 +284,28 @@ void put_stat(cda::StatArray& a, const gmlake_torch_stat& s) {
   t.peak = s.peak;
   t.allocated = s.allocated;
   t.freed = s.freed;
+}
+
+// A checkpoint of a private pool: its live blocks (CUDA graph trees).
+struct PoolState : cca::AllocatorState {
+  DeviceIndex device = 0;
+  MempoolId_t pool{0, 0};
+  std::vector<void*> live;
+};
+
+std::vector<void*> pool_live(DeviceIndex device, MempoolId_t id) {
+  for (;;) {
+    int n = api.gmlake_torch_pool_live(device, id.first, id.second, nullptr, 0);
+    TORCH_CHECK(n >= 0, "libgmlake: the pool's live blocks: ", last_error());
+    std::vector<void*> v(static_cast<size_t>(n));
+    int m = api.gmlake_torch_pool_live(
+        device, id.first, id.second, v.data(), v.size());
+    TORCH_CHECK(m >= 0, "libgmlake: the pool's live blocks: ", last_error());
+    if (m <= n) {
+      v.resize(static_cast<size_t>(m));
+      return v;
+    }
+  }
 }
 
 struct Route {
@@ -609,26 +634,48 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
   }
 
   std::shared_ptr<cca::AllocatorState> getCheckpointState(
-      DeviceIndex /*device*/,
-      MempoolId_t /*id*/) override {
-    TORCH_CHECK(
-        false,
-        "libgmlake does not support allocator checkpoints yet "
-        "(getCheckpointState): torch.compile's CUDA graph trees need them "
-        "when they record a new graph while replaying a tree. Mark the "
-        "step that changes (e.g. an evaluation pass) with "
-        "torch.compiler.cudagraph_mark_step_begin(), compile it "
-        "separately without mode=\"reduce-overhead\", or run without "
-        "libgmlake.");
+      DeviceIndex device,
+      MempoolId_t id) override {
+    auto st = std::make_shared<PoolState>();
+    st->device = device;
+    st->pool = id;
+    st->live = pool_live(device, id);
+    return st;
   }
 
+  // Back to a checkpoint: every live block of the pool is parked (freed
+  // into the pool) and the checkpoint's blocks are live again, at the
+  // same addresses, with this allocator's deleter.
   cca::CheckpointDelta setCheckpointPoolState(
-      DeviceIndex /*device*/,
-      std::shared_ptr<cca::AllocatorState> /*pps*/) override {
+      DeviceIndex device,
+      std::shared_ptr<cca::AllocatorState> pps) override {
+    auto st = std::dynamic_pointer_cast<PoolState>(pps);
     TORCH_CHECK(
-        false,
-        "libgmlake does not support allocator checkpoints yet "
-        "(setCheckpointPoolState); see getCheckpointState's message.");
+        st && st->device == device,
+        "libgmlake: setCheckpointPoolState needs a checkpoint libgmlake "
+        "took on this device");
+    cca::CheckpointDelta delta;
+    for (;;) {
+      std::vector<void*> freed(pool_live(device, st->pool).size() + 8);
+      int n = api.gmlake_torch_pool_restore(
+          device,
+          st->pool.first,
+          st->pool.second,
+          st->live.data(),
+          st->live.size(),
+          freed.data(),
+          freed.size());
+      if (n == -ENOSPC)
+        continue; // the pool grew meanwhile
+      TORCH_CHECK(n >= 0, "libgmlake: setCheckpointPoolState: ", last_error());
+      freed.resize(static_cast<size_t>(n));
+      delta.ptrs_freed = std::move(freed);
+      break;
+    }
+    for (void* p : st->live)
+      delta.dataptrs_allocd.emplace_back(
+          p, p, kDeleters[device], c10::Device(c10::DeviceType::CUDA, device));
+    return delta;
   }
 
   // -- IPC and peers -------------------------------------------------------
