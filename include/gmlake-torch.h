@@ -35,6 +35,10 @@ void *gmlake_torch_alloc(size_t size, int device, gmlake_stream_t stream);
 void gmlake_torch_free(void *ptr, size_t size, int device,
 		       gmlake_stream_t stream);
 
+/* Free ptr on whichever device's context holds it (PyTorch's raw_delete,
+ * whose deleter gets the pointer alone); otherwise as gmlake_torch_free. */
+void gmlake_torch_raw_delete(void *ptr);
+
 /* Optional hooks (CUDAPluggableAllocator.allocator().set_*_fn). */
 void gmlake_torch_init(int device_count);
 /* torch.cuda.empty_cache(): gmlake_trim() on every device's context. */

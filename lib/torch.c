@@ -52,6 +52,10 @@ static pthread_mutex_t torch_lock = PTHREAD_MUTEX_INITIALIZER;
 static double torch_fraction[GML_TORCH_MAX_DEVICES];
 static bool torch_fraction_set[GML_TORCH_MAX_DEVICES];
 static atomic_int torch_device_count = -1;
+/* Contexts made, and the highest device that has one, for frees by
+ * pointer alone (gmlake_torch_raw_delete). */
+static atomic_int torch_nctx;
+static atomic_int torch_ctx_top = -1;
 static atomic_bool torch_exiting;
 static pthread_once_t torch_atexit_once = PTHREAD_ONCE_INIT;
 
@@ -182,6 +186,9 @@ static int ctx_create(int device, gmlake_ctx **out)
 	if (torch_fraction_set[device])
 		apply_fraction(ctx, torch_fraction[device]);
 	atomic_store_explicit(&torch_ctx[device], ctx, memory_order_release);
+	atomic_fetch_add(&torch_nctx, 1);
+	if (device > atomic_load(&torch_ctx_top))
+		atomic_store(&torch_ctx_top, device);
 	gml_log(GMLAKE_LOG_DEBUG, "torch: device %d: context created", device);
 out_unlock:
 	pthread_mutex_unlock(&torch_lock);
@@ -415,6 +422,50 @@ GML_EXPORT void gmlake_torch_free(void *ptr, size_t size, int device,
 	gml_torch_free_now(ptr, size, device, no_pool);
 }
 
+/*
+ * The device whose context holds the block at ptr, or -1: with one
+ * context, that one (its free says if ptr is no block); else a lookup
+ * in each context's block map (no scan of its blocks).
+ */
+static int owner_device(const void *ptr)
+{
+	int top = atomic_load(&torch_ctx_top);
+
+	for (int d = 0; d <= top; d++) {
+		gmlake_ctx *ctx = gml_torch_ctx_peek(d);
+		bool found;
+
+		if (!ctx)
+			continue;
+		if (atomic_load(&torch_nctx) == 1)
+			return d;
+		pthread_mutex_lock(&ctx->lock);
+		found = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr) != NULL;
+		pthread_mutex_unlock(&ctx->lock);
+		if (found)
+			return d;
+	}
+	return -1;
+}
+
+GML_EXPORT void gmlake_torch_raw_delete(void *ptr)
+{
+	int level = atomic_load(&torch_exiting) ? GMLAKE_LOG_DEBUG :
+						   GMLAKE_LOG_WARN;
+	int device;
+
+	if (!ptr)
+		return;
+	device = owner_device(ptr);
+	if (device < 0) {
+		torch_fail(-EINVAL, level, "free of %p ignored: no device's "
+			   "context holds it (never allocated here, or already "
+			   "freed)", ptr);
+		return;
+	}
+	gmlake_torch_free(ptr, 0, device, NULL);
+}
+
 GML_EXPORT void gmlake_torch_init(int device_count)
 {
 	atomic_store(&torch_device_count, device_count);
@@ -531,6 +582,8 @@ static int torch_reset_contexts(void)
 	torch_nerr = 0;
 	pthread_mutex_unlock(&torch_err_lock);
 	atomic_store(&torch_device_count, -1);
+	atomic_store(&torch_nctx, 0);
+	atomic_store(&torch_ctx_top, -1);
 	return ret;
 }
 

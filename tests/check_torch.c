@@ -536,6 +536,39 @@ START_TEST(test_threads)
 END_TEST
 
 
+/* Frees by pointer alone find the device; a pool block is parked. */
+START_TEST(test_raw_delete)
+{
+	struct gmlake_stats st;
+	char msg[512];
+	void *p, *q, *r;
+
+	gmlake_torch_raw_delete(NULL);
+	p = torch_alloc_ok(TH_MiB, 0, NULL);
+	gmlake_torch_raw_delete(p);		/* one context */
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	p = torch_alloc_ok(TH_MiB, 0, NULL);
+	q = torch_alloc_ok(2 * TH_MiB, dev(1), NULL);
+	ck_assert_int_eq(gmlake_torch_pool_begin(dev(1), 3, 0), 0);
+	r = gmlake_torch_pool_alloc(TH_MiB, dev(1), NULL, 3, 0);
+	gmlake_torch_raw_delete(q);
+	gmlake_torch_raw_delete(r);
+	gmlake_torch_raw_delete(p);
+	ck_assert_int_eq(gmlake_torch_pool_of(dev(1), r, (uint64_t[2]){ 0 }),
+			 2);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, dev(1) ? 0 : 1);
+	ck_assert_int_eq(nerrors(msg, sizeof(msg)), 0);
+	gmlake_torch_raw_delete((void *)(uintptr_t)0x7000beef0000ull);
+	ck_assert_int_eq(nerrors(msg, sizeof(msg)), 1);
+	ck_assert_int_eq(gmlake_torch_pool_end(dev(1), 3, 0), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(dev(1), 3, 0), 0);
+	stats_of(dev(1), &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+}
+END_TEST
+
 /* ---------------------------------------------------------------------- */
 /* Private pools (CUDA graphs, MemPool)                                   */
 
@@ -1105,6 +1138,7 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_pool_sync_hook);
 		tcase_add_test(tc, test_pool_no_trim);
 		tcase_add_test(tc, test_pool_checkpoint);
+		tcase_add_test(tc, test_raw_delete);
 
 		tc = th_tcase(s, "Figures");
 		tcase_add_checked_fixture(tc, setup, teardown);

@@ -63,6 +63,7 @@ using c10::MempoolId_t;
   X(gmlake_snapshot_free)                  \
   X(gmlake_torch_alloc)                    \
   X(gmlake_torch_free)                     \
+  X(gmlake_torch_raw_delete)               \
   X(gmlake_torch_init)                     \
   X(gmlake_torch_empty_cache)              \
   X(gmlake_torch_memory_fraction)          \
@@ -127,36 +128,26 @@ std::string fmt_size(size_t n) {
 }
 
 // ---------------------------------------------------------------------------
-// Frees: one deleter per device, so that a DataPtr's free needs no lookup.
+// Frees. One deleter for every DataPtr, the one raw_deleter() returns:
+// PyTorch compares them (CUDA graph trees assert _has_Standard_Deleter).
 
-void free_on(void* ptr, int device) noexcept {
+// Routings begun and not yet ended, on any device (beginAllocateToPool).
+std::atomic<int> g_routes{0};
+
+void delete_any(void* ptr) {
   if (!ptr)
     return;
-  try {
-    if (C10_UNLIKELY(api.gmlake_torch_pool_routing(device))) {
-      // Another thread may be capturing a graph in global mode.
+  if (C10_UNLIKELY(g_routes.load(std::memory_order_relaxed) > 0)) {
+    // Another thread may be capturing a graph in global mode.
+    try {
       c10::cuda::CUDAStreamCaptureModeGuard g{cudaStreamCaptureModeRelaxed};
-      api.gmlake_torch_free(ptr, 0, device, nullptr);
+      api.gmlake_torch_raw_delete(ptr);
       return;
+    } catch (...) {
     }
-  } catch (...) {
   }
-  api.gmlake_torch_free(ptr, 0, device, nullptr);
+  api.gmlake_torch_raw_delete(ptr);
 }
-
-template <int D>
-void delete_on(void* ptr) {
-  free_on(ptr, D);
-}
-
-template <int... I>
-constexpr std::array<c10::DeleterFnPtr, sizeof...(I)> make_deleters(
-    std::integer_sequence<int, I...>) {
-  return {{&delete_on<I>...}};
-}
-
-constexpr auto kDeleters =
-    make_deleters(std::make_integer_sequence<int, kMaxDevices>{});
 
 // The device whose context holds ptr, or -1.
 int device_of(const void* ptr) {
@@ -169,23 +160,6 @@ int device_of(const void* ptr) {
       return d;
   }
   return -1;
-}
-
-// raw_deleter(): for pointers whose device is not known (raw_delete).
-void delete_any(void* ptr) {
-  if (!ptr)
-    return;
-  int d = device_of(ptr);
-  if (d < 0) {
-    TORCH_WARN("libgmlake: free of ", ptr, " ignored: no device holds it");
-    return;
-  }
-  free_on(ptr, d);
-}
-
-bool is_our_deleter(c10::DeleterFnPtr d) {
-  return d == &delete_any ||
-      std::find(kDeleters.begin(), kDeleters.end(), d) != kDeleters.end();
 }
 
 // ---------------------------------------------------------------------------
@@ -329,7 +303,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
         ", not ",
         static_cast<int>(device));
     void* p = malloc(size, device, stream);
-    return {p, p, kDeleters[device], c10::Device(c10::DeviceType::CUDA, device)};
+    return {p, p, &delete_any, c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -424,7 +398,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream)
       override {
-    if (!ptr.get() || !is_our_deleter(ptr.get_deleter()))
+    if (!ptr.get() || ptr.get_deleter() != &delete_any)
       return; // not ours (a tensor shared from another process)
     api.gmlake_torch_record_stream(ptr.get(), stream.stream());
   }
@@ -559,6 +533,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
         last_error());
     std::lock_guard<std::mutex> lock(mutex_);
     routes_.push_back({device, mempool_id, std::move(filter)});
+    g_routes.fetch_add(1);
   }
 
   void endAllocateToPool(DeviceIndex device, MempoolId_t mempool_id)
@@ -568,8 +543,10 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       auto it = std::find_if(routes_.begin(), routes_.end(), [&](auto& r) {
         return r.device == device && r.pool == mempool_id;
       });
-      if (it != routes_.end())
+      if (it != routes_.end()) {
         routes_.erase(it);
+        g_routes.fetch_sub(1);
+      }
     }
     TORCH_CHECK(
         api.gmlake_torch_pool_end(
@@ -674,7 +651,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     }
     for (void* p : st->live)
       delta.dataptrs_allocd.emplace_back(
-          p, p, kDeleters[device], c10::Device(c10::DeviceType::CUDA, device));
+          p, p, &delete_any, c10::Device(c10::DeviceType::CUDA, device));
     return delta;
   }
 
