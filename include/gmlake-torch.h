@@ -206,8 +206,8 @@ enum gmlake_torch_action {
 	GMLAKE_TORCH_FREE_COMPLETED = 2,
 	GMLAKE_TORCH_SEGMENT_ALLOC = 3,	/* a snapshot range appeared */
 	GMLAKE_TORCH_SEGMENT_FREE = 4,	/* ... went */
-	GMLAKE_TORCH_SEGMENT_MAP = 5,	/* (not recorded) */
-	GMLAKE_TORCH_SEGMENT_UNMAP = 6,	/* (not recorded) */
+	GMLAKE_TORCH_SEGMENT_MAP = 5,	/* a range grew by [addr, +size) */
+	GMLAKE_TORCH_SEGMENT_UNMAP = 6,	/* a range lost [addr, +size) */
 	GMLAKE_TORCH_SNAPSHOT = 7,
 	GMLAKE_TORCH_OOM = 8,		/* addr: free device bytes */
 	GMLAKE_TORCH_ACTION_COUNT

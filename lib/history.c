@@ -344,34 +344,63 @@ static struct range_seen *seen_of(const struct gmlake_snapshot *snap)
 	return s;
 }
 
+/* Whether [a, a + n) and [b, b + m) share a byte. */
+static bool overlap(uint64_t a, uint64_t n, uint64_t b, uint64_t m)
+{
+	return a < b + m && b < a + n;
+}
+
 /*
- * Emit the segment events between old and new ranges (both sorted):
- * SEGMENT_FREE for ranges that went, SEGMENT_ALLOC for ranges that came.
+ * The parts of each range of from that no range of by covers, as events:
+ * whole ranges as whole_action, parts of covered ones as part_action.
+ * Both lists are sorted by address and hold disjoint ranges.
+ */
+static void emit_uncovered(int device, const struct range_seen *from,
+			   size_t nfrom, const struct range_seen *by,
+			   size_t nby, int whole_action, int part_action)
+{
+	size_t j = 0;
+
+	for (size_t i = 0; i < nfrom; i++) {
+		uint64_t pos = from[i].addr, end = from[i].addr + from[i].size;
+		bool touched = false;
+
+		while (j < nby && by[j].addr + by[j].size <= pos)
+			j++;
+		for (size_t k = j; k < nby && by[k].addr < end; k++) {
+			if (!overlap(pos, end - pos, by[k].addr, by[k].size))
+				continue;
+			touched = true;
+			if (by[k].addr > pos)
+				gml_history_add(device, part_action, pos,
+						by[k].addr - pos,
+						from[i].stream, 0, 0);
+			pos = by[k].addr + by[k].size;
+			if (pos >= end)
+				break;
+		}
+		if (!touched)
+			gml_history_add(device, whole_action, from[i].addr,
+					from[i].size, from[i].stream, 0, 0);
+		else if (pos < end)
+			gml_history_add(device, part_action, pos, end - pos,
+					from[i].stream, 0, 0);
+	}
+}
+
+/*
+ * The segment events from old ranges to new ones: ranges that went
+ * (SEGMENT_FREE) or shrank (SEGMENT_UNMAP of the part), then ranges that
+ * came (SEGMENT_ALLOC) or grew, as segments grow at their end
+ * (SEGMENT_MAP of the part), as PyTorch's expandable segments report.
  */
 static void emit_diff(int device, const struct range_seen *old, size_t nold,
 		      const struct range_seen *cur, size_t ncur)
 {
-	size_t i = 0, j = 0;
-
-	while (i < nold || j < ncur) {
-		int c = i == nold ? 1 : j == ncur ? -1 :
-			seen_cmp(&old[i], &cur[j]);
-
-		if (c == 0) {
-			i++;
-			j++;
-		} else if (c < 0) {
-			gml_history_add(device, GMLAKE_TORCH_SEGMENT_FREE,
-					old[i].addr, old[i].size,
-					old[i].stream, 0, 0);
-			i++;
-		} else {
-			gml_history_add(device, GMLAKE_TORCH_SEGMENT_ALLOC,
-					cur[j].addr, cur[j].size,
-					cur[j].stream, 0, 0);
-			j++;
-		}
-	}
+	emit_uncovered(device, old, nold, cur, ncur,
+		       GMLAKE_TORCH_SEGMENT_FREE, GMLAKE_TORCH_SEGMENT_UNMAP);
+	emit_uncovered(device, cur, ncur, old, nold,
+		       GMLAKE_TORCH_SEGMENT_ALLOC, GMLAKE_TORCH_SEGMENT_MAP);
 }
 
 void gml_history_segments(int device, gmlake_ctx *ctx)
