@@ -35,6 +35,10 @@ void *gmlake_torch_alloc(size_t size, int device, gmlake_stream_t stream);
 void gmlake_torch_free(void *ptr, size_t size, int device,
 		       gmlake_stream_t stream);
 
+/* Free ptr on whichever device's context holds it (PyTorch's raw_delete,
+ * whose deleter gets the pointer alone); otherwise as gmlake_torch_free. */
+void gmlake_torch_raw_delete(void *ptr);
+
 /* Optional hooks (CUDAPluggableAllocator.allocator().set_*_fn). */
 void gmlake_torch_init(int device_count);
 /* torch.cuda.empty_cache(): gmlake_trim() on every device's context. */
@@ -125,10 +129,9 @@ int gmlake_torch_stats_reset_peaks(int device);
 /* torch.cuda.reset_accumulated_memory_stats(): the allocated and freed
  * figures and the counters start again from 0. */
 int gmlake_torch_stats_reset_accumulated(int device);
-/* The largest request the device can serve now: the cache's largest
- * (gmlake_cache_info()), or its free chunks together with the driver's
- * free memory where they stitch, under the device limit; 0 before the
- * first allocation. 0 or -EINVAL. */
+/* The largest request the device's cache serves without asking the
+ * driver for memory (gmlake_cache_info()), as PyTorch's cacheInfo answers
+ * for cuDNN's workspace; 0 before the first allocation. 0 or -EINVAL. */
 int gmlake_torch_cache_info(int device, size_t *largest);
 
 /*
@@ -165,6 +168,20 @@ void *gmlake_torch_pool_alloc(size_t size, int device, gmlake_stream_t stream,
  * of expected (in any order, repeats ignored): 1 or 0; -EINVAL, -ENOMEM. */
 int gmlake_torch_pool_check_live(int device, uint64_t id0, uint64_t id1,
 				 void *const *expected, size_t n);
+/*
+ * Checkpoints (torch.compile's CUDA graph trees): the pool's live blocks
+ * (at most n into ptrs; returns how many there are), and their restore:
+ * every live block of the pool is parked (its pointer stored in freed, of
+ * room cap) and exactly the nkeep blocks of keep, which must still belong
+ * to the pool, are live again. Returns the number parked, -ENOSPC (cap too
+ * small; nothing changed), -ENOENT (pool, or a block of keep, unknown;
+ * nothing changed), -EINVAL.
+ */
+int gmlake_torch_pool_live(int device, uint64_t id0, uint64_t id1,
+			   void **ptrs, size_t n);
+int gmlake_torch_pool_restore(int device, uint64_t id0, uint64_t id1,
+			      void *const *keep, size_t nkeep, void **freed,
+			      size_t cap);
 /* Give the parked blocks of a pool without users back (emptyCache of a
  * pool); a pool in use keeps them. 0 or -EINVAL. */
 int gmlake_torch_pool_empty(int device, uint64_t id0, uint64_t id1);
@@ -189,8 +206,8 @@ enum gmlake_torch_action {
 	GMLAKE_TORCH_FREE_COMPLETED = 2,
 	GMLAKE_TORCH_SEGMENT_ALLOC = 3,	/* a snapshot range appeared */
 	GMLAKE_TORCH_SEGMENT_FREE = 4,	/* ... went */
-	GMLAKE_TORCH_SEGMENT_MAP = 5,	/* (not recorded) */
-	GMLAKE_TORCH_SEGMENT_UNMAP = 6,	/* (not recorded) */
+	GMLAKE_TORCH_SEGMENT_MAP = 5,	/* a range grew by [addr, +size) */
+	GMLAKE_TORCH_SEGMENT_UNMAP = 6,	/* a range lost [addr, +size) */
 	GMLAKE_TORCH_SNAPSHOT = 7,
 	GMLAKE_TORCH_OOM = 8,		/* addr: free device bytes */
 	GMLAKE_TORCH_ACTION_COUNT

@@ -68,17 +68,56 @@ static void free_context(const struct gmlake_torch_history_hooks *h,
 		h->context_free(ctx);
 }
 
+/*
+ * Contexts to free once hist_lock is dropped: freeing one may take
+ * Python's lock, which a thread waiting for hist_lock may hold.
+ */
+struct graveyard {
+	void **ctx;
+	size_t n, cap;
+	void (*context_free)(void *context);
+};
+
+/* hist_lock held. */
+static void bury(struct graveyard *g, void *ctx)
+{
+	void **grown;
+
+	if (!ctx || !hist_hooks.context_free)
+		return;
+	g->context_free = hist_hooks.context_free;
+	if (g->n == g->cap) {
+		size_t cap = g->cap ? g->cap * 2 : 16;
+
+		grown = realloc(g->ctx, cap * sizeof(*grown));
+		if (!grown)
+			return;		/* leaked rather than freed locked */
+		g->ctx = grown;
+		g->cap = cap;
+	}
+	g->ctx[g->n++] = ctx;
+}
+
+/* hist_lock not held. */
+static void graveyard_free(struct graveyard *g)
+{
+	for (size_t i = 0; i < g->n; i++)
+		g->context_free(g->ctx[i]);
+	free(g->ctx);
+	g->ctx = NULL;
+	g->n = g->cap = 0;
+}
+
 /* Drop every event of r; hist_lock held. */
-static void ring_clear(struct ring *r)
+static void ring_clear(struct ring *r, struct graveyard *g)
 {
 	for (size_t i = 0; i < r->count; i++)
-		free_context(&hist_hooks,
-			     r->ev[(r->head + i) % r->cap].context);
+		bury(g, r->ev[(r->head + i) % r->cap].context);
 	r->head = r->count = 0;
 }
 
 /* Resize r to cap events, keeping the newest; hist_lock held. */
-static int ring_resize(struct ring *r, size_t cap)
+static int ring_resize(struct ring *r, size_t cap, struct graveyard *g)
 {
 	struct gmlake_torch_event *ev;
 	size_t keep = r->count < cap ? r->count : cap;
@@ -92,7 +131,7 @@ static int ring_resize(struct ring *r, size_t cap)
 		struct gmlake_torch_event *e = &r->ev[(r->head + i) % r->cap];
 
 		if (i < r->count - keep)
-			free_context(&hist_hooks, e->context);
+			bury(g, e->context);
 		else
 			ev[i - (r->count - keep)] = *e;
 	}
@@ -104,11 +143,11 @@ static int ring_resize(struct ring *r, size_t cap)
 	return 0;
 }
 
-GML_EXPORT int gmlake_torch_history_start(size_t max_entries,
-					  uint32_t skip_mask,
-					  const struct gmlake_torch_history_hooks *hooks,
-					  bool clear)
+GML_EXPORT int gmlake_torch_history_start(
+	size_t max_entries, uint32_t skip_mask,
+	const struct gmlake_torch_history_hooks *hooks, bool clear)
 {
+	struct graveyard g = { 0 };
 	int ret = 0;
 
 	if (!max_entries)
@@ -119,8 +158,8 @@ GML_EXPORT int gmlake_torch_history_start(size_t max_entries,
 		if (!rings[d])
 			continue;
 		if (clear)
-			ring_clear(rings[d]);
-		ret = ring_resize(rings[d], max_entries);
+			ring_clear(rings[d], &g);
+		ret = ring_resize(rings[d], max_entries, &g);
 	}
 	if (hooks)
 		hist_hooks = *hooks;
@@ -133,6 +172,7 @@ GML_EXPORT int gmlake_torch_history_start(size_t max_entries,
 	if (!ret)
 		atomic_store(&hist_on, true);
 	pthread_mutex_unlock(&hist_lock);
+	graveyard_free(&g);
 	if (ret)
 		return gml_set_error(ret, "history: no host memory for %zu "
 				     "events", max_entries);
@@ -144,18 +184,21 @@ GML_EXPORT int gmlake_torch_history_start(size_t max_entries,
 
 GML_EXPORT void gmlake_torch_history_stop(bool clear)
 {
+	struct graveyard g = { 0 };
+
 	pthread_mutex_lock(&hist_lock);
 	atomic_store(&hist_on, false);
 	for (int d = 0; clear && d < GML_TORCH_MAX_DEVICES; d++) {
 		if (!rings[d])
 			continue;
-		ring_clear(rings[d]);
+		ring_clear(rings[d], &g);
 		free(rings[d]->ranges);
 		rings[d]->ranges = NULL;
 		rings[d]->nranges = 0;
 		rings[d]->ranges_known = false;
 	}
 	pthread_mutex_unlock(&hist_lock);
+	graveyard_free(&g);
 }
 
 /* device's ring, made on first use; hist_lock held. NULL without memory. */
@@ -194,6 +237,8 @@ void gml_history_add(int device, int action, uint64_t addr, uint64_t size,
 		.action = (uint32_t)action, .device = device, .addr = addr,
 		.size = size, .stream = stream, .pool_id = { id0, id1 },
 	};
+	void (*free_old)(void *context);
+	void *old = NULL;
 	struct ring *r;
 
 	if (!gml_history_on() || device < 0 ||
@@ -216,14 +261,17 @@ void gml_history_add(int device, int action, uint64_t addr, uint64_t size,
 		return;
 	}
 	if (r->count == r->cap) {
-		free_context(&hist_hooks, r->ev[r->head].context);
+		old = r->ev[r->head].context;
 		r->ev[r->head] = e;
 		r->head = (r->head + 1) % r->cap;
 	} else {
 		r->ev[(r->head + r->count) % r->cap] = e;
 		r->count++;
 	}
+	free_old = hist_hooks.context_free;
 	pthread_mutex_unlock(&hist_lock);
+	if (old && free_old)
+		free_old(old);
 }
 
 GML_EXPORT void gmlake_torch_history_mark(int device)
@@ -296,34 +344,63 @@ static struct range_seen *seen_of(const struct gmlake_snapshot *snap)
 	return s;
 }
 
+/* Whether [a, a + n) and [b, b + m) share a byte. */
+static bool overlap(uint64_t a, uint64_t n, uint64_t b, uint64_t m)
+{
+	return a < b + m && b < a + n;
+}
+
 /*
- * Emit the segment events between old and new ranges (both sorted):
- * SEGMENT_FREE for ranges that went, SEGMENT_ALLOC for ranges that came.
+ * The parts of each range of from that no range of by covers, as events:
+ * whole ranges as whole_action, parts of covered ones as part_action.
+ * Both lists are sorted by address and hold disjoint ranges.
+ */
+static void emit_uncovered(int device, const struct range_seen *from,
+			   size_t nfrom, const struct range_seen *by,
+			   size_t nby, int whole_action, int part_action)
+{
+	size_t j = 0;
+
+	for (size_t i = 0; i < nfrom; i++) {
+		uint64_t pos = from[i].addr, end = from[i].addr + from[i].size;
+		bool touched = false;
+
+		while (j < nby && by[j].addr + by[j].size <= pos)
+			j++;
+		for (size_t k = j; k < nby && by[k].addr < end; k++) {
+			if (!overlap(pos, end - pos, by[k].addr, by[k].size))
+				continue;
+			touched = true;
+			if (by[k].addr > pos)
+				gml_history_add(device, part_action, pos,
+						by[k].addr - pos,
+						from[i].stream, 0, 0);
+			pos = by[k].addr + by[k].size;
+			if (pos >= end)
+				break;
+		}
+		if (!touched)
+			gml_history_add(device, whole_action, from[i].addr,
+					from[i].size, from[i].stream, 0, 0);
+		else if (pos < end)
+			gml_history_add(device, part_action, pos, end - pos,
+					from[i].stream, 0, 0);
+	}
+}
+
+/*
+ * The segment events from old ranges to new ones: ranges that went
+ * (SEGMENT_FREE) or shrank (SEGMENT_UNMAP of the part), then ranges that
+ * came (SEGMENT_ALLOC) or grew, as segments grow at their end
+ * (SEGMENT_MAP of the part), as PyTorch's expandable segments report.
  */
 static void emit_diff(int device, const struct range_seen *old, size_t nold,
 		      const struct range_seen *cur, size_t ncur)
 {
-	size_t i = 0, j = 0;
-
-	while (i < nold || j < ncur) {
-		int c = i == nold ? 1 : j == ncur ? -1 :
-			seen_cmp(&old[i], &cur[j]);
-
-		if (c == 0) {
-			i++;
-			j++;
-		} else if (c < 0) {
-			gml_history_add(device, GMLAKE_TORCH_SEGMENT_FREE,
-					old[i].addr, old[i].size,
-					old[i].stream, 0, 0);
-			i++;
-		} else {
-			gml_history_add(device, GMLAKE_TORCH_SEGMENT_ALLOC,
-					cur[j].addr, cur[j].size,
-					cur[j].stream, 0, 0);
-			j++;
-		}
-	}
+	emit_uncovered(device, old, nold, cur, ncur,
+		       GMLAKE_TORCH_SEGMENT_FREE, GMLAKE_TORCH_SEGMENT_UNMAP);
+	emit_uncovered(device, cur, ncur, old, nold,
+		       GMLAKE_TORCH_SEGMENT_ALLOC, GMLAKE_TORCH_SEGMENT_MAP);
 }
 
 void gml_history_segments(int device, gmlake_ctx *ctx)

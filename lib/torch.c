@@ -52,6 +52,10 @@ static pthread_mutex_t torch_lock = PTHREAD_MUTEX_INITIALIZER;
 static double torch_fraction[GML_TORCH_MAX_DEVICES];
 static bool torch_fraction_set[GML_TORCH_MAX_DEVICES];
 static atomic_int torch_device_count = -1;
+/* Contexts made, and the highest device that has one, for frees by
+ * pointer alone (gmlake_torch_raw_delete). */
+static atomic_int torch_nctx;
+static atomic_int torch_ctx_top = -1;
 static atomic_bool torch_exiting;
 static pthread_once_t torch_atexit_once = PTHREAD_ONCE_INIT;
 
@@ -182,6 +186,9 @@ static int ctx_create(int device, gmlake_ctx **out)
 	if (torch_fraction_set[device])
 		apply_fraction(ctx, torch_fraction[device]);
 	atomic_store_explicit(&torch_ctx[device], ctx, memory_order_release);
+	atomic_fetch_add(&torch_nctx, 1);
+	if (device > atomic_load(&torch_ctx_top))
+		atomic_store(&torch_ctx_top, device);
 	gml_log(GMLAKE_LOG_DEBUG, "torch: device %d: context created", device);
 out_unlock:
 	pthread_mutex_unlock(&torch_lock);
@@ -285,9 +292,11 @@ static void report_oom(gmlake_ctx *ctx, int device, size_t size)
 	if (gml_history_on()) {
 		size_t free_b = 0, total = 0;
 
-		pthread_mutex_lock(&ctx->lock);
-		ctx->dev.ops->mem_info(ctx->dev.priv, &free_b, &total);
-		pthread_mutex_unlock(&ctx->lock);
+		/* With the device's context current: any thread. */
+		if (!gml_ctx_lock(ctx)) {
+			ctx->dev.ops->mem_info(ctx->dev.priv, &free_b, &total);
+			gml_ctx_unlock(ctx);
+		}
 		gml_history_add(device, GMLAKE_TORCH_OOM, free_b, size, NULL,
 				0, 0);
 	}
@@ -322,6 +331,7 @@ static size_t handed_out(gmlake_ctx *ctx, void *p, size_t size)
 void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 			 size_t *alloc_size)
 {
+	int level = atomic_load(&torch_fail_level);
 	gmlake_ctx *ctx;
 	void *p = NULL;
 	int ret;
@@ -331,8 +341,8 @@ void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 		return NULL;
 	ret = get_ctx(device, true, &ctx);
 	if (ret) {
-		torch_fail(ret, atomic_load(&torch_fail_level), "device %d: no libgmlake "
-			   "context to allocate %zu bytes: %s", device, size,
+		torch_fail(ret, level, "device %d: no libgmlake context to "
+			   "allocate %zu bytes: %s", device, size,
 			   gmlake_last_error());
 		return NULL;
 	}
@@ -340,8 +350,8 @@ void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 	if (ret == -ENOMEM)
 		report_oom(ctx, device, size);
 	else if (ret)
-		torch_fail(ret, atomic_load(&torch_fail_level), "device %d: allocating %zu "
-			   "bytes failed: %s", device, size, gmlake_last_error());
+		torch_fail(ret, level, "device %d: allocating %zu bytes "
+			   "failed: %s", device, size, gmlake_last_error());
 	if (ret)
 		return NULL;
 	if (alloc_size)
@@ -410,6 +420,50 @@ GML_EXPORT void gmlake_torch_free(void *ptr, size_t size, int device,
 	if (gml_pool_free(device, ptr))
 		return;
 	gml_torch_free_now(ptr, size, device, no_pool);
+}
+
+/*
+ * The device whose context holds the block at ptr, or -1: with one
+ * context, that one (its free says if ptr is no block); else a lookup
+ * in each context's block map (no scan of its blocks).
+ */
+static int owner_device(const void *ptr)
+{
+	int top = atomic_load(&torch_ctx_top);
+
+	for (int d = 0; d <= top; d++) {
+		gmlake_ctx *ctx = gml_torch_ctx_peek(d);
+		bool found;
+
+		if (!ctx)
+			continue;
+		if (atomic_load(&torch_nctx) == 1)
+			return d;
+		pthread_mutex_lock(&ctx->lock);
+		found = gml_ptrmap_get(&ctx->blocks, (uintptr_t)ptr) != NULL;
+		pthread_mutex_unlock(&ctx->lock);
+		if (found)
+			return d;
+	}
+	return -1;
+}
+
+GML_EXPORT void gmlake_torch_raw_delete(void *ptr)
+{
+	int level = atomic_load(&torch_exiting) ? GMLAKE_LOG_DEBUG :
+						   GMLAKE_LOG_WARN;
+	int device;
+
+	if (!ptr)
+		return;
+	device = owner_device(ptr);
+	if (device < 0) {
+		torch_fail(-EINVAL, level, "free of %p ignored: no device's "
+			   "context holds it (never allocated here, or already "
+			   "freed)", ptr);
+		return;
+	}
+	gmlake_torch_free(ptr, 0, device, NULL);
 }
 
 GML_EXPORT void gmlake_torch_init(int device_count)
@@ -528,6 +582,8 @@ static int torch_reset_contexts(void)
 	torch_nerr = 0;
 	pthread_mutex_unlock(&torch_err_lock);
 	atomic_store(&torch_device_count, -1);
+	atomic_store(&torch_nctx, 0);
+	atomic_store(&torch_ctx_top, -1);
 	return ret;
 }
 
@@ -564,8 +620,8 @@ GML_EXPORT int gmlake_torch_memory_fraction_get(int device, double *fraction)
 	if (ret)
 		return ret;
 	if (!fraction)
-		return gml_set_error(-EINVAL, "gmlake_torch_memory_fraction_get: "
-				     "fraction is NULL");
+		return gml_set_error(-EINVAL, "gmlake_torch_memory_fraction_get"
+				     ": fraction is NULL");
 	pthread_mutex_lock(&torch_lock);
 	*fraction = torch_fraction_set[device] ? torch_fraction[device] : 1.0;
 	pthread_mutex_unlock(&torch_lock);
@@ -704,9 +760,7 @@ GML_EXPORT int gmlake_torch_stats_reset_accumulated(int device)
 
 GML_EXPORT int gmlake_torch_cache_info(int device, size_t *largest)
 {
-	size_t cached = 0, dev_free = 0, total = 0, grow, stitch_min;
 	int ret = check_device(device);
-	struct torch_state s;
 	gmlake_ctx *ctx;
 
 	if (ret)
@@ -716,25 +770,5 @@ GML_EXPORT int gmlake_torch_cache_info(int device, size_t *largest)
 				     "largest is NULL");
 	*largest = 0;
 	ctx = gml_torch_ctx_peek(device);
-	if (!ctx)
-		return 0;
-	ret = gmlake_cache_info(ctx, &cached, largest);
-	if (ret)
-		return ret;
-	/* Growth adds just the shortfall, and chunks stitch. */
-	get_state(ctx, &s);
-	pthread_mutex_lock(&ctx->lock);
-	if (ctx->dev.ops->mem_info(ctx->dev.priv, &dev_free, &total))
-		dev_free = 0;
-	stitch_min = ctx->cfg.stitch_min;
-	pthread_mutex_unlock(&ctx->lock);
-	grow = cached + dev_free;
-	if (s.limit)
-		grow = (size_t)s.allocated < s.limit ?
-		       s.limit - (size_t)s.allocated : 0;
-	if (grow > cached + dev_free)
-		grow = cached + dev_free;
-	if (grow >= stitch_min && grow > *largest)
-		*largest = grow;
-	return 0;
+	return ctx ? gmlake_cache_info(ctx, NULL, largest) : 0;
 }

@@ -663,6 +663,121 @@ GML_EXPORT int gmlake_torch_pool_check_live(int device, uint64_t id0,
 	return ret;
 }
 
+/* The live entries of p into ptrs (at most n); how many there are.
+ * pd->lock held. */
+static size_t live_of(struct pool_dev *pd, const struct pool *p, void **ptrs,
+		      size_t n)
+{
+	size_t k = 0;
+
+	for (size_t i = 0; p && i < pd->entries.cap; i++) {
+		const struct gml_ptrmap_slot *s = &pd->entries.slots[i];
+		const struct entry *e = s->val;
+
+		if (s->key <= 1 || e->pool != p || e->parked)
+			continue;
+		if (k < n)
+			ptrs[k] = (void *)e->ptr;
+		k++;
+	}
+	return k;
+}
+
+GML_EXPORT int gmlake_torch_pool_live(int device, uint64_t id0, uint64_t id1,
+				      void **ptrs, size_t n)
+{
+	struct pool_dev *pd;
+	size_t k;
+	int ret = check_dev(device, "gmlake_torch_pool_live");
+
+	if (ret)
+		return ret;
+	if (n && !ptrs)
+		return gml_set_error(-EINVAL, "gmlake_torch_pool_live: ptrs "
+				     "is NULL");
+	pd = &pdev[device];
+	pthread_mutex_lock(&pd->lock);
+	k = live_of(pd, pool_find(pd, id0, id1), ptrs, n);
+	pthread_mutex_unlock(&pd->lock);
+	return k > INT32_MAX ? INT32_MAX : (int)k;
+}
+
+/* Make the parked entry e live again; pd->lock held. */
+static void unpark(struct pool_dev *pd, struct entry *e)
+{
+	struct pool *p = e->pool;
+	size_t i = parked_bound(p, e->stream, e->size, e->ptr);
+
+	if (i < p->nparked && p->parked[i] == e)
+		unpark_at(pd, p, i);
+}
+
+GML_EXPORT int gmlake_torch_pool_restore(int device, uint64_t id0,
+					 uint64_t id1, void *const *keep,
+					 size_t nkeep, void **freed,
+					 size_t cap)
+{
+	struct pool_dev *pd;
+	struct pool *p;
+	size_t nlive, i;
+	int ret = check_dev(device, "gmlake_torch_pool_restore");
+
+	if (ret)
+		return ret;
+	if ((nkeep && !keep) || (cap && !freed))
+		return gml_set_error(-EINVAL, "gmlake_torch_pool_restore: a "
+				     "pointer array is NULL");
+	pd = &pdev[device];
+	pthread_mutex_lock(&pd->lock);
+	p = pool_find(pd, id0, id1);
+	if (!p) {
+		ret = gml_set_error(-ENOENT, "device %d: pool (%llu, %llu) is "
+				    "unknown", device, (unsigned long long)id0,
+				    (unsigned long long)id1);
+		goto out_unlock;
+	}
+	for (i = 0; i < nkeep; i++) {
+		struct entry *e = gml_ptrmap_get(&pd->entries,
+						 (uintptr_t)keep[i]);
+
+		if (!e || e->pool != p) {
+			ret = gml_set_error(-ENOENT, "device %d: %p is no block "
+					    "of pool (%llu, %llu) any more",
+					    device, keep[i],
+					    (unsigned long long)id0,
+					    (unsigned long long)id1);
+			goto out_unlock;
+		}
+	}
+	nlive = live_of(pd, p, freed, cap);
+	if (nlive > cap) {
+		ret = gml_set_error(-ENOSPC, "gmlake_torch_pool_restore: %zu "
+				    "live blocks, room for %zu", nlive, cap);
+		goto out_unlock;
+	}
+	for (i = 0; i < nlive; i++) {
+		struct entry *e = gml_ptrmap_get(&pd->entries,
+						 (uintptr_t)freed[i]);
+
+		if (park(pd, e)) {
+			ret = gml_set_error(-ENOMEM, "no host memory to park a "
+					    "block");
+			goto out_unlock;
+		}
+	}
+	for (i = 0; i < nkeep; i++) {
+		struct entry *e = gml_ptrmap_get(&pd->entries,
+						 (uintptr_t)keep[i]);
+
+		if (e->parked)
+			unpark(pd, e);
+	}
+	ret = nlive > INT32_MAX ? INT32_MAX : (int)nlive;
+out_unlock:
+	pthread_mutex_unlock(&pd->lock);
+	return ret;
+}
+
 void gml_pool_parked(int device, int64_t *n, int64_t *requested,
 		     int64_t *allocated)
 {

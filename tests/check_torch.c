@@ -536,6 +536,39 @@ START_TEST(test_threads)
 END_TEST
 
 
+/* Frees by pointer alone find the device; a pool block is parked. */
+START_TEST(test_raw_delete)
+{
+	struct gmlake_stats st;
+	char msg[512];
+	void *p, *q, *r;
+
+	gmlake_torch_raw_delete(NULL);
+	p = torch_alloc_ok(TH_MiB, 0, NULL);
+	gmlake_torch_raw_delete(p);		/* one context */
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+	p = torch_alloc_ok(TH_MiB, 0, NULL);
+	q = torch_alloc_ok(2 * TH_MiB, dev(1), NULL);
+	ck_assert_int_eq(gmlake_torch_pool_begin(dev(1), 3, 0), 0);
+	r = gmlake_torch_pool_alloc(TH_MiB, dev(1), NULL, 3, 0);
+	gmlake_torch_raw_delete(q);
+	gmlake_torch_raw_delete(r);
+	gmlake_torch_raw_delete(p);
+	ck_assert_int_eq(gmlake_torch_pool_of(dev(1), r, (uint64_t[2]){ 0 }),
+			 2);
+	stats_of(0, &st);
+	ck_assert_int_eq(st.active_blocks.current, dev(1) ? 0 : 1);
+	ck_assert_int_eq(nerrors(msg, sizeof(msg)), 0);
+	gmlake_torch_raw_delete((void *)(uintptr_t)0x7000beef0000ull);
+	ck_assert_int_eq(nerrors(msg, sizeof(msg)), 1);
+	ck_assert_int_eq(gmlake_torch_pool_end(dev(1), 3, 0), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(dev(1), 3, 0), 0);
+	stats_of(dev(1), &st);
+	ck_assert_int_eq(st.active_blocks.current, 0);
+}
+END_TEST
+
 /* ---------------------------------------------------------------------- */
 /* Private pools (CUDA graphs, MemPool)                                   */
 
@@ -710,6 +743,83 @@ START_TEST(test_pool_live)
 	stats_of(0, &st);
 	ck_assert_int_eq(st.active_blocks.current, 0);
 	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), -ENOENT);
+	th_check(torch_ctx(0));
+}
+END_TEST
+
+/* While a pool routes (a graph captures), no trim and no stream waits:
+ * an allocation that does not fit fails without the retry, empty_cache
+ * keeps the cache. */
+START_TEST(test_pool_no_trim)
+{
+	struct gmlake_torch_stats ts = {
+		.version = GMLAKE_TORCH_STATS_VERSION, .size = sizeof(ts) };
+	struct gmlake_stats st;
+	void *p, *q;
+
+	q = torch_alloc_ok(32 * TH_MiB, 0, NULL);
+	gmlake_torch_free(q, 32 * TH_MiB, 0, NULL);
+	p = torch_alloc_ok(64 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	gmlake_torch_empty_cache();
+	stats_of(0, &st);
+	ck_assert_int_ge(st.reserved_bytes.current, 64 * TH_MiB);
+	ck_assert_ptr_null(gmlake_torch_pool_alloc(250 * TH_MiB, 0, NULL,
+						   POOL_A));
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.num_alloc_retries, 0);
+	ck_assert_int_eq(ts.num_ooms, 1);
+	ck_assert_int_eq(ts.num_sync_all_streams, 0);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_ptr_null(gmlake_torch_alloc(250 * TH_MiB, 0, NULL));
+	ck_assert_int_eq(gmlake_torch_stats_get(0, &ts), 0);
+	ck_assert_int_eq(ts.num_alloc_retries, 1);
+	ck_assert_int_eq(ts.num_ooms, 2);
+	gmlake_torch_free(p, 64 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	gmlake_torch_empty_cache();
+	stats_of(0, &st);
+	ck_assert_int_eq(st.reserved_bytes.current, 0);
+}
+END_TEST
+
+/* A checkpoint of the pool's live blocks, and its restore. */
+START_TEST(test_pool_checkpoint)
+{
+	void *a, *b, *c, *state[4], *freed[4], *bogus = (void *)0x1000;
+	int n;
+
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	a = gmlake_torch_pool_alloc(2 * TH_MiB, 0, NULL, POOL_A);
+	c = gmlake_torch_pool_alloc(3 * TH_MiB, 0, NULL, POOL_A);
+	gmlake_torch_free(c, 3 * TH_MiB, 0, NULL);
+	n = gmlake_torch_pool_live(0, POOL_A, state, 4);
+	ck_assert_int_eq(n, 1);
+	ck_assert_ptr_eq(state[0], a);
+	ck_assert_int_eq(gmlake_torch_pool_live(0, POOL_A, NULL, 0), 1);
+
+	/* After the checkpoint: a dies, b is made (it takes c's block). */
+	gmlake_torch_free(a, 2 * TH_MiB, 0, NULL);
+	b = gmlake_torch_pool_alloc(3 * TH_MiB, 0, NULL, POOL_A);
+	ck_assert_ptr_eq(b, c);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, state, 1,
+						   freed, 0), -ENOSPC);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, &bogus, 1,
+						   freed, 4), -ENOENT);
+	ck_assert_int_eq(pool_of(0, b), 1);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, state, 1,
+						   freed, 4), 1);
+	ck_assert_ptr_eq(freed[0], b);
+	ck_assert_int_eq(pool_of(0, a), 1);
+	ck_assert_int_eq(pool_of(0, b), 2);
+	ck_assert_int_eq(gmlake_torch_pool_check_live(0, POOL_A, state, 1), 1);
+
+	gmlake_torch_free(a, 2 * TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(pool_of(0, a), 0);
+	ck_assert_int_eq(gmlake_torch_pool_restore(0, POOL_A, NULL, 0, NULL,
+						   0), -ENOENT);
 	th_check(torch_ctx(0));
 }
 END_TEST
@@ -895,11 +1005,16 @@ START_TEST(test_history)
 	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_FREE_REQUESTED), 2);
 	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_FREE_COMPLETED), 2);
 	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_OOM), 1);
-	ck_assert_int_ge(count_events(0, GMLAKE_TORCH_SEGMENT_ALLOC), 1);
-	ck_assert_int_ge(count_events(0, GMLAKE_TORCH_SEGMENT_FREE), 1);
+	/* q's memory came as a new segment or as a segment's growth. */
+	ck_assert_int_ge(count_events(0, GMLAKE_TORCH_SEGMENT_ALLOC) +
+			 count_events(0, GMLAKE_TORCH_SEGMENT_MAP), 1);
+	ck_assert_int_ge(count_events(0, GMLAKE_TORCH_SEGMENT_FREE) +
+			 count_events(0, GMLAKE_TORCH_SEGMENT_UNMAP), 1);
 	ck_assert_int_eq(count_events(0, GMLAKE_TORCH_SNAPSHOT), 1);
 	ck_assert_int_eq(gmlake_torch_history_read(0, ev, 1), 1);
-	ck_assert_uint_eq(ev[0].action, GMLAKE_TORCH_SEGMENT_ALLOC);
+	ck_assert_msg(ev[0].action == GMLAKE_TORCH_SEGMENT_ALLOC ||
+		      ev[0].action == GMLAKE_TORCH_SEGMENT_MAP,
+		      "first event %u", ev[0].action);
 	ck_assert_int_eq(gmlake_torch_history_read(0, ev, 2), 2);
 	ck_assert_uint_eq(ev[1].action, GMLAKE_TORCH_ALLOC);
 	ck_assert_uint_eq(ev[1].addr, (uintptr_t)q);
@@ -918,6 +1033,71 @@ START_TEST(test_history)
 	ck_assert(!gmlake_torch_history_enabled());
 	ck_assert_int_eq(gmlake_torch_history_read(0, NULL, 0), 0);
 	ck_assert_int_eq(gmlake_torch_history_read(-1, NULL, 0), -EINVAL);
+}
+END_TEST
+
+/* Contexts from the owner's hooks: each made is freed once. */
+static int ctx_made, ctx_freed;
+static uint64_t ticks;
+
+static uint64_t test_clock(void)
+{
+	return ++ticks;
+}
+
+static void *test_context(int action)
+{
+	int *c = malloc(sizeof(*c));
+
+	ck_assert_ptr_nonnull(c);
+	*c = action;
+	ctx_made++;
+	return c;
+}
+
+static void *test_context_dup(void *c)
+{
+	return test_context(*(int *)c);
+}
+
+static void test_context_free(void *c)
+{
+	ctx_freed++;
+	free(c);
+}
+
+START_TEST(test_history_hooks)
+{
+	const struct gmlake_torch_history_hooks hooks = {
+		.clock = test_clock, .context = test_context,
+		.context_dup = test_context_dup,
+		.context_free = test_context_free,
+	};
+	struct gmlake_torch_event ev[4];
+	int n;
+
+	ctx_made = ctx_freed = 0;
+	ticks = 0;
+	ck_assert_int_eq(gmlake_torch_history_start(4, 0, &hooks, true), 0);
+	for (int i = 0; i < 5; i++) {
+		void *p = torch_alloc_ok(TH_MiB, 0, NULL);
+
+		gmlake_torch_free(p, TH_MiB, 0, NULL);
+	}
+	/* The ring kept the newest 4; older contexts were freed. */
+	ck_assert_int_eq(ctx_made - ctx_freed, 4);
+	n = gmlake_torch_history_read(0, ev, 4);
+	ck_assert_int_eq(n, 4);
+	ck_assert_int_eq(ctx_made - ctx_freed, 8);
+	for (int i = 0; i < n; i++) {
+		ck_assert_int_eq(*(int *)ev[i].context, (int)ev[i].action);
+		if (i)
+			ck_assert_uint_gt(ev[i].time, ev[i - 1].time);
+		test_context_free(ev[i].context);
+	}
+	ck_assert_uint_eq(ev[3].action, GMLAKE_TORCH_FREE_COMPLETED);
+	gmlake_torch_history_stop(true);
+	ck_assert_int_eq(ctx_made, ctx_freed);
 }
 END_TEST
 
@@ -961,12 +1141,16 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_pool_reuse_rules);
 		tcase_add_test(tc, test_pool_live);
 		tcase_add_test(tc, test_pool_sync_hook);
+		tcase_add_test(tc, test_pool_no_trim);
+		tcase_add_test(tc, test_pool_checkpoint);
+		tcase_add_test(tc, test_raw_delete);
 
 		tc = th_tcase(s, "Figures");
 		tcase_add_checked_fixture(tc, setup, teardown);
 		tcase_add_test(tc, test_torch_stats);
 		tcase_add_test(tc, test_snapshot);
 		tcase_add_test(tc, test_history);
+		tcase_add_test(tc, test_history_hooks);
 	}
 	return s;
 }

@@ -157,14 +157,34 @@ def load(torch, verbose=False):
                      (torch.__version__, build))
     sys.stderr.flush()
     t0 = time.monotonic()
+    cuda_home = cpp_extension.CUDA_HOME
+    libdirs = [os.path.join(os.path.dirname(os.path.abspath(torch.__file__)),
+                            "lib")]
+    libdirs += [d for d in (os.path.join(cuda_home, "lib64"),
+                            os.path.join(cuda_home, "lib"))
+                if os.path.isdir(d)][:1]
+    ldflags = ["-L" + d for d in libdirs] + ["-lc10_cuda", "-ltorch_cuda"]
+    if len(libdirs) > 1:
+        ldflags.append("-lcudart")
+    # with_cuda stays off: it would ask torch for the GPUs' architectures
+    # (for nvcc, which a .cpp does not need), and that initializes CUDA,
+    # after which PyTorch's allocator can no longer be replaced. The CUDA
+    # headers and libraries come in by hand instead.
     try:
         mod = cpp_extension.load(
-            name=name, sources=[SOURCE], extra_include_paths=[incdir],
-            extra_cflags=["-O2"], build_directory=build, with_cuda=True,
-            verbose=verbose)
+            name=name, sources=[SOURCE],
+            extra_include_paths=[incdir, os.path.join(cuda_home, "include")],
+            extra_cflags=["-O2"], extra_ldflags=ldflags,
+            build_directory=build, with_cuda=False, verbose=verbose)
     except Exception as e:
         raise AdapterUnavailable("building the adapter in %s failed: %s" %
                                  (build, e)) from e
+    if torch.cuda.is_initialized():
+        raise AdapterUnavailable("building the adapter initialized CUDA, so "
+                                 "PyTorch's allocator can no longer be "
+                                 "replaced in this process; it is built now "
+                                 "(%s) and the next process will use it" %
+                                 build)
     sys.stderr.write("gmlake: adapter built in %.0f s\n" %
                      (time.monotonic() - t0))
     return mod

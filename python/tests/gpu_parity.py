@@ -416,6 +416,7 @@ def run_row(ns, mode, row):
     env = dict(os.environ)
     if mode == "gmlake":
         env["GMLAKE_LIBRARY"] = os.path.abspath(ns.lib)
+        env["GMLAKE_BACKEND"] = "cuda"      # tensors need the real device
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         env["PYTHONPATH"] = os.pathsep.join(
             [PYDIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)

@@ -415,6 +415,7 @@ class TestEmuTorch(unittest.TestCase):
         return bytes(buf)
 
     def test_torch_stats_match_gmlake(self):
+        before = gmlake.torch.memory_stats(self.DEVICE, self.path)
         a, b = self.alloc(6 * MiB), self.alloc(2000)
         d = gmlake.torch.memory_stats(self.DEVICE, self.path)
         g = gmlake.stats(self.DEVICE)
@@ -424,7 +425,9 @@ class TestEmuTorch(unittest.TestCase):
                          g["allocated_bytes.current"])
         self.assertEqual(d["reserved_bytes.all.current"],
                          g["reserved_bytes.current"])
-        self.assertEqual(d["requested_bytes.all.current"], 6 * MiB + 2000)
+        self.assertEqual(d["requested_bytes.all.current"] -
+                         before["requested_bytes.all.current"],
+                         6 * MiB + 2000)
         self.assertEqual(d["allocation.all.current"],
                          g["active_blocks.current"])
         self.assertEqual(d["num_device_alloc"], g["calls.mem_create"])
@@ -441,7 +444,8 @@ class TestEmuTorch(unittest.TestCase):
         self.free(a, 6 * MiB)
         d = gmlake.torch.memory_stats(self.DEVICE, self.path)
         self.assertEqual(d["allocation.all.freed"], 1)
-        self.assertEqual(d["allocated_bytes.all.current"], 0)
+        self.assertEqual(d["allocated_bytes.all.current"],
+                         before["allocated_bytes.all.current"])
 
     def test_graph_pool_corruption(self):
         """Freed inside a capture, allocated outside afterwards, the
@@ -509,7 +513,9 @@ class TestEmuTorch(unittest.TestCase):
         actions = [e["action"] for e in trace]
         self.assertEqual(actions.count("alloc"), 4)
         self.assertEqual(actions.count("free_completed"), 1)
-        self.assertIn("segment_alloc", actions)
+        # New memory comes as a segment or as a segment's growth.
+        self.assertTrue({"segment_alloc", "segment_map"} & set(actions),
+                        actions)
         allocs = [e for e in trace if e["action"] == "alloc"]
         self.assertEqual([e["addr"] for e in allocs], blocks)
         self.assertEqual(allocs[1]["size"], 700)

@@ -9,7 +9,8 @@
 // private pools of CUDA graphs, the statistics under PyTorch's names and
 // the history ring are in the C library. What it keeps is what only C++
 // can: PyTorch's routing filters (std::function) of beginAllocateToPool,
-// the out-of-memory observers and the history's context recorder.
+// the out-of-memory observers, the history's context recorder, and
+// checkpoints as PyTorch's AllocatorState objects.
 //
 // gmlake.torch builds it once with torch.utils.cpp_extension against the
 // installed torch (PyTorch 2.11's interface) and calls install(path) with
@@ -62,6 +63,7 @@ using c10::MempoolId_t;
   X(gmlake_snapshot_free)                  \
   X(gmlake_torch_alloc)                    \
   X(gmlake_torch_free)                     \
+  X(gmlake_torch_raw_delete)               \
   X(gmlake_torch_init)                     \
   X(gmlake_torch_empty_cache)              \
   X(gmlake_torch_memory_fraction)          \
@@ -82,6 +84,8 @@ using c10::MempoolId_t;
   X(gmlake_torch_pool_check_live)          \
   X(gmlake_torch_pool_empty)               \
   X(gmlake_torch_pool_of)                  \
+  X(gmlake_torch_pool_live)                \
+  X(gmlake_torch_pool_restore)             \
   X(gmlake_torch_pool_routing)             \
   X(gmlake_torch_set_sync_hook)            \
   X(gmlake_torch_history_start)            \
@@ -124,36 +128,26 @@ std::string fmt_size(size_t n) {
 }
 
 // ---------------------------------------------------------------------------
-// Frees: one deleter per device, so that a DataPtr's free needs no lookup.
+// Frees. One deleter for every DataPtr, the one raw_deleter() returns:
+// PyTorch compares them (CUDA graph trees assert _has_Standard_Deleter).
 
-void free_on(void* ptr, int device) noexcept {
+// Routings begun and not yet ended, on any device (beginAllocateToPool).
+std::atomic<int> g_routes{0};
+
+void delete_any(void* ptr) {
   if (!ptr)
     return;
-  try {
-    if (C10_UNLIKELY(api.gmlake_torch_pool_routing(device))) {
-      // Another thread may be capturing a graph in global mode.
+  if (C10_UNLIKELY(g_routes.load(std::memory_order_relaxed) > 0)) {
+    // Another thread may be capturing a graph in global mode.
+    try {
       c10::cuda::CUDAStreamCaptureModeGuard g{cudaStreamCaptureModeRelaxed};
-      api.gmlake_torch_free(ptr, 0, device, nullptr);
+      api.gmlake_torch_raw_delete(ptr);
       return;
+    } catch (...) {
     }
-  } catch (...) {
   }
-  api.gmlake_torch_free(ptr, 0, device, nullptr);
+  api.gmlake_torch_raw_delete(ptr);
 }
-
-template <int D>
-void delete_on(void* ptr) {
-  free_on(ptr, D);
-}
-
-template <int... I>
-constexpr std::array<c10::DeleterFnPtr, sizeof...(I)> make_deleters(
-    std::integer_sequence<int, I...>) {
-  return {{&delete_on<I>...}};
-}
-
-constexpr auto kDeleters =
-    make_deleters(std::make_integer_sequence<int, kMaxDevices>{});
 
 // The device whose context holds ptr, or -1.
 int device_of(const void* ptr) {
@@ -166,23 +160,6 @@ int device_of(const void* ptr) {
       return d;
   }
   return -1;
-}
-
-// raw_deleter(): for pointers whose device is not known (raw_delete).
-void delete_any(void* ptr) {
-  if (!ptr)
-    return;
-  int d = device_of(ptr);
-  if (d < 0) {
-    TORCH_WARN("libgmlake: free of ", ptr, " ignored: no device holds it");
-    return;
-  }
-  free_on(ptr, d);
-}
-
-bool is_our_deleter(c10::DeleterFnPtr d) {
-  return d == &delete_any ||
-      std::find(kDeleters.begin(), kDeleters.end(), d) != kDeleters.end();
 }
 
 // ---------------------------------------------------------------------------
@@ -283,6 +260,28 @@ void put_stat(cda::StatArray& a, const gmlake_torch_stat& s) {
   t.freed = s.freed;
 }
 
+// A checkpoint of a private pool: its live blocks (CUDA graph trees).
+struct PoolState : cca::AllocatorState {
+  DeviceIndex device = 0;
+  MempoolId_t pool{0, 0};
+  std::vector<void*> live;
+};
+
+std::vector<void*> pool_live(DeviceIndex device, MempoolId_t id) {
+  for (;;) {
+    int n = api.gmlake_torch_pool_live(device, id.first, id.second, nullptr, 0);
+    TORCH_CHECK(n >= 0, "libgmlake: the pool's live blocks: ", last_error());
+    std::vector<void*> v(static_cast<size_t>(n));
+    int m = api.gmlake_torch_pool_live(
+        device, id.first, id.second, v.data(), v.size());
+    TORCH_CHECK(m >= 0, "libgmlake: the pool's live blocks: ", last_error());
+    if (m <= n) {
+      v.resize(static_cast<size_t>(m));
+      return v;
+    }
+  }
+}
+
 struct Route {
   DeviceIndex device;
   MempoolId_t pool;
@@ -297,8 +296,14 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     DeviceIndex device = -1;
     C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
+    TORCH_CHECK(
+        device >= 0 && device < kMaxDevices,
+        "libgmlake serves CUDA devices 0 to ",
+        kMaxDevices - 1,
+        ", not ",
+        static_cast<int>(device));
     void* p = malloc(size, device, stream);
-    return {p, p, kDeleters[device], c10::Device(c10::DeviceType::CUDA, device)};
+    return {p, p, &delete_any, c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -393,7 +398,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream)
       override {
-    if (!ptr.get() || !is_our_deleter(ptr.get_deleter()))
+    if (!ptr.get() || ptr.get_deleter() != &delete_any)
       return; // not ours (a tensor shared from another process)
     api.gmlake_torch_record_stream(ptr.get(), stream.stream());
   }
@@ -528,6 +533,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
         last_error());
     std::lock_guard<std::mutex> lock(mutex_);
     routes_.push_back({device, mempool_id, std::move(filter)});
+    g_routes.fetch_add(1);
   }
 
   void endAllocateToPool(DeviceIndex device, MempoolId_t mempool_id)
@@ -537,8 +543,10 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       auto it = std::find_if(routes_.begin(), routes_.end(), [&](auto& r) {
         return r.device == device && r.pool == mempool_id;
       });
-      if (it != routes_.end())
+      if (it != routes_.end()) {
         routes_.erase(it);
+        g_routes.fetch_sub(1);
+      }
     }
     TORCH_CHECK(
         api.gmlake_torch_pool_end(
@@ -603,26 +611,48 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
   }
 
   std::shared_ptr<cca::AllocatorState> getCheckpointState(
-      DeviceIndex /*device*/,
-      MempoolId_t /*id*/) override {
-    TORCH_CHECK(
-        false,
-        "libgmlake does not support allocator checkpoints yet "
-        "(getCheckpointState): torch.compile's CUDA graph trees need them "
-        "when they record a new graph while replaying a tree. Mark the "
-        "step that changes (e.g. an evaluation pass) with "
-        "torch.compiler.cudagraph_mark_step_begin(), compile it "
-        "separately without mode=\"reduce-overhead\", or run without "
-        "libgmlake.");
+      DeviceIndex device,
+      MempoolId_t id) override {
+    auto st = std::make_shared<PoolState>();
+    st->device = device;
+    st->pool = id;
+    st->live = pool_live(device, id);
+    return st;
   }
 
+  // Back to a checkpoint: every live block of the pool is parked (freed
+  // into the pool) and the checkpoint's blocks are live again, at the
+  // same addresses, with this allocator's deleter.
   cca::CheckpointDelta setCheckpointPoolState(
-      DeviceIndex /*device*/,
-      std::shared_ptr<cca::AllocatorState> /*pps*/) override {
+      DeviceIndex device,
+      std::shared_ptr<cca::AllocatorState> pps) override {
+    auto st = std::dynamic_pointer_cast<PoolState>(pps);
     TORCH_CHECK(
-        false,
-        "libgmlake does not support allocator checkpoints yet "
-        "(setCheckpointPoolState); see getCheckpointState's message.");
+        st && st->device == device,
+        "libgmlake: setCheckpointPoolState needs a checkpoint libgmlake "
+        "took on this device");
+    cca::CheckpointDelta delta;
+    for (;;) {
+      std::vector<void*> freed(pool_live(device, st->pool).size() + 8);
+      int n = api.gmlake_torch_pool_restore(
+          device,
+          st->pool.first,
+          st->pool.second,
+          st->live.data(),
+          st->live.size(),
+          freed.data(),
+          freed.size());
+      if (n == -ENOSPC)
+        continue; // the pool grew meanwhile
+      TORCH_CHECK(n >= 0, "libgmlake: setCheckpointPoolState: ", last_error());
+      freed.resize(static_cast<size_t>(n));
+      delta.ptrs_freed = std::move(freed);
+      break;
+    }
+    for (void* p : st->live)
+      delta.dataptrs_allocd.emplace_back(
+          p, p, &delete_any, c10::Device(c10::DeviceType::CUDA, device));
+    return delta;
   }
 
   // -- IPC and peers -------------------------------------------------------
