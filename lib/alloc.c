@@ -1174,7 +1174,7 @@ static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
 	} else if (best_fit(ctx, ctx->stitched, n, stream, &r)) {
 		ctx->st.stitch_reuses++;
 	} else if (tail_grow(ctx, n, stream, &r) == 0) {
-		ctx->st.fits++;
+		/* counted in grows */
 	} else {
 		ret = repair(ctx, n, stream, &r);
 		if (ret == -ENOENT)

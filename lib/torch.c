@@ -44,6 +44,7 @@
 #include "gmlake-torch.h"
 #include "error.h"
 #include "torch.h"
+#include "lock.h"
 #include "types.h"
 
 static _Atomic(gmlake_ctx *) torch_ctx[GML_TORCH_MAX_DEVICES];
