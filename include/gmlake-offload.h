@@ -79,7 +79,9 @@ enum gmlake_offload_where {
 /*
  * Rings. entries (1 to 4096, rounded up to a power of two) bounds the
  * submissions not yet submitted; up to twice as many completions wait to
- * be reaped. exit waits for the ring's requests in flight.
+ * be reaped. exit waits for the ring's requests in flight. A ring left
+ * open when its context is destroyed is closed for it (submit: -EBADF);
+ * exit still frees it.
  */
 int gmlake_offload_init(struct gmlake_offload *ring, gmlake_ctx *ctx,
 			unsigned entries, unsigned flags);

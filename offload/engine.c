@@ -366,12 +366,42 @@ static void off_tier_quiesce(gmlake_ctx *ctx)
 	off_quiesce(gml_off_of(ctx));
 }
 
-/* The tier's fini hook: after every block is gone; ctx lock held. */
+void gml_off_attach(struct gml_offload *off, struct gml_off_user *u)
+{
+	u->prev = NULL;
+	u->next = off->users;
+	if (off->users)
+		off->users->prev = u;
+	off->users = u;
+}
+
+void gml_off_detach(struct gml_offload *off, struct gml_off_user *u)
+{
+	if (u->prev)
+		u->prev->next = u->next;
+	else
+		off->users = u->next;
+	if (u->next)
+		u->next->prev = u->prev;
+	u->prev = u->next = NULL;
+}
+
+/*
+ * The tier's fini hook: after every block is gone; ctx lock held. Rings
+ * still open (a forced destroy, or one with no block left) outlive the
+ * manager: with the engine stopped their requests are all over, and each
+ * is orphaned, so that nothing it does later touches freed memory.
+ */
 static void off_fini(gmlake_ctx *ctx)
 {
 	struct gml_offload *off = gml_off_of(ctx);
+	struct gml_off_user *u;
 
 	off_quiesce(off);
+	while ((u = off->users)) {
+		gml_off_detach(off, u);
+		u->orphan(u);
+	}
 	gml_off_sync_gauges(ctx);
 	off_free(ctx, off);
 }

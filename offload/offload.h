@@ -88,6 +88,16 @@ struct gml_off_req {
 	uint64_t t0;
 };
 
+/*
+ * What holds on to the manager from above (a ring): told, once its
+ * requests are all over, that the context goes (ctx lock held), so that
+ * it never calls into the manager or the context again.
+ */
+struct gml_off_user {
+	struct gml_off_user *prev, *next;	/* off->users; ctx lock */
+	void (*orphan)(struct gml_off_user *u);
+};
+
 struct gml_offload {
 	gmlake_ctx *ctx;
 	struct gml_host host;
@@ -97,6 +107,7 @@ struct gml_offload {
 
 	/* Offloadable resident blocks, least recently used first; ctx lock. */
 	struct gml_block *lru, *lru_tail;
+	struct gml_off_user *users;	/* open rings; ctx lock */
 
 	pthread_mutex_t lock;		/* the queues below */
 	struct gml_off_req *incoming;	/* submitted, not started */
@@ -128,6 +139,9 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out);
 void gml_off_queue(struct gml_offload *off, struct gml_off_req *list);
 /* Wake the engine (any thread, any lock held; a driver thread too). */
 void gml_off_wake(struct gml_offload *off);
+/* A user comes and goes; ctx lock held. */
+void gml_off_attach(struct gml_offload *off, struct gml_off_user *u);
+void gml_off_detach(struct gml_offload *off, struct gml_off_user *u);
 
 /* ---- move.c: one request's mechanics ---- */
 

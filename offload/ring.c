@@ -19,6 +19,7 @@
 #endif
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,8 +31,10 @@
 struct gml_ring {
 	pthread_mutex_t lock;
 	pthread_cond_t cond;		/* a completion was posted */
+	/* Both NULL once the context was destroyed (ring_orphan). */
 	gmlake_ctx *ctx;
 	struct gml_offload *off;
+	struct gml_off_user user;	/* on off->users while open */
 	unsigned flags;
 	unsigned sq_entries, sq_head, sq_tail;
 	unsigned cq_entries, cq_head, cq_tail;
@@ -48,6 +51,19 @@ static struct gml_ring *ring_of(struct gmlake_offload *ring, const char *fn)
 		return NULL;
 	}
 	return ring->priv;
+}
+
+/* The context goes while the ring is open: its requests are all over;
+ * from now on the ring touches neither the context nor the manager. */
+static void ring_orphan(struct gml_off_user *u)
+{
+	struct gml_ring *r = (struct gml_ring *)((char *)u -
+						 offsetof(struct gml_ring, user));
+
+	pthread_mutex_lock(&r->lock);
+	r->ctx = NULL;
+	r->off = NULL;
+	pthread_mutex_unlock(&r->lock);
 }
 
 GML_EXPORT int gmlake_offload_init(struct gmlake_offload *ring,
@@ -83,19 +99,26 @@ GML_EXPORT int gmlake_offload_init(struct gmlake_offload *ring,
 	r->cq_entries = 2 * n;
 	r->flags = flags;
 	r->ctx = ctx;
+	r->user.orphan = ring_orphan;
+	pthread_mutex_init(&r->lock, NULL);
+	pthread_cond_init(&r->cond, NULL);
 	ret = gml_ctx_lock(ctx);
 	if (!ret) {
 		ret = gml_off_get(ctx, &off);
+		if (!ret) {
+			r->off = off;
+			gml_off_attach(off, &r->user);
+		}
 		gml_ctx_unlock(ctx);
 	}
 	if (ret)
-		goto out_free;
-	r->off = off;
-	pthread_mutex_init(&r->lock, NULL);
-	pthread_cond_init(&r->cond, NULL);
+		goto out_destroy;
 	memset(ring, 0, sizeof(*ring));
 	ring->priv = r;
 	return 0;
+out_destroy:
+	pthread_cond_destroy(&r->cond);
+	pthread_mutex_destroy(&r->lock);
 out_free:
 	free(r->sqes);
 	free(r->cqes);
@@ -106,13 +129,21 @@ out_free:
 GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
 {
 	struct gml_ring *r = ring_of(ring, "gmlake_offload_exit");
+	gmlake_ctx *ctx;
 
 	if (!r)
 		return -EINVAL;
 	pthread_mutex_lock(&r->lock);
 	while (r->inflight)
 		pthread_cond_wait(&r->cond, &r->lock);
+	ctx = r->ctx;
 	pthread_mutex_unlock(&r->lock);
+	/* Off the manager's list, unless the context went first. */
+	if (ctx) {
+		pthread_mutex_lock(&ctx->lock);
+		gml_off_detach(r->off, &r->user);
+		pthread_mutex_unlock(&ctx->lock);
+	}
 	pthread_cond_destroy(&r->cond);
 	pthread_mutex_destroy(&r->lock);
 	free(r->sqes);
@@ -258,6 +289,12 @@ GML_EXPORT int gmlake_offload_submit(struct gmlake_offload *ring)
 	if (!r)
 		return -EINVAL;
 	pthread_mutex_lock(&r->lock);
+	if (!r->ctx) {
+		pthread_mutex_unlock(&r->lock);
+		return gml_set_error(-EBADF, "gmlake_offload_submit: the ring's "
+				     "context was destroyed; only "
+				     "gmlake_offload_exit is left to call");
+	}
 	count = take_entries(r, &list);
 	pthread_mutex_unlock(&r->lock);
 	if (list) {

@@ -1751,6 +1751,54 @@ START_TEST(test_destroy_spilled)
 }
 END_TEST
 
+/*
+ * Rings still open when their context goes, forced with a spilled block
+ * live (_i 0) or unforced with no block left (_i 1): the destroy works;
+ * a request still queued completes (cancelled, or done) and can be reaped
+ * afterwards; submit then fails with -EBADF, and gmlake_offload_exit
+ * frees each ring. Before, exit took the freed context's lock and submit
+ * used the freed manager (heap use after free in the sanitizer build).
+ */
+START_TEST(test_destroy_rings_open)
+{
+	bool force = _i == 0;
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload a, b;
+	struct gmlake_offload_sqe *sqe;
+	struct gmlake_offload_cqe *cqe;
+	void *p;
+
+	p = th_alloc_filled(ctx, 8 * TH_MiB, 5, NULL);
+	ring_init(&a, ctx, 4);
+	ring_init(&b, ctx, 4);
+	ck_assert_int_eq(spill(&a, p), 0);
+	if (!force) {
+		ck_assert_int_eq(fetch(&a, p), 0);
+		th_verify_ok(ctx, p, 8 * TH_MiB, 5, NULL);
+		th_free(ctx, p);
+	}
+	/* Left unreaped: a spill of a spilled block (done at once) or of a
+	 * freed address (not a live block), unless cancelled first. */
+	submit_one(&b, GMLAKE_OFFLOAD_SPILL, p);
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, force), 0);
+
+	ck_assert_int_eq(gmlake_offload_wait_cqe(&b, &cqe), 0);
+	ck_assert_uint_eq(gmlake_offload_cqe_get_data(cqe), (uintptr_t)p);
+	ck_assert_msg(cqe->res == (force ? 0 : -EINVAL) ||
+		      cqe->res == -ECANCELED, "res %d", cqe->res);
+	gmlake_offload_cqe_seen(&b, cqe);
+	ck_assert_int_eq(gmlake_offload_peek_cqe(&b, &cqe), -EAGAIN);
+	ck_assert_int_eq(gmlake_offload_wait_cqe(&b, &cqe), -EAGAIN);
+	sqe = gmlake_offload_get_sqe(&a);
+	ck_assert_ptr_nonnull(sqe);
+	gmlake_offload_prep_fetch(sqe, p);
+	ck_assert_int_eq(gmlake_offload_submit(&a), -EBADF);
+	ck_assert_str_ne(gmlake_last_error(), "");
+	ck_assert_int_eq(gmlake_offload_exit(&a), 0);
+	ck_assert_int_eq(gmlake_offload_exit(&b), 0);
+}
+END_TEST
+
 static Suite *offload_suite(void)
 {
 	Suite *s = suite_create("offload");
@@ -1765,6 +1813,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_many_in_flight);
 	tcase_add_test(tc, test_ring_errors);
 	tcase_add_test(tc, test_destroy_spilled);
+	tcase_add_loop_test(tc, test_destroy_rings_open, 0, 2);
 	tcase_add_test(tc, test_inplace);
 
 	tc = th_tcase(s, "Limits");
