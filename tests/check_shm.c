@@ -1385,7 +1385,9 @@ START_TEST(top_frag_spilled)
 	}
 	ck_assert_int_eq(ts.rows[0].s.resident_bytes,
 			 st.resident_bytes.current);
-	ck_assert_int_lt(ts.rows[0].s.reserved_bytes,
+	/* Spilled chunks may still be kept as spares (counted reserved)
+	 * when the row is read: reserved is then at most allocated. */
+	ck_assert_int_le(ts.rows[0].s.reserved_bytes,
 			 ts.rows[0].s.allocated_bytes);
 	ck_assert(top_frag(&ts.rows[0], &v) >= 0.0 && v);
 	top_fini(&ts);
