@@ -90,6 +90,7 @@ const char *gmlake_last_error(void);
  * Contexts. cfg may be NULL for gmlake_config_init()'s settings.
  * Destroy releases every chunk and mapping; it fails with -EBUSY while
  * blocks are live unless force is true (then their pointers die with it).
+ * Destroying NULL does nothing and returns 0.
  */
 int gmlake_ctx_init(gmlake_ctx **ctx, const struct gmlake_config *cfg);
 int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force);

@@ -567,7 +567,7 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 	int ret;
 
 	if (!ctx)
-		return gml_set_error(-EINVAL, "gmlake_ctx_destroy: ctx is NULL");
+		return 0;	/* as free(NULL): nothing to destroy */
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;
