@@ -17,6 +17,7 @@
 #include "config.h"
 #endif
 
+#include <dirent.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -632,6 +633,53 @@ START_TEST(test_ring_errors)
 	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_free(ctx, p);
 	th_free(ctx, small);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Whether a thread of this process is named name (/proc/self/task). */
+static bool thread_named(const char *name)
+{
+	char path[300], comm[32];
+	struct dirent *e;
+	bool found = false;
+	DIR *d = opendir("/proc/self/task");
+
+	if (!d)
+		return false;
+	while (!found && (e = readdir(d))) {
+		FILE *f;
+
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/comm",
+			 e->d_name);
+		f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (fgets(comm, sizeof(comm), f))
+			found = !strncmp(comm, name, strlen(name)) &&
+				comm[strlen(name)] == '\n';
+		fclose(f);
+	}
+	closedir(d);
+	return found;
+}
+
+/* The engine thread has a name (top -H, gdb, perf show it). */
+START_TEST(test_engine_named)
+{
+	gmlake_ctx *ctx = off_ctx(16 * TH_MiB, 16 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	int ms;
+
+	ck_assert(!thread_named("gmlake-offload"));
+	ring_init(&ring, ctx, 2);
+	/* It names itself when it starts. */
+	for (ms = 0; !thread_named("gmlake-offload") && ms < 5000; ms++)
+		usleep(1000);
+	ck_assert_msg(ms < 5000, "no thread named gmlake-offload");
+	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_destroy(ctx);
 }
 END_TEST
@@ -1811,6 +1859,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_destroy_spilled);
 	tcase_add_loop_test(tc, test_destroy_rings_open, 0, 2);
 	tcase_add_test(tc, test_inplace);
+	tcase_add_test(tc, test_engine_named);
 
 	tc = th_tcase(s, "Limits");
 	tcase_add_test(tc, test_host_budget);
