@@ -696,6 +696,42 @@ END_TEST
 /* ---------------------------------------------------------------------- */
 /* Limits                                                                 */
 
+/*
+ * The engine held where it pins host memory, outside the context lock:
+ * once armed (gate_at), that host_register waits until gate_open. The
+ * wrapper goes in before the engine starts and stays (as sticky_ctx's).
+ */
+static const struct gml_drv_ops *gate_real;
+static struct gml_drv_ops gate_ops;
+static atomic_int gate_calls, gate_at, gate_held, gate_open;
+
+static int gate_host_register(void *priv, void *p, size_t size)
+{
+	if (atomic_fetch_add(&gate_calls, 1) + 1 == atomic_load(&gate_at)) {
+		atomic_store(&gate_held, 1);
+		while (!atomic_load(&gate_open))
+			usleep(1000);
+	}
+	return gate_real->host_register(priv, p, size);
+}
+
+/* The wrapper on ctx, the gate not armed: it counts the pinnings that
+ * reach the backend (gate_calls; an injected fault never does). */
+static void gate_install(gmlake_ctx *ctx)
+{
+	struct gml_dev *dev = th_dev(ctx);
+
+	gate_real = dev->ops;
+	gate_ops = *dev->ops;
+	gate_ops.host_register = gate_host_register;
+	atomic_store(&gate_calls, 0);
+	atomic_store(&gate_at, 0);
+	atomic_store(&gate_held, 0);
+	atomic_store(&gate_open, 0);
+	dev->ops = &gate_ops;
+}
+
+
 /* More than the host budget: -ENOMEM, the block stays on the device. */
 START_TEST(test_host_budget)
 {
@@ -1179,9 +1215,16 @@ START_TEST(test_pin_failure)
 	int res;
 
 	th_fill_ok(ctx, p, 4 * TH_MiB, 41, NULL);
-	/* Set-up pins the first region: make it fail, then the growth. */
+	gate_install(ctx);
+	/* Set-up pins the first region: make it fail. The engine then pins
+	 * a step ahead (too small for p): only once it has, fail the growth
+	 * the spill needs, or the pinning ahead could take the fault. */
 	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_host_register, 1, EIO);
 	ring_init(&ring, ctx, 2);
+	for (int ms = 0; atomic_load(&gate_calls) < 1; ms++) {
+		ck_assert_msg(ms < 10000, "the engine never pinned ahead");
+		usleep(1000);
+	}
 	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_host_register, 1, EIO);
 	res = spill(&ring, p);
 	ck_assert_int_lt(res, 0);
@@ -1333,46 +1376,18 @@ END_TEST
 /* ---------------------------------------------------------------------- */
 /* A request is bound to a block, not to an address                      */
 
-/*
- * The engine held where it pins host memory, outside the context lock:
- * once armed (gate_at), that host_register waits until gate_open. The
- * wrapper goes in before the engine starts and stays (as sticky_ctx's).
- */
-static const struct gml_drv_ops *gate_real;
-static struct gml_drv_ops gate_ops;
-static atomic_int gate_calls, gate_at, gate_held, gate_open;
-
-static int gate_host_register(void *priv, void *p, size_t size)
-{
-	if (atomic_fetch_add(&gate_calls, 1) + 1 == atomic_load(&gate_at)) {
-		atomic_store(&gate_held, 1);
-		while (!atomic_load(&gate_open))
-			usleep(1000);
-	}
-	return gate_real->host_register(priv, p, size);
-}
-
 /* A context whose engine pins one 64 MiB region at start (more than a
  * growth step of its 128 MiB budget); the gate not armed yet. */
 static gmlake_ctx *gate_ctx(void)
 {
 	struct gmlake_config cfg;
 	gmlake_ctx *ctx;
-	struct gml_dev *dev;
 
 	th_config(&cfg, 192 * TH_MiB);
 	cfg.host_limit = 128 * TH_MiB;
 	cfg.host_pin = 64 * TH_MiB;
 	ctx = th_ctx_cfg(&cfg);
-	dev = th_dev(ctx);
-	gate_real = dev->ops;
-	gate_ops = *dev->ops;
-	gate_ops.host_register = gate_host_register;
-	atomic_store(&gate_calls, 0);
-	atomic_store(&gate_at, 0);
-	atomic_store(&gate_held, 0);
-	atomic_store(&gate_open, 0);
-	dev->ops = &gate_ops;
+	gate_install(ctx);
 	return ctx;
 }
 
