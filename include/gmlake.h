@@ -59,7 +59,10 @@ struct gmlake_config {
 	unsigned stitch_cache_max;	/* cached stitched ranges kept */
 	size_t emu_capacity;		/* emulated device memory in bytes */
 	size_t emu_granularity;		/* emulated allocation granularity */
-	int log_level;			/* enum gmlake_log_level */
+	int log_level;			/* enum gmlake_log_level; one for
+					   the process: the last
+					   gmlake_config_init or
+					   gmlake_ctx_init sets it */
 	bool show_stats;		/* print a summary at destroy/exit */
 	bool publish;			/* stats in /dev/shm for gmlake-top */
 	size_t device_limit;		/* device bytes to stay under; 0: none */
@@ -87,6 +90,7 @@ const char *gmlake_last_error(void);
  * Contexts. cfg may be NULL for gmlake_config_init()'s settings.
  * Destroy releases every chunk and mapping; it fails with -EBUSY while
  * blocks are live unless force is true (then their pointers die with it).
+ * Destroying NULL does nothing and returns 0.
  */
 int gmlake_ctx_init(gmlake_ctx **ctx, const struct gmlake_config *cfg);
 int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force);

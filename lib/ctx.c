@@ -90,7 +90,8 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 	else
 		gmlake_config_init(&ctx->cfg);
 	ctx->cfg.backend = gml_config_backend(&ctx->cfg);
-	gml_log_level = ctx->cfg.log_level;
+	/* One level for the process: the last context's (gmlake.h). */
+	gml_log_set_level(ctx->cfg.log_level);
 	ret = gml_dev_open(&ctx->dev, &ctx->cfg);
 	if (ret)
 		goto out_free;
@@ -566,7 +567,7 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 	int ret;
 
 	if (!ctx)
-		return gml_set_error(-EINVAL, "gmlake_ctx_destroy: ctx is NULL");
+		return 0;	/* as free(NULL): nothing to destroy */
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;

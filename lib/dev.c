@@ -62,7 +62,7 @@ int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg)
 	int ret;
 
 	memset(dev, 0, sizeof(*dev));
-	dev->fault.call = -1;
+	atomic_init(&dev->fault.call, -1);
 	if (!be)
 		return gml_set_error(-EINVAL, "unknown backend %d",
 				     cfg->backend);
@@ -99,10 +99,13 @@ bool gml_dev_is_emu(const struct gml_dev *dev)
 
 void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err)
 {
-	dev->fault.call = call;
-	dev->fault.nth = call >= 0 && call < GML_CALL_COUNT ?
-				 dev->calls[call] + nth : 0;
-	dev->fault.err = err ? err : ENOMEM;
+	if (call < 0 || call >= GML_CALL_COUNT || !nth)
+		call = -1;
+	atomic_store_explicit(&dev->fault.call, -1, memory_order_relaxed);
+	atomic_store_explicit(&dev->fault.left, nth, memory_order_relaxed);
+	atomic_store_explicit(&dev->fault.err, err ? err : ENOMEM,
+			      memory_order_relaxed);
+	atomic_store_explicit(&dev->fault.call, call, memory_order_release);
 }
 
 const char *gml_dev_call_name(int call)
@@ -122,11 +125,17 @@ const char *gml_dev_call_name(int call)
 /* Count the call; true when an armed fault says this one fails. */
 static bool counted(struct gml_dev *dev, int call)
 {
+	int armed = call;
+
 	dev->calls[call]++;
-	if (dev->fault.call != call || dev->calls[call] != dev->fault.nth)
+	if (atomic_load_explicit(&dev->fault.call, memory_order_acquire) !=
+	    call)
 		return false;
-	dev->fault.call = -1;
-	return true;
+	if (atomic_fetch_sub_explicit(&dev->fault.left, 1,
+				      memory_order_relaxed) != 1)
+		return false;
+	/* Once: only the call that disarms the plan fails. */
+	return atomic_compare_exchange_strong(&dev->fault.call, &armed, -1);
 }
 
 /*
@@ -150,8 +159,8 @@ static int end(struct gml_dev *dev, int call, uint64_t t0, int ret)
 static int injected(struct gml_dev *dev, int call)
 {
 	dev->call_failures[call]++;
-	return gml_set_error(-dev->fault.err, "%s: injected fault",
-			     gml_dev_call_name(call));
+	return gml_set_error(-atomic_load(&dev->fault.err),
+			     "%s: injected fault", gml_dev_call_name(call));
 }
 
 int gml_dev_enter(struct gml_dev *dev)

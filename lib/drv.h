@@ -12,6 +12,7 @@
 #ifndef GML_DRV_H
 #define GML_DRV_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -115,11 +116,16 @@ enum gml_dev_call {
 	GML_CALL_COUNT
 };
 
-/* Fault plan: fail call number nth (1-based) of kind call, once. */
+/*
+ * Fault plan: fail the nth call (1-based) of kind call from the arming
+ * on, once. A test arms it from its own thread while the offload engine
+ * makes driver calls, without the context lock: so every field is atomic,
+ * and the arming publishes left and err before call.
+ */
 struct gml_fault {
-	int call;		/* enum gmlake_call or gml_dev_call; -1: none */
-	uint64_t nth;
-	int err;		/* errno to return (positive), ENOMEM by default */
+	atomic_int call;	/* enum gmlake_call or gml_dev_call; -1: none */
+	atomic_uint_fast64_t left;	/* calls of that kind until it fires */
+	atomic_int err;		/* errno to return (positive), ENOMEM by default */
 };
 
 /* An open device: the backend plus the counters of its calls. */

@@ -11,7 +11,12 @@
 
 static _Thread_local char last_error[256];
 
-int gml_log_level = GMLAKE_LOG_WARN;
+atomic_int gml_log_level = GMLAKE_LOG_WARN;
+
+void gml_log_set_level(int level)
+{
+	atomic_store_explicit(&gml_log_level, level, memory_order_relaxed);
+}
 
 int gml_set_error(int err, const char *fmt, ...)
 {
@@ -40,7 +45,7 @@ void gml_log(int level, const char *fmt, ...)
 					     "debug" };
 	va_list ap;
 
-	if (level > gml_log_level || level < 0)
+	if (level < 0 || !gml_log_on(level))
 		return;
 	fprintf(stderr, "gmlake: %s: ", names[level]);
 	va_start(ap, fmt);

@@ -210,7 +210,7 @@ GML_EXPORT int gmlake_config_init(struct gmlake_config *cfg)
 	gml_config_defaults(cfg);
 	for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++)
 		apply_env(&options[i], cfg);
-	gml_log_level = cfg->log_level;
+	gml_log_set_level(cfg->log_level);	/* the process's, not cfg's */
 	return 0;
 }
 

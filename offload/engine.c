@@ -52,7 +52,10 @@ static void finish(struct gml_offload *off, struct gml_off_req *req, int res,
 
 static void start(struct gml_offload *off, struct gml_off_req *req)
 {
-	int ret = gml_off_move_start(off, req);
+	int ret;
+
+	gml_clear_error();	/* a failure's message is this request's */
+	ret = gml_off_move_start(off, req);
 
 	if (ret) {
 		finish(off, req, ret > 0 ? 0 : ret, false);
@@ -72,6 +75,7 @@ static void reap(struct gml_offload *off)
 	if (!off->inflight || gml_ctx_lock(ctx))
 		return;
 	for (pp = &off->inflight; (req = *pp);) {
+		gml_clear_error();
 		if (!gml_off_move_reap(off, req, &ret)) {
 			pp = &req->next;
 			continue;
@@ -198,6 +202,9 @@ static void *engine_main(void *arg)
 	bool stop, poll_needed;
 	int timeout, spares_ms;
 
+	/* For top, gdb and perf; 15 characters at most. A failure costs
+	 * nothing but the name. */
+	pthread_setname_np(pthread_self(), "gmlake-offload");
 	gml_host_prepin(&off->host);
 	if (!gml_ctx_lock(off->ctx)) {
 		/* Else the next sync counts what was pinned. */
@@ -215,6 +222,12 @@ static void *engine_main(void *arg)
 			/* Not started: cancelled. In flight: waited for. */
 			for (; list; list = req) {
 				req = list->next;
+				gml_set_error(-ECANCELED, "offload: the %s of "
+					      "%#lx was cancelled: the context "
+					      "is being destroyed",
+					      list->op == GMLAKE_OFFLOAD_SPILL ?
+					      "spill" : "fetch",
+					      (unsigned long)list->ptr);
 				finish(off, list, -ECANCELED, false);
 			}
 		}

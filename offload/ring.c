@@ -20,6 +20,7 @@
 
 #include <errno.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,9 @@ struct gml_ring {
 	unsigned inflight;		/* submitted, not completed */
 	struct gmlake_offload_sqe *sqes;
 	struct gmlake_offload_cqe *cqes;
+	/* Per completion slot, the message of a failure (or NULL), handed
+	 * to the reaper's gmlake_last_error by wait_cqe and peek_cqe. */
+	char **msgs;
 };
 
 static struct gml_ring *ring_of(struct gmlake_offload *ring, const char *fn)
@@ -91,7 +95,8 @@ GML_EXPORT int gmlake_offload_init(struct gmlake_offload *ring,
 		return gml_set_error(-ENOMEM, "no host memory for a ring");
 	r->sqes = calloc(n, sizeof(*r->sqes));
 	r->cqes = calloc(2 * n, sizeof(*r->cqes));
-	if (!r->sqes || !r->cqes) {
+	r->msgs = calloc(2 * n, sizeof(*r->msgs));
+	if (!r->sqes || !r->cqes || !r->msgs) {
 		ret = gml_set_error(-ENOMEM, "no host memory for a ring");
 		goto out_free;
 	}
@@ -122,6 +127,7 @@ out_destroy:
 out_free:
 	free(r->sqes);
 	free(r->cqes);
+	free(r->msgs);
 	free(r);
 	return ret;
 }
@@ -146,6 +152,9 @@ GML_EXPORT int gmlake_offload_exit(struct gmlake_offload *ring)
 	}
 	pthread_cond_destroy(&r->cond);
 	pthread_mutex_destroy(&r->lock);
+	for (unsigned i = 0; i < r->cq_entries; i++)
+		free(r->msgs[i]);
+	free(r->msgs);
 	free(r->sqes);
 	free(r->cqes);
 	free(r);
@@ -209,28 +218,50 @@ gmlake_offload_cqe_get_data(const struct gmlake_offload_cqe *cqe)
 	return cqe ? cqe->user_data : 0;
 }
 
-/* Post a completion into r; r->lock held. */
-static void post(struct gml_ring *r, uint64_t user_data, int res)
+/* Post a completion into r, with the message of a failure (res < 0);
+ * r->lock held. */
+static void post(struct gml_ring *r, uint64_t user_data, int res,
+		 const char *msg)
 {
-	struct gmlake_offload_cqe *cqe;
+	unsigned slot = r->cq_tail++ & (r->cq_entries - 1);
+	struct gmlake_offload_cqe *cqe = &r->cqes[slot];
 
-	cqe = &r->cqes[r->cq_tail++ & (r->cq_entries - 1)];
 	cqe->user_data = user_data;
 	cqe->res = res;
 	cqe->flags = 0;
+	free(r->msgs[slot]);
+	r->msgs[slot] = res < 0 && msg && *msg ? strdup(msg) : NULL;
 	pthread_cond_broadcast(&r->cond);
 }
 
-/* A request's completion callback: post to its ring and free it. */
+static const char *op_name(uint8_t op)
+{
+	return op == GMLAKE_OFFLOAD_SPILL ? "spill" :
+	       op == GMLAKE_OFFLOAD_FETCH ? "fetch" : "prefetch";
+}
+
+/*
+ * A request's completion callback: post to its ring and free it. A
+ * failure's message is the engine thread's last error, which the engine
+ * clears before each step of a request (or names the errno when empty).
+ */
 static void ring_complete(struct gml_off_req *req, int res)
 {
 	struct gml_ring *r = req->ring;
+	char msg[256];
 
-	if (res < 0)
+	msg[0] = '\0';
+	if (res < 0) {
+		snprintf(msg, sizeof(msg), "%s", gmlake_last_error());
+		if (!msg[0])
+			snprintf(msg, sizeof(msg), "offload: the %s of %#lx "
+				 "failed: %s", op_name(req->op),
+				 (unsigned long)req->ptr, strerror(-res));
 		gml_log(GMLAKE_LOG_DEBUG, "offload: request on %#lx: %d (%s)",
-			(unsigned long)req->ptr, res, gmlake_last_error());
+			(unsigned long)req->ptr, res, msg);
+	}
 	pthread_mutex_lock(&r->lock);
-	post(r, req->user_data, res);
+	post(r, req->user_data, res, msg);
 	r->inflight--;
 	pthread_mutex_unlock(&r->lock);
 	free(req);
@@ -251,7 +282,8 @@ static int take_entries(struct gml_ring *r, struct gml_off_req **list)
 		if (sqe->opcode == GMLAKE_OFFLOAD_NOP ||
 		    sqe->opcode > GMLAKE_OFFLOAD_PREFETCH || !sqe->addr) {
 			post(r, sqe->user_data, sqe->opcode == GMLAKE_OFFLOAD_NOP ?
-			     0 : -EINVAL);
+			     0 : -EINVAL, "gmlake_offload_submit: an entry with "
+			     "an unknown operation or no address");
 			goto next;
 		}
 		req = calloc(1, sizeof(*req));
@@ -304,19 +336,34 @@ GML_EXPORT int gmlake_offload_submit(struct gmlake_offload *ring)
 	return count;
 }
 
+/*
+ * The completion at the head; a failed one also sets the caller's
+ * gmlake_last_error to its message, so that it says why this request
+ * failed rather than whatever failed last in this thread.
+ */
 static int next_cqe(struct gml_ring *r, bool wait,
 		    struct gmlake_offload_cqe **cqe)
 {
+	unsigned slot;
+	char msg[256];
 	int ret = 0;
 
+	msg[0] = '\0';
 	pthread_mutex_lock(&r->lock);
 	while (r->cq_head == r->cq_tail && wait && r->inflight)
 		pthread_cond_wait(&r->cond, &r->lock);
-	if (r->cq_head == r->cq_tail)
+	if (r->cq_head == r->cq_tail) {
 		ret = -EAGAIN;
-	else
-		*cqe = &r->cqes[r->cq_head & (r->cq_entries - 1)];
+	} else {
+		slot = r->cq_head & (r->cq_entries - 1);
+		*cqe = &r->cqes[slot];
+		if ((*cqe)->res < 0)
+			snprintf(msg, sizeof(msg), "%s", r->msgs[slot] ?
+				 r->msgs[slot] : "offload: a request failed");
+	}
 	pthread_mutex_unlock(&r->lock);
+	if (msg[0])
+		gml_set_error(0, "%s", msg);
 	return ret;
 }
 

@@ -17,6 +17,7 @@
 #include "config.h"
 #endif
 
+#include <dirent.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -605,8 +606,15 @@ START_TEST(test_ring_errors)
 	ck_assert_int_eq(gmlake_offload_state(ctx, (char *)p + 1), -EINVAL);
 	ring_init(&ring, ctx, 4);
 	ck_assert_int_eq(gmlake_offload_submit(&ring), 0);
+	/* A failed completion brings its own message to the reaper, not
+	 * the last one of this thread (the unknown advice above). */
 	ck_assert_int_eq(spill(&ring, (char *)p + 4096), -EINVAL);
+	ck_assert_msg(strstr(gmlake_last_error(), "offload: 0x") &&
+		      strstr(gmlake_last_error(), "not a live block"),
+		      "message: %s", gmlake_last_error());
 	ck_assert_int_eq(spill(&ring, small), -EOPNOTSUPP);
+	ck_assert_msg(strstr(gmlake_last_error(), "small block"),
+		      "message: %s", gmlake_last_error());
 	ck_assert_int_eq(fetch(&ring, small), -EOPNOTSUPP);
 	sqe = gmlake_offload_get_sqe(&ring);	/* a NOP completes with 0 */
 	gmlake_offload_sqe_set_data(sqe, 77);
@@ -627,6 +635,8 @@ START_TEST(test_ring_errors)
 	TH_ERR(ctx, gmlake_free(ctx, p), -EBUSY);
 	ck_assert_int_eq(gmlake_offload_peek_cqe(&ring, &cqe), -EAGAIN);
 	ck_assert_int_eq(fetch(&ring, p), -EBUSY);
+	ck_assert_msg(strstr(gmlake_last_error(), "is moving"), "message: %s",
+		      gmlake_last_error());
 	th_hold(ctx, s, false);
 	ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
 	ck_assert_int_eq(cqe->res, 0);
@@ -640,8 +650,91 @@ START_TEST(test_ring_errors)
 }
 END_TEST
 
+/* Whether a thread of this process is named name (/proc/self/task). */
+static bool thread_named(const char *name)
+{
+	char path[300], comm[32];
+	struct dirent *e;
+	bool found = false;
+	DIR *d = opendir("/proc/self/task");
+
+	if (!d)
+		return false;
+	while (!found && (e = readdir(d))) {
+		FILE *f;
+
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/comm",
+			 e->d_name);
+		f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (fgets(comm, sizeof(comm), f))
+			found = !strncmp(comm, name, strlen(name)) &&
+				comm[strlen(name)] == '\n';
+		fclose(f);
+	}
+	closedir(d);
+	return found;
+}
+
+/* The engine thread has a name (top -H, gdb, perf show it). */
+START_TEST(test_engine_named)
+{
+	gmlake_ctx *ctx = off_ctx(16 * TH_MiB, 16 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	int ms;
+
+	ck_assert(!thread_named("gmlake-offload"));
+	ring_init(&ring, ctx, 2);
+	/* It names itself when it starts. */
+	for (ms = 0; !thread_named("gmlake-offload") && ms < 5000; ms++)
+		usleep(1000);
+	ck_assert_msg(ms < 5000, "no thread named gmlake-offload");
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
 /* ---------------------------------------------------------------------- */
 /* Limits                                                                 */
+
+/*
+ * The engine held where it pins host memory, outside the context lock:
+ * once armed (gate_at), that host_register waits until gate_open. The
+ * wrapper goes in before the engine starts and stays (as sticky_ctx's).
+ */
+static const struct gml_drv_ops *gate_real;
+static struct gml_drv_ops gate_ops;
+static atomic_int gate_calls, gate_at, gate_held, gate_open;
+
+static int gate_host_register(void *priv, void *p, size_t size)
+{
+	if (atomic_fetch_add(&gate_calls, 1) + 1 == atomic_load(&gate_at)) {
+		atomic_store(&gate_held, 1);
+		while (!atomic_load(&gate_open))
+			usleep(1000);
+	}
+	return gate_real->host_register(priv, p, size);
+}
+
+/* The wrapper on ctx, the gate not armed: it counts the pinnings that
+ * reach the backend (gate_calls; an injected fault never does). */
+static void gate_install(gmlake_ctx *ctx)
+{
+	struct gml_dev *dev = th_dev(ctx);
+
+	gate_real = dev->ops;
+	gate_ops = *dev->ops;
+	gate_ops.host_register = gate_host_register;
+	atomic_store(&gate_calls, 0);
+	atomic_store(&gate_at, 0);
+	atomic_store(&gate_held, 0);
+	atomic_store(&gate_open, 0);
+	dev->ops = &gate_ops;
+}
+
 
 /* More than the host budget: -ENOMEM, the block stays on the device. */
 START_TEST(test_host_budget)
@@ -1126,9 +1219,16 @@ START_TEST(test_pin_failure)
 	int res;
 
 	th_fill_ok(ctx, p, 4 * TH_MiB, 41, NULL);
-	/* Set-up pins the first region: make it fail, then the growth. */
+	gate_install(ctx);
+	/* Set-up pins the first region: make it fail. The engine then pins
+	 * a step ahead (too small for p): only once it has, fail the growth
+	 * the spill needs, or the pinning ahead could take the fault. */
 	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_host_register, 1, EIO);
 	ring_init(&ring, ctx, 2);
+	for (int ms = 0; atomic_load(&gate_calls) < 1; ms++) {
+		ck_assert_msg(ms < 10000, "the engine never pinned ahead");
+		usleep(1000);
+	}
 	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_host_register, 1, EIO);
 	res = spill(&ring, p);
 	ck_assert_int_lt(res, 0);
@@ -1280,46 +1380,18 @@ END_TEST
 /* ---------------------------------------------------------------------- */
 /* A request is bound to a block, not to an address                      */
 
-/*
- * The engine held where it pins host memory, outside the context lock:
- * once armed (gate_at), that host_register waits until gate_open. The
- * wrapper goes in before the engine starts and stays (as sticky_ctx's).
- */
-static const struct gml_drv_ops *gate_real;
-static struct gml_drv_ops gate_ops;
-static atomic_int gate_calls, gate_at, gate_held, gate_open;
-
-static int gate_host_register(void *priv, void *p, size_t size)
-{
-	if (atomic_fetch_add(&gate_calls, 1) + 1 == atomic_load(&gate_at)) {
-		atomic_store(&gate_held, 1);
-		while (!atomic_load(&gate_open))
-			usleep(1000);
-	}
-	return gate_real->host_register(priv, p, size);
-}
-
 /* A context whose engine pins one 64 MiB region at start (more than a
  * growth step of its 128 MiB budget); the gate not armed yet. */
 static gmlake_ctx *gate_ctx(void)
 {
 	struct gmlake_config cfg;
 	gmlake_ctx *ctx;
-	struct gml_dev *dev;
 
 	th_config(&cfg, 192 * TH_MiB);
 	cfg.host_limit = 128 * TH_MiB;
 	cfg.host_pin = 64 * TH_MiB;
 	ctx = th_ctx_cfg(&cfg);
-	dev = th_dev(ctx);
-	gate_real = dev->ops;
-	gate_ops = *dev->ops;
-	gate_ops.host_register = gate_host_register;
-	atomic_store(&gate_calls, 0);
-	atomic_store(&gate_at, 0);
-	atomic_store(&gate_held, 0);
-	atomic_store(&gate_open, 0);
-	dev->ops = &gate_ops;
+	gate_install(ctx);
 	return ctx;
 }
 
@@ -1815,6 +1887,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_destroy_spilled);
 	tcase_add_loop_test(tc, test_destroy_rings_open, 0, 2);
 	tcase_add_test(tc, test_inplace);
+	tcase_add_test(tc, test_engine_named);
 
 	tc = th_tcase(s, "Limits");
 	tcase_add_test(tc, test_host_budget);
