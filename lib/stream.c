@@ -22,6 +22,7 @@
 #endif
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -306,11 +307,15 @@ int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx)
 		return gml_set_error(-ENOMEM, "no memory for a stream");
 	ret = record(ctx, i, &seq);
 	if (ret) {
+		/* The cause lives in the buffer the new message goes to. */
+		char cause[128];
+
+		snprintf(cause, sizeof(cause), "%s", gmlake_last_error());
 		free(ctx->streams[i].pending);
 		ctx->nstreams--;
 		return gml_set_error(ret == -ENOMEM ? -ENOMEM : -EINVAL,
 				     "stream %p cannot be used: %s",
-				     (void *)handle, gmlake_last_error());
+				     (void *)handle, cause);
 	}
 	/* A destroyed first stream needs no barrier: its work is done. */
 	if (ctx->nstreams == 2 && !ctx->streams[0].dead)

@@ -988,6 +988,16 @@ START_TEST(test_bad_stream)
 
 	TH_OK(ctx, gmlake_stream_destroy(ctx, dead));
 	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4 * TH_MiB, bogus), -EINVAL);
+	{
+		/* The message says it once, with its cause after it. */
+		const char *m = gmlake_last_error(), *at;
+
+		at = strstr(m, "cannot be used: ");
+		ck_assert_msg(at && !strstr(at + 1, "cannot be used"),
+			      "message repeats itself: %s", m);
+		ck_assert_msg(strlen(at) > strlen("cannot be used: "),
+			      "no cause: %s", m);
+	}
 	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4096, bogus), -EINVAL);
 	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4 * TH_MiB, other), -EINVAL);
 	TH_ERR(ctx, gmlake_alloc(ctx, &p, 4096, other), -EINVAL);
