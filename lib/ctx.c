@@ -87,8 +87,10 @@ GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,
 		return gml_set_error(-ENOMEM, "no host memory for a context");
 	if (cfg)
 		ctx->cfg = *cfg;
-	else
-		gmlake_config_init(&ctx->cfg);
+	else if ((ret = gmlake_config_init(&ctx->cfg))) {
+		free(ctx);	/* GMLAKE_STRICT refused the environment */
+		return ret;
+	}
 	ctx->cfg.backend = gml_config_backend(&ctx->cfg);
 	/* One level for the process: the last context's (gmlake.h). */
 	gml_log_set_level(ctx->cfg.log_level);

@@ -2,13 +2,18 @@
 /*
  * GMLAKE_* environment options: one table, each entry naming the variable,
  * its parser and the config field it sets. An invalid value gets a warning
- * naming the variable and leaves the default in place.
+ * naming the variable and leaves the default in place; so does a GMLAKE_*
+ * name nothing reads (once a process), with the nearest known name. With
+ * GMLAKE_STRICT set to a true value either is an error instead, as PyTorch
+ * refuses a bad PYTORCH_CUDA_ALLOC_CONF.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
 #endif
 
 #include <errno.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,6 +23,8 @@
 #include "drv.h"
 #include "error.h"
 #include "options.h"
+
+extern char **environ;
 
 enum opt_type {
 	OPT_SIZE, OPT_UINT, OPT_BOOL, OPT_BACKEND, OPT_LOG, OPT_ENGINE
@@ -192,24 +199,143 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->spare_keep_ms = 5000;
 }
 
+/*
+ * GMLAKE_* names read outside this table: by the stats reader (lib/
+ * shm_read.c), the Python package and the tests; GMLAKE_STRICT here.
+ */
+static const char *const other_names[] = {
+	"GMLAKE_STRICT", "GMLAKE_SHM_DIR",
+	"GMLAKE_LIBRARY", "GMLAKE_CACHE_DIR", "GMLAKE_TORCH_BACKEND",
+	"GMLAKE_TORCH_OOM_TYPED",
+	"GMLAKE_SKIP_VERSION_CHECK", "GMLAKE_INCLUDE_DIR",
+	"GMLAKE_STATS_LAYOUT", "GMLAKE_OFFLOAD_LAYOUT",
+};
+
+#define NOPTIONS (sizeof(options) / sizeof(options[0]))
+#define NOTHER (sizeof(other_names) / sizeof(other_names[0]))
+
+static const char *known_name(size_t i)
+{
+	return i < NOPTIONS ? options[i].name : other_names[i - NOPTIONS];
+}
+
+/* Edit distance of a and b, capped at 3 (names are short). */
+static unsigned name_distance(const char *a, size_t la, const char *b)
+{
+	unsigned row[64], prev, tmp;
+	size_t lb = strlen(b);
+
+	if (la >= 64 || lb >= 64)
+		return 3;
+	for (size_t j = 0; j <= lb; j++)
+		row[j] = (unsigned)j;
+	for (size_t i = 1; i <= la; i++) {
+		prev = row[0];
+		row[0] = (unsigned)i;
+		for (size_t j = 1; j <= lb; j++) {
+			unsigned best = prev + (a[i - 1] != b[j - 1]);
+
+			if (row[j] + 1 < best)
+				best = row[j] + 1;
+			if (row[j - 1] + 1 < best)
+				best = row[j - 1] + 1;
+			tmp = row[j];
+			row[j] = best;
+			prev = tmp;
+		}
+	}
+	return row[lb] < 3 ? row[lb] : 3;
+}
+
+/*
+ * Every GMLAKE_* variable of the environment that nothing reads: a warning
+ * naming it and the nearest known name, once a process (warned), or with
+ * strict the error for the first one.
+ */
+static int check_unknown_names(bool strict)
+{
+	static atomic_bool warned;
+	int ret = 0;
+
+	if (!strict && atomic_exchange(&warned, true))
+		return 0;
+	for (char **e = environ; e && *e; e++) {
+		const char *eq = strchr(*e, '='), *near = NULL;
+		size_t len = eq ? (size_t)(eq - *e) : strlen(*e);
+		unsigned best = 3;
+
+		if (strncmp(*e, "GMLAKE_", 7))
+			continue;
+		for (size_t i = 0; i < NOPTIONS + NOTHER; i++) {
+			const char *k = known_name(i);
+			unsigned d;
+
+			if (strlen(k) == len && !strncmp(k, *e, len))
+				break;
+			d = name_distance(*e, len, k);
+			if (d < best)
+				best = d, near = k;
+			if (i + 1 < NOPTIONS + NOTHER)
+				continue;
+			if (strict && !ret)
+				ret = gml_set_error(-EINVAL, "%.*s: unknown "
+						    "variable (GMLAKE_STRICT)%s%s%s",
+						    (int)len, *e,
+						    near ? "; did you mean " : "",
+						    near ? near : "",
+						    near ? "?" : "");
+			else if (!strict)
+				gml_log(GMLAKE_LOG_WARN, "%.*s: unknown "
+					"variable, ignored%s%s%s", (int)len, *e,
+					near ? "; did you mean " : "",
+					near ? near : "", near ? "?" : "");
+		}
+	}
+	return ret;
+}
+
 /* Apply the environment's value of option o, if set, to cfg; a bad value
- * warns and leaves cfg as it was. */
-static void apply_env(const struct option_def *o, struct gmlake_config *cfg)
+ * warns and leaves cfg as it was, or with strict fails (-EINVAL). */
+static int apply_env(const struct option_def *o, struct gmlake_config *cfg,
+		     bool strict)
 {
 	const char *val = getenv(o->name);
 
-	if (val && apply(o, val, cfg))
-		gml_log(GMLAKE_LOG_WARN, "%s: invalid value '%s', using the "
-			"default", o->name, val);
+	if (!val || !apply(o, val, cfg))
+		return 0;
+	if (strict)
+		return gml_set_error(-EINVAL, "%s: invalid value '%s' "
+				     "(GMLAKE_STRICT)", o->name, val);
+	gml_log(GMLAKE_LOG_WARN, "%s: invalid value '%s', using the default",
+		o->name, val);
+	return 0;
+}
+
+/* GMLAKE_STRICT: a true value; anything else, unset included, is off. */
+static bool strict_mode(void)
+{
+	const char *s = getenv("GMLAKE_STRICT");
+	bool on = false;
+
+	return s && !gml_parse_bool(s, &on) && on;
 }
 
 GML_EXPORT int gmlake_config_init(struct gmlake_config *cfg)
 {
+	bool strict = strict_mode();
+	int ret;
+
 	if (!cfg)
 		return gml_set_error(-EINVAL, "gmlake_config_init: cfg is NULL");
 	gml_config_defaults(cfg);
-	for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++)
-		apply_env(&options[i], cfg);
+	for (size_t i = 0; i < NOPTIONS; i++) {
+		ret = apply_env(&options[i], cfg, strict);
+		if (ret)
+			return ret;
+	}
+	ret = check_unknown_names(strict);
+	if (ret)
+		return ret;
 	gml_log_set_level(cfg->log_level);	/* the process's, not cfg's */
 	return 0;
 }
@@ -222,7 +348,7 @@ int gml_config_backend(const struct gmlake_config *cfg)
 		return cfg->backend;
 	for (size_t i = 0; i < sizeof(options) / sizeof(options[0]); i++)
 		if (options[i].offset == FIELD(backend))
-			apply_env(&options[i], &env);
+			apply_env(&options[i], &env, false);
 	if (env.backend != GMLAKE_BACKEND_DEFAULT)
 		return env.backend;
 	return gml_backend_default()->id;

@@ -160,10 +160,10 @@ else
 	diff "$tmp/fields.3" "$tmp/fields.h" | head -20
 fi
 
-# The GMLAKE_* variables: lib/options.c's table (string literals there),
-# and any other the library reads with getenv().
-grep -o '"GMLAKE_[A-Z0-9_]*"' "$srcdir/lib/options.c" | tr -d '"' |
-	sort -u >"$tmp/env.table"
+# The GMLAKE_* variables: lib/options.c's table (its { "NAME", OPT_...
+# entries), and any other the library reads with getenv().
+grep -o '{ "GMLAKE_[A-Z0-9_]*", OPT_' "$srcdir/lib/options.c" |
+	sed 's/{ "\(.*\)", OPT_/\1/' | sort -u >"$tmp/env.table"
 cat "$srcdir"/lib/*.c "$srcdir"/offload/*.c |
 	grep -o 'getenv("GMLAKE_[A-Z0-9_]*")' |
 	sed 's/getenv("\(.*\)")/\1/' | sort -u >"$tmp/env.getenv"

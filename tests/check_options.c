@@ -433,6 +433,55 @@ static void expect_init_fails(const struct gmlake_config *cfg, int err,
 	ck_assert_msg(gmlake_last_error()[0], "%s: no message", what);
 }
 
+/* A misspelled name warns, naming the nearest known one; names read
+ * outside the table (the Python package's) do not. */
+START_TEST(test_unknown_name)
+{
+	struct gmlake_config cfg;
+	char *err;
+
+	ck_assert_int_eq(setenv("GMLAKE_LIBRARY", "/nowhere", 1), 0);
+	err = init_with("GMLAKE_CHUNK_SZIE", "4M", &cfg);
+	ck_assert_msg(strstr(err, "GMLAKE_CHUNK_SZIE: unknown variable") &&
+		      strstr(err, "did you mean GMLAKE_CHUNK_SIZE?"),
+		      "stderr: %s", err);
+	ck_assert_msg(!strstr(err, "GMLAKE_LIBRARY"), "stderr: %s", err);
+	free(err);
+	ck_assert_uint_eq(cfg.chunk_size, 0);	/* the default stays */
+}
+END_TEST
+
+/* GMLAKE_STRICT turns a bad value or an unknown name into -EINVAL, from
+ * gmlake_config_init and so from gmlake_ctx_init without a config. */
+START_TEST(test_strict)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx = NULL;
+
+	ck_assert_int_eq(setenv("GMLAKE_STRICT", "1", 1), 0);
+	ck_assert_int_eq(setenv("GMLAKE_SMALL_SIZE", "64K", 1), 0);
+	ck_assert_int_eq(gmlake_config_init(&cfg), 0);
+	ck_assert_uint_eq(cfg.small_size, 64 << 10);
+	ck_assert_int_eq(setenv("GMLAKE_SMALL_SIZE", "lots", 1), 0);
+	ck_assert_int_eq(gmlake_config_init(&cfg), -EINVAL);
+	ck_assert_msg(strstr(gmlake_last_error(), "GMLAKE_SMALL_SIZE") &&
+		      strstr(gmlake_last_error(), "'lots'"),
+		      "error: %s", gmlake_last_error());
+	ck_assert_int_eq(setenv("GMLAKE_BACKEND", "emu", 1), 0);
+	ck_assert_int_eq(gmlake_ctx_init(&ctx, NULL), -EINVAL);
+	ck_assert_ptr_null(ctx);
+	unsetenv("GMLAKE_SMALL_SIZE");
+	ck_assert_int_eq(setenv("GMLAKE_PUBLSH", "0", 1), 0);
+	ck_assert_int_eq(gmlake_config_init(&cfg), -EINVAL);
+	ck_assert_msg(strstr(gmlake_last_error(), "GMLAKE_PUBLSH") &&
+		      strstr(gmlake_last_error(), "GMLAKE_PUBLISH"),
+		      "error: %s", gmlake_last_error());
+	/* Off again: a warning, and the defaults. */
+	ck_assert_int_eq(setenv("GMLAKE_STRICT", "0", 1), 0);
+	ck_assert_int_eq(gmlake_config_init(&cfg), 0);
+}
+END_TEST
+
 START_TEST(test_init_validation)
 {
 	struct gmlake_config cfg;
@@ -843,6 +892,8 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_several);
 
 	tc = options_tcase(s, "Validate");
+	tcase_add_test(tc, test_unknown_name);
+	tcase_add_test(tc, test_strict);
 	tcase_add_test(tc, test_init_validation);
 	tcase_add_test(tc, test_chunk_size_used);
 	tcase_add_test(tc, test_env_capacity);
