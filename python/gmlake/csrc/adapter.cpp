@@ -25,6 +25,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -777,6 +779,28 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
             dev_total,
             dev_free);
     }
+    // A c10::OutOfMemoryError thrown from here crashes the process on
+    // PyTorch 2.11 (SIGSEGV after the throw, before Python sees it), while
+    // a c10::Error from the same place is caught and CUDA goes on working
+    // (measured on the H200). Until the cause is found, out of memory is a
+    // RuntimeError whose message starts as PyTorch's own does, which is
+    // what accelerate's and Lightning's batch-size finders look for;
+    // GMLAKE_TORCH_OOM_TYPED=1 throws the typed error, to investigate.
+    const char* typed = getenv("GMLAKE_TORCH_OOM_TYPED");
+    if (!typed || strcmp(typed, "1"))
+      TORCH_CHECK(
+          false,
+          "CUDA out of memory. Tried to allocate ",
+          fmt_size(size),
+          ". GPU ",
+          static_cast<int>(device),
+          " has a total capacity of ",
+          fmt_size(dev_total),
+          " of which ",
+          fmt_size(dev_free),
+          " is free. libgmlake: ",
+          why,
+          ".");
     TORCH_CHECK_WITH(
         OutOfMemoryError,
         false,
