@@ -1,0 +1,352 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The free-run index and the fits. A segment keeps its free runs by
+ * position and updates them in place as its chunks change; a stitched
+ * view keeps them by length and finds them again when next asked. First
+ * fit goes over segments, best fit over cached stitched views.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "large.h"
+#include "types.h"
+
+bool gml_usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream)
+{
+	if (!c || c->owner)
+		return false;
+	if (gml_guard_ready_scan(ctx, &c->guard, stream))
+		return true;
+	ctx->st.cross_stream_waits++;
+	return false;
+}
+
+static int free_run_cmp(const void *a, const void *b)
+{
+	const struct gml_free_run *x = a, *y = b;
+
+	if (x->len != y->len)
+		return x->len < y->len ? -1 : 1;
+	return x->pos < y->pos ? -1 : x->pos > y->pos;
+}
+
+/* Find v's free runs again after a change; false without host memory. */
+static bool view_runs(struct gml_view *v)
+{
+	uint32_t len = 0;
+
+	v->nruns = 0;
+	for (uint32_t i = 0; i <= v->n; i++) {
+		const struct gml_chunk *c = i < v->n ? v->chunks[i] : NULL;
+
+		if (c && !c->owner && v->mapped[i]) {
+			len++;
+			continue;
+		}
+		if (!len)
+			continue;
+		if (v->nruns == v->cap_runs) {
+			uint32_t cap = v->cap_runs ? v->cap_runs * 2 : 4;
+			struct gml_free_run *runs;
+
+			runs = realloc(v->runs, cap * sizeof(*runs));
+			if (!runs)
+				return false;
+			v->runs = runs;
+			v->cap_runs = cap;
+		}
+		v->runs[v->nruns++] = (struct gml_free_run){ i - len, len };
+		len = 0;
+	}
+	v->maxfree = 0;
+	for (uint32_t k = 0; k < v->nruns; k++)
+		if (v->runs[k].len > v->maxfree)
+			v->maxfree = v->runs[k].len;
+	/* Segments keep their runs by position (first fit, and the
+	 * updates below); stitched views by length (best fit). */
+	if (v->stitched && v->nruns > 1)
+		qsort(v->runs, v->nruns, sizeof(*v->runs), free_run_cmp);
+	return true;
+}
+
+static bool position_free(const struct gml_view *v, uint32_t i)
+{
+	const struct gml_chunk *c = v->chunks[i];
+
+	return c && !c->owner && v->mapped[i];
+}
+
+/* Room for one more run in v; false without host memory. */
+static bool runs_reserve(struct gml_view *v)
+{
+	struct gml_free_run *runs;
+	uint32_t cap;
+
+	if (v->nruns < v->cap_runs)
+		return true;
+	cap = v->cap_runs ? v->cap_runs * 2 : 4;
+	runs = realloc(v->runs, cap * sizeof(*runs));
+	if (!runs)
+		return false;
+	v->runs = runs;
+	v->cap_runs = cap;
+	return true;
+}
+
+static void runs_insert(struct gml_view *v, uint32_t k, uint32_t pos,
+			uint32_t len)
+{
+	memmove(&v->runs[k + 1], &v->runs[k],
+		(v->nruns - k) * sizeof(*v->runs));
+	v->runs[k] = (struct gml_free_run){ pos, len };
+	v->nruns++;
+}
+
+static void runs_remove(struct gml_view *v, uint32_t k)
+{
+	memmove(&v->runs[k], &v->runs[k + 1],
+		(v->nruns - k - 1) * sizeof(*v->runs));
+	v->nruns--;
+}
+
+/*
+ * Position i of segment v may have become free or taken: update its runs
+ * (by position) in place, without the whole scan view_runs makes: a
+ * segment grown to the size of the device has tens of thousands of
+ * positions, and every allocation and free changes some. maxfree stays
+ * an upper bound when a run shrinks (the fit that finds no run that long
+ * sets it right).
+ */
+static void seg_position_changed(struct gml_view *v, uint32_t i)
+{
+	uint32_t lo = 0, hi = v->nruns, k;
+	struct gml_free_run *r;
+	bool inside, left, right;
+
+	if (v->maxfree == GML_RUN_UNKNOWN)
+		return;
+	while (lo < hi) {		/* first run ending at or after i */
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (v->runs[mid].pos + v->runs[mid].len < i)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	k = lo;
+	r = k < v->nruns ? &v->runs[k] : NULL;
+	inside = r && r->pos <= i && i < r->pos + r->len;
+	if (!position_free(v, i)) {
+		uint32_t end;
+
+		if (!inside)
+			return;
+		end = r->pos + r->len;
+		if (r->pos < i && i + 1 < end) {
+			if (!runs_reserve(v)) {
+				v->maxfree = GML_RUN_UNKNOWN;
+				return;
+			}
+			r = &v->runs[k];
+			r->len = i - r->pos;
+			runs_insert(v, k + 1, i + 1, end - i - 1);
+		} else if (r->pos < i) {
+			r->len = i - r->pos;
+		} else if (i + 1 < end) {
+			r->pos = i + 1;
+			r->len = end - i - 1;
+		} else {
+			runs_remove(v, k);
+		}
+		return;
+	}
+	if (inside)
+		return;
+	left = r && r->pos + r->len == i;
+	right = k + left < v->nruns && v->runs[k + left].pos == i + 1;
+	if (left && right) {
+		r->len += 1 + v->runs[k + 1].len;
+		runs_remove(v, k + 1);
+	} else if (left) {
+		r->len++;
+	} else if (right) {
+		r->pos--;
+		r->len++;
+	} else {
+		if (!runs_reserve(v)) {
+			v->maxfree = GML_RUN_UNKNOWN;
+			return;
+		}
+		runs_insert(v, k, i, 1);
+	}
+	r = &v->runs[k];
+	if (r->len > v->maxfree)
+		v->maxfree = r->len;
+}
+
+/*
+ * A chunk changed owner or mapping (called after the change): its
+ * segment's runs follow at once; a stitched view mapping it finds its
+ * runs again when next asked. The fits skip views whose known longest
+ * run is too short, which keeps allocation from scanning every chunk of
+ * every segment.
+ */
+void gml_chunk_touch(struct gml_chunk *c)
+{
+	seg_position_changed(c->seg, c->seg_pos);
+	for (uint32_t i = 0; i < c->nviews; i++)
+		c->views[i]->maxfree = GML_RUN_UNKNOWN;
+}
+
+/*
+ * Whether v's free runs are known (found again after a change) and the
+ * longest holds n. Without host memory to list them v is skipped this
+ * time, its runs still unknown.
+ */
+static bool view_may_fit(struct gml_view *v, uint32_t n)
+{
+	if (v->maxfree == GML_RUN_UNKNOWN && !view_runs(v))
+		return false;
+	return v->maxfree >= n;
+}
+
+/*
+ * Smallest usable run of at least n positions inside the free run r of v,
+ * lowest position first, into *found.
+ */
+static void run_best_fit(gmlake_ctx *ctx, struct gml_view *v,
+			 const struct gml_free_run *r, uint32_t n, int stream,
+			 struct run *found)
+{
+	uint32_t start = r->pos, len = 0;
+
+	for (uint32_t i = r->pos; i <= r->pos + r->len; i++) {
+		if (i < r->pos + r->len && gml_usable(ctx, v->chunks[i], stream)) {
+			if (!len++)
+				start = i;
+			continue;
+		}
+		if (len >= n && (!found->view || len < found->len ||
+				 (len == found->len && start < found->pos))) {
+			found->view = v;
+			found->pos = start;
+			found->len = len;
+		}
+		len = 0;
+	}
+}
+
+/*
+ * Smallest usable run of at least n positions in v, into *best (which a
+ * run of another view keeps on a tie). Every usable run lies inside one
+ * free run; with one stream every free chunk is usable, so the first
+ * sorted free run long enough is the answer. With several streams a free
+ * chunk may still wait for another stream's work: each long enough free
+ * run is searched.
+ */
+static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+			  int stream, struct run *best)
+{
+	struct run found = { 0 };
+	uint32_t lo = 0, hi;
+
+	if (!view_may_fit(v, n))
+		return;
+	hi = v->nruns;
+	while (lo < hi) {
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (v->runs[mid].len < n)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	for (uint32_t k = lo; k < v->nruns; k++) {
+		if (ctx->nstreams == 1) {
+			found = (struct run){ v, v->runs[k].pos, v->runs[k].len };
+			break;
+		}
+		run_best_fit(ctx, v, &v->runs[k], n, stream, &found);
+		if (found.view && found.len == n)
+			break;
+	}
+	if (found.view && (!best->view || found.len < best->len))
+		*best = found;
+}
+
+/*
+ * First usable run of at least n positions in segment v, lowest position
+ * first, into *found. Every usable run lies inside one free run.
+ */
+static void view_first_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+			   int stream, struct run *found)
+{
+	uint32_t longest = 0;
+
+	memset(found, 0, sizeof(*found));
+	if (!view_may_fit(v, n))
+		return;
+	for (uint32_t k = 0; k < v->nruns; k++) {
+		const struct gml_free_run *r = &v->runs[k];
+		uint32_t start = r->pos, len = 0;
+
+		if (r->len > longest)
+			longest = r->len;
+		if (r->len < n)
+			continue;
+		if (ctx->nstreams == 1) {
+			*found = (struct run){ v, r->pos, r->len };
+			return;
+		}
+		for (uint32_t i = r->pos; i < r->pos + r->len; i++) {
+			if (!gml_usable(ctx, v->chunks[i], stream)) {
+				len = 0;
+				continue;
+			}
+			if (!len++)
+				start = i;
+			if (len == n) {
+				*found = (struct run){ v, start, r->len };
+				return;
+			}
+		}
+	}
+	v->maxfree = longest;	/* exact again: every run was seen */
+}
+
+/*
+ * Step 1: the oldest segment with a usable run of n, its lowest one
+ * (ctx->segs is in creation order).
+ */
+bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
+		   struct run *first)
+{
+	for (struct gml_view *v = ctx->segs; v; v = v->next) {
+		if (v->n < n)
+			continue;
+		view_first_fit(ctx, v, n, stream, first);
+		if (first->view)
+			return true;
+	}
+	return false;
+}
+
+bool gml_best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
+		  int stream, struct run *best)
+{
+	memset(best, 0, sizeof(*best));
+	for (struct gml_view *v = list; v; v = v->next) {
+		if (v->n < n || !v->mapped)
+			continue;
+		view_best_fit(ctx, v, n, stream, best);
+		if (best->view && best->len == n)
+			break;
+	}
+	return best->view != NULL;
+}

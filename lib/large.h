@@ -1,0 +1,62 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Inside the large-block allocator: what its files (view.c, fit.c, chunk.c,
+ * stitch.c, resident.c, pressure.c, alloc.c) call of each other. Callers
+ * outside use the gml_large_* functions of types.h. The context lock is
+ * held throughout.
+ */
+#ifndef GML_LARGE_H
+#define GML_LARGE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "types.h"
+
+/* A run of n positions of a view, from pos (a fit, or a new stitch). */
+struct run {
+	struct gml_view *view;
+	uint32_t pos, len;
+};
+
+/* view.c */
+void gml_list_add(struct gml_view **head, struct gml_view *v);
+struct gml_view *gml_list_last(struct gml_view *head);
+void gml_list_append(struct gml_view **head, struct gml_view *v);
+void gml_list_del(struct gml_view **head, struct gml_view *v);
+int gml_add_view_ref(struct gml_chunk *c, struct gml_view *v);
+void gml_del_view_ref(struct gml_chunk *c, struct gml_view *v);
+struct gml_view *gml_view_new(uint32_t n, bool stitched);
+void gml_count_mapping(gmlake_ctx *ctx, int64_t positions);
+int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v);
+int gml_view_map(gmlake_ctx *ctx, struct gml_view *v);
+void gml_view_discard(gmlake_ctx *ctx, struct gml_view *v);
+void gml_seg_drop_if_empty(gmlake_ctx *ctx, struct gml_view *s);
+bool gml_guards_done(gmlake_ctx *ctx, struct gml_view *v);
+int gml_guards_wait(gmlake_ctx *ctx, struct gml_view *v);
+void gml_view_guard(struct gml_view *v, const struct gml_guard *g);
+
+/* fit.c */
+bool gml_usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream);
+void gml_chunk_touch(struct gml_chunk *c);
+bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
+		   struct run *first);
+bool gml_best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
+		  int stream, struct run *best);
+
+/* chunk.c */
+int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k);
+int gml_grow(gmlake_ctx *ctx, uint32_t k, struct run *got);
+int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i);
+bool gml_chunk_releasable(const struct gml_chunk *c);
+void gml_chunk_handle_release(gmlake_ctx *ctx, gml_handle h);
+void gml_spare_put(gmlake_ctx *ctx, gml_handle h);
+int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h);
+
+/* stitch.c */
+int gml_view_evict(gmlake_ctx *ctx, struct gml_view *v, bool wait);
+void gml_cache_trim(gmlake_ctx *ctx, uint32_t limit);
+int gml_stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got);
+int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got);
+
+#endif

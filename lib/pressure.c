@@ -1,0 +1,73 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What the allocator gives up under memory pressure, in order: it waits
+ * for every stream, unmaps stale positions, releases spare chunks, gives
+ * idle small chunks back and unmaps unused stitched views; trim also
+ * gives every free chunk back to the driver.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "large.h"
+#include "types.h"
+
+int gml_streams_wait_all(gmlake_ctx *ctx)
+{
+	int ret = 0, err;
+
+	for (int s = 0; s < ctx->nstreams; s++) {
+		err = gml_stream_wait(ctx, s, gml_stream_last(ctx, s));
+		if (err && !ret)
+			ret = err;
+	}
+	return ret;
+}
+
+/*
+ * Wait for every stream, unmap every unused stitched view and, with all,
+ * give every free chunk back to the driver (trim). 0 or the first error.
+ */
+int gml_release_cached(gmlake_ctx *ctx, bool all)
+{
+	struct gml_view *v, *next;
+	int ret, err;
+
+	ret = gml_streams_wait_all(ctx);
+	if (ret)
+		return ret;
+	gml_stale_reap(ctx, true);
+	gml_spares_release(ctx);
+	gml_small_trim(ctx, -1);
+	for (v = ctx->stitched; v; v = next) {
+		next = v->next;
+		if (!v->live)
+			gml_view_evict(ctx, v, true);
+	}
+	gml_reap_dying(ctx, true);
+	for (v = ctx->segs; all && v; v = next) {
+		next = v->next;
+		for (uint32_t i = 0; i < v->n; i++) {
+			/* A position whose unmap failed earlier: again. */
+			if (!v->chunks[i] && v->mapped[i] &&
+			    !gml_mem_unmap(&ctx->dev, v->va + (gml_va)i *
+					   ctx->chunk, ctx->chunk)) {
+				v->mapped[i] = 0;
+				v->maxfree = GML_RUN_UNKNOWN;
+				gml_count_mapping(ctx, -1);
+			}
+			if (!gml_chunk_releasable(v->chunks[i]))
+				continue;
+			err = gml_chunk_release(ctx, v, i);
+			if (err && !ret)
+				ret = err;
+		}
+		gml_seg_drop_if_empty(ctx, v);
+	}
+	return ret;
+}

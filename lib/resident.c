@@ -1,0 +1,516 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Residency, for the offload tier: a block's chunks taken away while its
+ * range stays reserved (detach), and chunks mapped at the same range again
+ * (attach), moving free chunks the cache holds before making new ones.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "large.h"
+#include "types.h"
+
+/*
+ * A segment block's chunk leaves its home (the block's range) and is given
+ * back to the driver, so no stitched view may map it: unmap the unused
+ * ones (waiting for their work). -EBUSY when a view in use maps it.
+ */
+static int unshare_chunk(gmlake_ctx *ctx, struct gml_chunk *c)
+{
+	uint32_t k = 0;
+
+	while (k < c->nviews) {
+		struct gml_view *w = c->views[k];
+
+		if (w->live || w->dying || gml_view_evict(ctx, w, true)) {
+			k++;
+			continue;
+		}
+	}
+	if (c->nviews)
+		return gml_set_error(-EBUSY, "a chunk of the block is also "
+				     "mapped by a stitched range in use");
+	return 0;
+}
+
+/* Map [from, to) of b's run back after a failed detach (best effort). */
+static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
+{
+	struct gml_view *v = b->view;
+	bool ok = true;
+
+	for (uint32_t i = 0; i < to; i++) {
+		uint32_t p = b->pos + i;
+
+		if (gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				ctx->chunk, v->chunks[p]->handle)) {
+			ok = false;
+			continue;
+		}
+		v->mapped[p] = 1;
+		gml_count_mapping(ctx, 1);
+	}
+	if (!ok || (to && gml_set_access(&ctx->dev, b->ptr,
+					 (size_t)to * ctx->chunk)))
+		gml_log(GMLAKE_LOG_ERROR, "cannot map block %#lx back after a "
+			"failed spill", (unsigned long)b->ptr);
+}
+
+/*
+ * Take the chunks of resident large block b away while its range stays
+ * reserved: unmap its run; chunks of a stitched view go back to the free
+ * pool of their segments, chunks of a segment (whose home is this range)
+ * go back to the driver. The caller has the bytes elsewhere and the work
+ * on the block is complete. With check, only see whether it would work.
+ * 0, -EBUSY (a chunk is shared with a stitched range in use), or -errno
+ * with the block intact.
+ */
+int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
+{
+	static const struct gml_guard none = { -1, 0 };
+	struct gml_view *v = b->view;
+	uint32_t i;
+	int ret;
+
+	if (ctx->nzombies)
+		gml_zombies_reap(ctx);
+	v->maxfree = GML_RUN_UNKNOWN;
+	for (i = 0; !v->stitched && i < b->n; i++) {
+		ret = unshare_chunk(ctx, v->chunks[b->pos + i]);
+		if (ret)
+			return ret;
+	}
+	if (check)
+		return 0;
+	for (i = 0; i < b->n; i++) {
+		uint32_t p = b->pos + i;
+
+		ret = gml_mem_unmap(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				    ctx->chunk);
+		if (ret) {
+			detach_undo(ctx, b, i);
+			return ret;
+		}
+		v->mapped[p] = 0;
+		gml_count_mapping(ctx, -1);
+	}
+	for (i = 0; i < b->n; i++) {
+		struct gml_chunk *c = v->chunks[b->pos + i];
+
+		v->chunks[b->pos + i] = NULL;
+		c->owner = NULL;
+		c->guard = none;
+		gml_chunk_touch(c);
+		if (v->stitched) {
+			gml_del_view_ref(c, v);
+			v->holes++;
+			continue;
+		}
+		gml_spare_put(ctx, c->handle);
+		free(c->views);
+		free(c);
+	}
+	return 0;
+}
+
+/*
+ * Free chunks mapped by their segment, not by v (alone: by no stitched
+ * view either). Their last work may still run: the caller orders its
+ * copy after every stream (mapping a chunk elsewhere disturbs nothing).
+ */
+static uint32_t free_chunks(gmlake_ctx *ctx, struct gml_view *v,
+			    struct gml_chunk **out, uint32_t want, bool alone)
+{
+	uint32_t got = 0;
+
+	for (struct gml_view *s = ctx->segs; s && got < want; s = s->next)
+		for (uint32_t i = 0; i < s->n && got < want; i++) {
+			struct gml_chunk *c = s->chunks[i];
+
+			if (c && s->mapped[i] && !c->owner &&
+			    (!alone || !c->nviews) && !gml_chunk_in_view(c, v))
+				out[got++] = c;
+		}
+	return got;
+}
+
+/* Unmap [0, k) of got from b's run after a failed attach. */
+static void attach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t k)
+{
+	struct gml_view *v = b->view;
+
+	for (uint32_t i = 0; i < k; i++) {
+		uint32_t p = b->pos + i;
+		gml_va va = v->va + (gml_va)p * ctx->chunk;
+
+		/* Twice: a spilled run must stay holes, and the caller
+		 * gives the chunks back. */
+		if (v->mapped[p] &&
+		    (!gml_mem_unmap(&ctx->dev, va, ctx->chunk) ||
+		     !gml_mem_unmap(&ctx->dev, va, ctx->chunk))) {
+			v->mapped[p] = 0;
+			gml_count_mapping(ctx, -1);
+		}
+	}
+}
+
+/* Stitched run: free chunks of any segment, new ones for the shortfall. */
+static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
+			   struct gml_chunk **got)
+{
+	struct gml_view *v = b->view;
+	struct run grown;
+	uint32_t k, i;
+	int ret;
+
+	k = free_chunks(ctx, v, got, b->n, true);
+	k += free_chunks(ctx, v, got + k, b->n - k, false);
+	/* the second pass may list a chunk of the first again */
+	for (i = 0; i < k; i++)
+		for (uint32_t j = 0; j < i; j++)
+			if (got[j] == got[i]) {
+				got[i--] = got[--k];
+				break;
+			}
+	if (k < b->n) {
+		ret = gml_grow(ctx, b->n - k, &grown);
+		if (ret)
+			return ret;
+		for (i = 0; k < b->n; i++)
+			got[k++] = grown.view->chunks[grown.pos + i];
+	}
+	for (i = 0; i < b->n; i++) {
+		uint32_t p = b->pos + i;
+
+		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				  ctx->chunk, got[i]->handle);
+		if (ret)
+			goto out_undo;
+		v->mapped[p] = 1;
+		gml_count_mapping(ctx, 1);
+	}
+	ret = gml_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	if (ret)
+		goto out_undo;
+	for (i = 0; i < b->n; i++) {
+		ret = gml_add_view_ref(got[i], v);
+		if (ret) {
+			while (i--)
+				gml_del_view_ref(got[i], v);
+			gml_set_error(ret, "no host memory to fetch a block");
+			goto out_undo;
+		}
+	}
+	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;
+	for (i = 0; i < b->n; i++)
+		v->chunks[b->pos + i] = got[i];
+	v->holes -= b->n;
+	return 0;
+out_undo:
+	attach_undo(ctx, b, b->n);
+	return ret;
+}
+
+void gml_stale_reap(gmlake_ctx *ctx, bool all)
+{
+	uint32_t k = 0;
+
+	for (uint32_t i = 0; i < ctx->nstale; i++) {
+		struct gml_stale *e = &ctx->stale[i];
+		struct gml_view *s = e->seg;
+
+		if (!all && !gml_guard_ready(ctx, &e->guard, -1)) {
+			ctx->stale[k++] = *e;
+			continue;
+		}
+		/* Unmapped already: by gml_release_cached's retry. */
+		if (s->mapped[e->pos] && !s->chunks[e->pos]) {
+			if (gml_mem_unmap(&ctx->dev, s->va + (gml_va)e->pos *
+					  ctx->chunk, ctx->chunk)) {
+				ctx->stale[k++] = *e;	/* again later */
+				continue;
+			}
+			s->mapped[e->pos] = 0;
+			gml_count_mapping(ctx, -1);
+		}
+		/* s stays while other entries name it (nstale). */
+		s->nstale--;
+		gml_seg_drop_if_empty(ctx, s);
+	}
+	ctx->nstale = k;
+}
+
+/*
+ * Take free chunk c out of its segment, to live elsewhere. Its home
+ * position is unmapped now if the work that used it there completed;
+ * otherwise later (gml_stale_reap): the caller orders its own use after
+ * all work queued so far, and until then nothing reads the old address.
+ */
+static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
+{
+	struct gml_view *s = c->seg;
+	struct gml_stale *grown;
+	int ret;
+
+	if (!gml_guard_ready(ctx, &c->guard, -1)) {
+		if (ctx->nstale == ctx->cap_stale) {
+			uint32_t cap = ctx->cap_stale ? 2 * ctx->cap_stale : 64;
+
+			grown = realloc(ctx->stale, cap * sizeof(*grown));
+			if (!grown)
+				return -ENOMEM;
+			ctx->stale = grown;
+			ctx->cap_stale = cap;
+		}
+		ctx->stale[ctx->nstale++] = (struct gml_stale){
+			s, c->seg_pos, c->guard };
+		s->nstale++;
+	} else {
+		ret = gml_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos *
+				    ctx->chunk, ctx->chunk);
+		if (ret)
+			return ret;
+		s->mapped[c->seg_pos] = 0;
+		gml_count_mapping(ctx, -1);
+	}
+	s->maxfree = GML_RUN_UNKNOWN;
+	s->chunks[c->seg_pos] = NULL;
+	gml_seg_drop_if_empty(ctx, s);
+	return 0;
+}
+
+/* A free chunk of another segment, moved once its work completed (the
+ * last resort when the device is full). */
+static struct gml_chunk *move_chunk(gmlake_ctx *ctx, struct gml_view *dst)
+{
+	struct gml_chunk *c;
+
+	if (!free_chunks(ctx, dst, &c, 1, true))
+		return NULL;
+	if (c->guard.stream >= 0 &&
+	    gml_stream_wait(ctx, c->guard.stream, c->guard.seq))
+		return NULL;
+	return chunk_unhome(ctx, c) ? NULL : c;
+}
+
+/* Free, mapped by its segment alone (no stitched view). */
+static bool chunk_movable(const struct gml_view *s, uint32_t i)
+{
+	const struct gml_chunk *c = s->chunks[i];
+
+	return c && s->mapped[i] && !c->owner && !c->nviews;
+}
+
+/* Whether every stitched view mapping c is unused and done with. */
+static bool views_evictable(gmlake_ctx *ctx, const struct gml_chunk *c)
+{
+	for (uint32_t i = 0; i < c->nviews; i++)
+		if (c->views[i]->live || c->views[i]->dying ||
+		    !gml_guards_done(ctx, c->views[i]))
+			return false;
+	return true;
+}
+
+static uint32_t collect_movable(gmlake_ctx *ctx, struct gml_chunk **out,
+				uint32_t want)
+{
+	uint32_t got = 0;
+
+	for (int idle = 1; idle >= 0; idle--)
+		for (struct gml_view *s = ctx->segs; s && got < want;
+		     s = s->next) {
+			if ((s->live == 0) != idle)
+				continue;
+			for (uint32_t i = 0; i < s->n && got < want; i++)
+				if (chunk_movable(s, i))
+					out[got++] = s->chunks[i];
+		}
+	return got;
+}
+
+/*
+ * Up to want free chunks of the segments, segments with no live block
+ * first; then, if that is not enough, chunks that unused cached stitched
+ * views map, evicting those views. A fetch moves these rather than
+ * creating chunks: backward frees memory as it fetches, and chunks made
+ * while freed ones sit in the cache would lift reserved memory back to
+ * what it was without offloading. A move also costs one unmap where a
+ * new chunk costs a create now and a release later.
+ */
+static uint32_t cached_chunks(gmlake_ctx *ctx, struct gml_chunk **out,
+			      uint32_t want)
+{
+	uint32_t got = collect_movable(ctx, out, want), freed = 0;
+
+	for (struct gml_view *s = ctx->segs; s && got + freed < want;
+	     s = s->next)
+		for (uint32_t i = 0; i < s->n && got + freed < want; i++) {
+			struct gml_chunk *c = s->chunks[i];
+
+			if (!c || !s->mapped[i] || c->owner || !c->nviews ||
+			    !views_evictable(ctx, c))
+				continue;
+			while (c->nviews) {
+				struct gml_view *w = c->views[0];
+				uint32_t n = w->n;
+
+				/* Evictable: unmapped at once, not dying. */
+				if (gml_view_evict(ctx, w, false) ||
+				    (c->nviews && c->views[0] == w))
+					break;
+				freed += n;
+			}
+		}
+	return freed ? collect_movable(ctx, out, want) : got;
+}
+
+/* One chunk for position p of segment v: a spare, a free chunk of the
+ * cache (ready[0..*nready)), a new one, else a moved one. */
+static int seg_chunk(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		     struct gml_chunk **ready, uint32_t *nready,
+		     struct gml_chunk **out)
+{
+	struct gml_chunk *c = NULL;
+	int ret = 0;
+
+	while (!ctx->nspares && !c && *nready)
+		if (chunk_unhome(ctx, ready[--*nready]) == 0)
+			c = ready[*nready];
+	if (!c) {
+		c = calloc(1, sizeof(*c));
+		if (!c)
+			return gml_set_error(-ENOMEM, "no host memory for a "
+					     "chunk");
+		ret = gml_chunk_handle_get(ctx, &c->handle);
+		if (ret) {
+			free(c);
+			c = NULL;
+		}
+		if (!c && ret == -ENOMEM)
+			c = move_chunk(ctx, v);
+	}
+	if (!c)
+		return ret ? ret : -ENOMEM;
+	c->seg = v;
+	c->seg_pos = p;
+	c->guard.stream = -1;
+	c->guard.seq = 0;
+	*out = c;
+	return 0;
+}
+
+/* Segment run: chunks made (or moved) to live at their new home. */
+static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
+			  struct gml_chunk **got)
+{
+	struct gml_view *v = b->view;
+	struct gml_chunk **ready = NULL;
+	uint32_t k, nready = 0, stale0 = ctx->nstale;
+	bool settled;
+	int ret;
+
+	if (b->n > ctx->nspares) {
+		ready = calloc(b->n - ctx->nspares, sizeof(*ready));
+		if (ready)	/* without: new chunks only */
+			nready = cached_chunks(ctx, ready,
+					       b->n - ctx->nspares);
+	}
+	for (k = 0; k < b->n; k++) {
+		uint32_t p = b->pos + k;
+
+		ret = seg_chunk(ctx, v, p, ready, &nready, &got[k]);
+		if (ret)
+			goto out_undo;
+		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				  ctx->chunk, got[k]->handle);
+		if (ret) {
+			k++;
+			goto out_undo;
+		}
+		v->mapped[p] = 1;
+		gml_count_mapping(ctx, 1);
+	}
+	ret = gml_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	if (ret)
+		goto out_undo;
+	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;
+	for (k = 0; k < b->n; k++)
+		v->chunks[b->pos + k] = got[k];
+	free(ready);
+	return 0;
+out_undo:
+	free(ready);
+	attach_undo(ctx, b, k);
+	/* Chunks taken before their last work ran serve elsewhere only
+	 * once it has; released, their memory lives while mapped. */
+	settled = ctx->nstale == stale0 || !gml_streams_wait_all(ctx);
+	for (uint32_t i = 0; i < k; i++) {
+		/* Only an unmapped chunk may serve elsewhere. */
+		if (v->mapped[b->pos + i] || !settled)
+			gml_chunk_handle_release(ctx, got[i]->handle);
+		else
+			gml_spare_put(ctx, got[i]->handle);
+		free(got[i]->views);
+		free(got[i]);
+	}
+	return ret;
+}
+
+/*
+ * Map chunks at spilled block b's run again (same address): free chunks
+ * for a stitched run, chunks at their new home for a segment run. The
+ * block owns them afterwards; its bytes are for the caller to bring back.
+ * 0, or -ENOMEM / -errno with the block still spilled.
+ */
+int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
+{
+	struct gml_chunk **got = calloc(b->n, sizeof(*got));
+	int ret;
+
+	if (!got)
+		return gml_set_error(-ENOMEM, "no host memory to fetch a block");
+	if (ctx->nzombies)
+		gml_zombies_reap(ctx);
+	if (ctx->nstale)
+		gml_stale_reap(ctx, false);
+	b->view->maxfree = GML_RUN_UNKNOWN;
+	if (b->view->stitched)
+		ret = attach_stitched(ctx, b, got);
+	else
+		ret = attach_segment(ctx, b, got);
+	if (ret == -ENOMEM) {
+		/* Unused stitched views keep chunks from moving: drop them. */
+		gml_release_cached(ctx, false);
+		if (b->view->stitched)
+			ret = attach_stitched(ctx, b, got);
+		else
+			ret = attach_segment(ctx, b, got);
+	}
+	for (uint32_t i = 0; !ret && i < b->n; i++) {
+		got[i]->owner = b;
+		gml_chunk_touch(got[i]);
+	}
+	free(got);
+	return ret;
+}
+
+/* Free a spilled block: its run stays holes; a stitched view with holes
+ * and no live block leaves the cache. */
+void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b)
+{
+	struct gml_view *v = b->view;
+
+	v->live--;
+	free(b);
+	if (!v->stitched)
+		return;
+	gml_gauge_add(&ctx->st.stitched_live, -1);
+	if (!v->live && !v->dying)
+		gml_view_evict(ctx, v, false);
+}

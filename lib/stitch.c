@@ -1,0 +1,355 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Stitching: a new stitched view over free chunks, the repair of a cached
+ * view's taken positions, the bounded cache of views and its eviction,
+ * and the dying list of views unmapped once their work completed.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "large.h"
+#include "types.h"
+
+/*
+ * Take a stitched view nobody uses out of the cache. It is unmapped at
+ * once if the work that used it is complete (or wait says to wait for it);
+ * otherwise it goes to the dying list, its guards turned into recorded
+ * events, and gml_reap_dying() unmaps it later without blocking.
+ */
+int gml_view_evict(gmlake_ctx *ctx, struct gml_view *v, bool wait)
+{
+	if (wait && !gml_guards_done(ctx, v)) {
+		int ret = gml_guards_wait(ctx, v);
+
+		if (ret)
+			return ret;
+	}
+	gml_list_del(&ctx->stitched, v);
+	ctx->nstitched--;
+	gml_gauge_add(&ctx->st.stitched_cached, -1);
+	ctx->st.evictions++;
+	if (gml_guards_done(ctx, v)) {
+		gml_view_discard(ctx, v);
+		return 0;
+	}
+	for (uint32_t i = 0; i < v->nguards; i++)
+		if (v->guards[i].seq == 0)
+			gml_stream_mark(ctx, v->guards[i].stream, true,
+					&v->guards[i].seq);
+	v->dying = true;
+	gml_list_add(&ctx->dying, v);
+	return 0;
+}
+
+/* Keep the stitched cache under its limit, least recently used first. */
+void gml_cache_trim(gmlake_ctx *ctx, uint32_t limit)
+{
+	struct gml_view *v, *lru;
+
+	while (ctx->nstitched > limit) {
+		lru = NULL;
+		for (v = ctx->stitched; v; v = v->next)
+			if (!v->live && (!lru || v->last_use < lru->last_use))
+				lru = v;
+		if (!lru || gml_view_evict(ctx, lru, false))
+			return;
+	}
+}
+
+static int run_cmp_len(const void *a, const void *b)
+{
+	const struct run *x = a, *y = b;
+
+	return x->len < y->len ? -1 : x->len > y->len ? 1 : 0;
+}
+
+/* Every free run of the segments usable on stream; returns the chunks. */
+static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
+			size_t *nruns, uint64_t *nfree)
+{
+	struct run *runs = NULL, *grown;
+	size_t count = 0, cap = 0;
+
+	*nfree = 0;
+	for (struct gml_view *v = gml_list_last(ctx->segs); v; v = v->prev) {
+		uint32_t start = 0, len = 0;
+
+		for (uint32_t i = 0; i <= v->n; i++) {
+			if (i < v->n && v->mapped[i] &&
+			    gml_usable(ctx, v->chunks[i], stream)) {
+				if (!len++)
+					start = i;
+				continue;
+			}
+			if (!len)
+				continue;
+			if (count == cap) {
+				cap = cap ? cap * 2 : 64;
+				grown = realloc(runs, cap * sizeof(*runs));
+				if (!grown) {
+					free(runs);
+					return -ENOMEM;
+				}
+				runs = grown;
+			}
+			runs[count++] = (struct run){ v, start, len };
+			*nfree += len;
+			len = 0;
+		}
+	}
+	if (count)
+		qsort(runs, count, sizeof(*runs), run_cmp_len);
+	*out = runs;
+	*nruns = count;
+	return 0;
+}
+
+/*
+ * A new stitched view of n chunks: the free runs, smallest first, and a new
+ * segment for the shortfall. Stitching maps no new physical memory. Small
+ * runs go first so that large free runs stay whole for step 1: taking
+ * the largest first made big views overlap the segments that hold other
+ * big blocks, and each step repaired them.
+ */
+int gml_stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
+{
+	struct run grown = { 0 };
+	struct gml_view *v;
+	struct run *runs;
+	size_t nruns;
+	uint64_t nfree;
+	uint32_t k = 0;
+	int ret;
+
+	ret = collect_runs(ctx, stream, &runs, &nruns, &nfree);
+	if (ret)
+		return gml_set_error(ret, "no host memory to stitch");
+	if (nfree == 0 || n * ctx->chunk < ctx->cfg.stitch_min) {
+		free(runs);
+		return gml_grow(ctx, n, got);
+	}
+	if (nfree < n) {
+		ret = gml_grow(ctx, n - (uint32_t)nfree, &grown);
+		if (ret)
+			goto out_free;
+	}
+	v = gml_view_new(n, true);
+	if (!v) {
+		ret = gml_set_error(-ENOMEM, "no host memory to stitch");
+		goto out_free;
+	}
+	for (size_t r = 0; r < nruns && k < n; r++)
+		for (uint32_t i = 0; i < runs[r].len && k < n; i++)
+			v->chunks[k++] = runs[r].view->chunks[runs[r].pos + i];
+	for (uint32_t i = 0; grown.view && k < n; i++)
+		v->chunks[k++] = grown.view->chunks[grown.pos + i];
+	for (uint32_t i = 0; i < n; i++) {
+		ret = gml_add_view_ref(v->chunks[i], v);
+		if (ret) {
+			for (uint32_t j = i; j < n; j++)
+				v->chunks[j] = NULL;
+			gml_set_error(ret, "no host memory to stitch");
+			goto out_discard;
+		}
+	}
+	ret = gml_view_map(ctx, v);
+	if (ret)
+		goto out_discard;
+	free(runs);
+	gml_list_add(&ctx->stitched, v);
+	ctx->nstitched++;
+	gml_gauge_add(&ctx->st.stitched_cached, 1);
+	ctx->st.stitches++;
+	*got = (struct run){ v, 0, n };
+	return 0;
+out_discard:
+	gml_view_discard(ctx, v);
+out_free:
+	free(runs);
+	return ret;
+}
+
+/* The window of n positions of v with the fewest taken chunks. */
+static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+			    int stream, uint8_t *bad, uint32_t *pos)
+{
+	uint32_t count = 0, best;
+
+	for (uint32_t i = 0; i < v->n; i++)
+		bad[i] = !gml_usable(ctx, v->chunks[i], stream);
+	for (uint32_t i = 0; i < n; i++)
+		count += bad[i];
+	best = count;
+	*pos = 0;
+	for (uint32_t i = n; i < v->n; i++) {
+		count += bad[i] - bad[i - n];
+		if (count < best) {
+			best = count;
+			*pos = i - n + 1;
+		}
+	}
+	return best;
+}
+
+/* Up to want free chunks usable on stream that v does not map, those no
+ * other stitched view maps first, so repairs keep other views whole. */
+static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
+			     struct gml_chunk **out, uint32_t want)
+{
+	uint32_t got = 0;
+
+	for (int pass = 0; pass < 2; pass++)
+		for (struct gml_view *s = gml_list_last(ctx->segs); s && got < want;
+		     s = s->prev)
+			for (uint32_t i = 0; i < s->n && got < want; i++) {
+				struct gml_chunk *c = s->chunks[i];
+
+				if (c && s->mapped[i] && !c->owner &&
+				    (pass || !c->nviews) &&
+				    (!pass || c->nviews) &&
+				    gml_guard_ready(ctx, &c->guard, stream) &&
+				    !gml_chunk_in_view(c, v))
+					out[got++] = c;
+			}
+	return got;
+}
+
+/* Swap the chunk at position i of v for c: unmap, map, no access yet. */
+static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
+			  struct gml_chunk *c)
+{
+	gml_va va = v->va + (gml_va)i * ctx->chunk;
+	int ret;
+
+	v->maxfree = GML_RUN_UNKNOWN;
+	ret = gml_mem_unmap(&ctx->dev, va, ctx->chunk);
+	if (ret)
+		return ret;
+	v->mapped[i] = 0;
+	gml_count_mapping(ctx, -1);
+	gml_del_view_ref(v->chunks[i], v);
+	v->chunks[i] = NULL;
+	ret = gml_add_view_ref(c, v);
+	if (ret)
+		return gml_set_error(ret, "no host memory to repair a view");
+	v->chunks[i] = c;
+	ret = gml_mem_map(&ctx->dev, va, ctx->chunk, c->handle);
+	if (ret)
+		return ret;
+	v->mapped[i] = 1;
+	gml_count_mapping(ctx, 1);
+	return 0;
+}
+
+/* Remap the bad positions of [pos, pos + n), one set-access per run. */
+static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
+			 uint32_t n, const uint8_t *bad, struct gml_chunk **spare)
+{
+	uint32_t k = 0, start = 0;
+	int ret;
+
+	for (uint32_t i = pos; i <= pos + n; i++) {
+		if (i < pos + n && bad[i]) {
+			ret = remap_position(ctx, v, i, spare[k++]);
+			if (ret)
+				return ret;
+			continue;
+		}
+		if (start < i && bad[i - 1] && i > pos) {
+			uint32_t first = i;
+
+			while (first > pos && bad[first - 1])
+				first--;
+			ret = gml_set_access(&ctx->dev, v->va + (gml_va)first *
+					     ctx->chunk, (size_t)(i - first) *
+					     ctx->chunk);
+			if (ret)
+				return ret;
+			ctx->st.access_bytes += (size_t)(i - first) * ctx->chunk;
+		}
+		start = i + 1;
+	}
+	return 0;
+}
+
+/*
+ * Step 3: a cached stitched view that nobody uses and whose last work is
+ * complete, with a window where few chunks are taken, is repaired instead
+ * of stitching anew: when shapes drift from one training step to the next,
+ * most of yesterday's stitch is still free. -ENOENT when a repair would
+ * cost more than a new stitch (at H200 prices a repaired chunk costs about
+ * 65 us for unmap, map and access, a stitched one 42 us for map and
+ * access), so the caller stitches.
+ */
+int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
+{
+	struct gml_view *best = NULL;
+	struct run grown;
+	uint32_t pos, best_pos = 0, nbad, best_bad = UINT32_MAX, k;
+	struct gml_chunk **spare;
+	uint8_t *bad, *best_mask = NULL;
+	int ret = -ENOENT;
+
+	for (struct gml_view *v = ctx->stitched; v; v = v->next) {
+		if (v->live || v->n < n || !gml_guards_done(ctx, v))
+			continue;
+		bad = malloc(v->n);
+		if (!bad)
+			break;
+		nbad = best_window(ctx, v, n, stream, bad, &pos);
+		if (nbad < best_bad) {
+			free(best_mask);
+			best = v, best_pos = pos, best_bad = nbad, best_mask = bad;
+		} else {
+			free(bad);
+		}
+	}
+	if (!best || (uint64_t)best_bad * 65 >= (uint64_t)n * 42)
+		goto out_free_mask;
+	spare = malloc((best_bad + 1) * sizeof(*spare));
+	if (!spare)
+		goto out_free_mask;
+	k = spare_chunks(ctx, best, stream, spare, best_bad);
+	if (k < best_bad) {
+		ret = gml_grow(ctx, best_bad - k, &grown);
+		if (ret)
+			goto out_free_spare;
+		for (uint32_t i = 0; k < best_bad; i++)
+			spare[k++] = grown.view->chunks[grown.pos + i];
+	}
+	ret = repair_window(ctx, best, best_pos, n, best_mask, spare);
+	if (ret) {
+		/* A view with a hole cannot stay cached. */
+		gml_view_evict(ctx, best, true);
+		goto out_free_spare;
+	}
+	best->last_use = ++ctx->clock;
+	ctx->st.stitch_repairs++;
+	*got = (struct run){ best, best_pos, n };
+out_free_spare:
+	free(spare);
+out_free_mask:
+	free(best_mask);
+	return ret;
+}
+
+/* Retry the teardown of views the driver did not let go of. */
+void gml_reap_dying(gmlake_ctx *ctx, bool wait)
+{
+	struct gml_view *v = ctx->dying, *next;
+
+	for (; v; v = next) {
+		next = v->next;
+		if (!gml_guards_done(ctx, v) && (!wait || gml_guards_wait(ctx, v)))
+			continue;
+		gml_list_del(&ctx->dying, v);
+		if (gml_view_teardown(ctx, v))
+			gml_list_add(&ctx->dying, v);
+	}
+}
