@@ -13,9 +13,10 @@
  *      chunks are taken, when that costs well under a new stitch,
  *   5. a new stitched view over free chunks, after growing the newest
  *      segment by only the shortfall when too few chunks are free,
- *   6. after waiting for other streams and dropping unused stitched views,
- *      steps 1-5 once more,
- * and otherwise fails with -ENOMEM, the state unchanged.
+ *   6. steps 1-5 again after each rung of the pressure ladder (pressure.c:
+ *      what the cache holds unused, then one spilled block at a time
+ *      where a tier is registered),
+ * and otherwise fails with -ENOMEM, the live blocks unchanged.
  *
  * A segment's range reserves room for the whole device and grows at its
  * end, as PyTorch's expandable segments do, so its free runs stay
@@ -159,12 +160,8 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 	ctx->poll_gen++;
 	gml_reap_dying(ctx, false);
 	ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
-	if (ret == -ENOMEM) {
-		gml_release_cached(ctx, false);
-		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
-	}
-	/* Offload: spill offloadable blocks, least recently used first. */
-	while (ret == -ENOMEM && ctx->tier && ctx->tier->reclaim(ctx, NULL))
+	for (unsigned rung = 0;
+	     ret == -ENOMEM && gml_pressure_relieve(ctx, &rung, NULL);)
 		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
 	if (ret) {
 		free(b);

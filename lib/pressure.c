@@ -1,9 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * What the allocator gives up under memory pressure, in order: it waits
- * for every stream, unmaps stale positions, releases spare chunks, gives
- * idle small chunks back and unmaps unused stitched views; trim also
- * gives every free chunk back to the driver.
+ * What the allocator gives up under memory pressure, and in what order:
+ * the one ladder that allocation and fetch climb (gml_pressure_relieve).
+ * First what the cache holds unused: it waits for every stream, unmaps
+ * stale positions, releases spare chunks, gives idle small chunks back and
+ * unmaps unused stitched views. Then, one block at a time, what a tier
+ * below the device (offload/) can spill. Trim (gmlake_trim, and the
+ * PyTorch entry point's last retry) also gives every free chunk back to
+ * the driver.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -70,4 +74,23 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 		gml_seg_drop_if_empty(ctx, v);
 	}
 	return ret;
+}
+
+/*
+ * One more rung of the ladder for a request that found no memory: *rung
+ * starts at 0 and counts the rungs climbed. Rung 0 gives up the cache's
+ * unused memory; every later rung has the tier spill one block (never
+ * keep). True when something was given up, so the caller tries again;
+ * false at the bottom.
+ */
+bool gml_pressure_relieve(gmlake_ctx *ctx, unsigned *rung,
+			  struct gml_block *keep)
+{
+	if ((*rung)++ == 0) {
+		/* What it could not give up (a stream that fails its wait)
+		 * stays; the next rung may still find memory. */
+		gml_release_cached(ctx, false);
+		return true;
+	}
+	return ctx->tier && ctx->tier->reclaim(ctx, keep);
 }

@@ -484,14 +484,6 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 		ret = attach_stitched(ctx, b, got);
 	else
 		ret = attach_segment(ctx, b, got);
-	if (ret == -ENOMEM) {
-		/* Unused stitched views keep chunks from moving: drop them. */
-		gml_release_cached(ctx, false);
-		if (b->view->stitched)
-			ret = attach_stitched(ctx, b, got);
-		else
-			ret = attach_segment(ctx, b, got);
-	}
 	for (uint32_t i = 0; !ret && i < b->n; i++) {
 		got[i]->owner = b;
 		gml_chunk_touch(got[i]);

@@ -242,6 +242,11 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 		    const struct gml_guard *g);
 int gml_release_cached(gmlake_ctx *ctx, bool all);
+/* The pressure ladder (lib/pressure.c): give up one more rung's memory
+ * (*rung from 0) for a request that found none, never keep; true when
+ * the request should be tried again. */
+bool gml_pressure_relieve(gmlake_ctx *ctx, unsigned *rung,
+			  struct gml_block *keep);
 void gml_reap_dying(gmlake_ctx *ctx, bool wait);
 void gml_views_fini(gmlake_ctx *ctx);
 bool gml_chunk_in_view(const struct gml_chunk *c, const struct gml_view *v);

@@ -555,7 +555,8 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 		b->inplace_mapped = false;
 	}
 	ret = gml_large_attach(ctx, b);
-	while (ret == -ENOMEM && gml_off_reclaim(ctx, b))
+	for (unsigned rung = 0;
+	     ret == -ENOMEM && gml_pressure_relieve(ctx, &rung, b);)
 		ret = gml_large_attach(ctx, b);
 	if (ret) {
 		if (b->inplace)
