@@ -160,6 +160,7 @@ struct emu_stream {
 
 struct emu_dev {
 	uint64_t magic;
+	pid_t pid;		/* the process that opened it */
 	pthread_mutex_t lock;
 	int fd;
 	size_t capacity;
@@ -1417,9 +1418,22 @@ static int emu_mem_create_host(void *priv, size_t size, int numa,
 /* ------------------------------------------------------------------ */
 /* Device                                                              */
 
+/*
+ * Every entry point of a context enters first. A child made by fork() has
+ * a copy of the device without its stream workers (threads do not survive
+ * fork), so a stream of the parent would never finish there, and the
+ * device memory it shares with the parent is not its own: refuse, as CUDA
+ * refuses a context the parent made.
+ */
 static int emu_enter(void *priv)
 {
-	(void)priv;
+	struct emu_dev *dev = priv;
+
+	if (dev->pid != getpid())
+		return gml_set_error(-EIO, "emu: the device was opened by process "
+				     "%ld; a child made by fork() cannot use it "
+				     "(open a context in the child instead)",
+				     (long)dev->pid);
 	return 0;
 }
 
@@ -1545,6 +1559,7 @@ static int emu_open(const struct gmlake_config *cfg, void **priv)
 	if (!dev)
 		return gml_set_error(-ENOMEM, "emu: open: out of host memory");
 	dev->magic = EMU_MAGIC;
+	dev->pid = getpid();
 	dev->host_fd = -1;
 	dev->host_numa = -1;
 	dev->gran = gran;

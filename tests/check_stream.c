@@ -14,6 +14,10 @@
  */
 #include "helpers.h"
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #define CAP_CHUNKS(n) ((size_t)(n) * TH_CHUNK)
 
 /*
@@ -699,6 +703,44 @@ END_TEST
 
 /* ---------------------------------------------------------------------- */
 
+/*
+ * A child made by fork() gets an error from its parent's context, never a
+ * hang: the parent's stream workers do not exist in the child (before the
+ * fix gmlake_stream_synchronize waited forever there). The parent's
+ * context goes on working.
+ */
+START_TEST(test_fork_child_errors)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(8));
+	gmlake_stream_t s = th_stream(ctx);
+	void *p = th_alloc(ctx, 4 * TH_MiB, s), *q = NULL;
+	int status;
+	pid_t pid;
+
+	th_fill_ok(ctx, p, 4 * TH_MiB, 91, s);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		int a, b;
+
+		signal(SIGALRM, SIG_DFL);
+		alarm(10);	/* a hang ends the child by the signal */
+		a = gmlake_stream_synchronize(ctx, s);
+		b = gmlake_alloc(ctx, &q, 4096, s);
+		_exit(a < 0 && b < 0 && strstr(gmlake_last_error(), "fork") ?
+		      0 : 1);
+	}
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+		      "the child %s (status %#x)", WIFSIGNALED(status) ?
+		      "hung or crashed" : "got no error", status);
+	th_verify_ok(ctx, p, 4 * TH_MiB, 91, s);
+	th_free(ctx, p);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
+	th_destroy(ctx);
+}
+END_TEST
+
 static Suite *stream_suite(bool emu)
 {
 	Suite *s = suite_create("stream");
@@ -728,6 +770,11 @@ static Suite *stream_suite(bool emu)
 	tc = th_tcase(s, "RecordStream");
 	tcase_add_test(tc, test_record_stream);
 	tcase_add_test(tc, test_record_stream_small);
+
+	if (emu) {
+		tc = th_tcase(s, "Fork");
+		tcase_add_test(tc, test_fork_child_errors);
+	}
 
 	tc = th_tcase(s, "Random");
 	tcase_add_loop_test(tc, test_random_streams, 0, 3);
