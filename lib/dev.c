@@ -127,7 +127,9 @@ static bool counted(struct gml_dev *dev, int call)
 {
 	int armed = call;
 
-	dev->calls[call]++;
+	/* Atomic: the offload engine copies without the context lock
+	 * while the stats publisher reads the counters under it. */
+	__atomic_fetch_add(&dev->calls[call], 1, __ATOMIC_RELAXED);
 	if (atomic_load_explicit(&dev->fault.call, memory_order_acquire) !=
 	    call)
 		return false;
@@ -150,15 +152,17 @@ static bool begin(struct gml_dev *dev, int call, uint64_t *t0)
 
 static int end(struct gml_dev *dev, int call, uint64_t t0, int ret)
 {
-	dev->call_ns[call] += gml_now_ns() - t0;
+	__atomic_fetch_add(&dev->call_ns[call], gml_now_ns() - t0,
+			   __ATOMIC_RELAXED);
 	if (ret && ret != -EBUSY)
-		dev->call_failures[call]++;
+		__atomic_fetch_add(&dev->call_failures[call], 1,
+				   __ATOMIC_RELAXED);
 	return ret;
 }
 
 static int injected(struct gml_dev *dev, int call)
 {
-	dev->call_failures[call]++;
+	__atomic_fetch_add(&dev->call_failures[call], 1, __ATOMIC_RELAXED);
 	return gml_set_error(-atomic_load(&dev->fault.err),
 			     "%s: injected fault", gml_dev_call_name(call));
 }
@@ -171,7 +175,8 @@ int gml_dev_enter(struct gml_dev *dev)
 		return injected(dev, GML_CALL_enter);
 	ret = dev->ops->enter(dev->priv);
 	if (ret)
-		dev->call_failures[GML_CALL_enter]++;
+		__atomic_fetch_add(&dev->call_failures[GML_CALL_enter], 1,
+				   __ATOMIC_RELAXED);
 	return ret;
 }
 

@@ -41,10 +41,16 @@ static void snapshot(gmlake_ctx *ctx, struct gmlake_stats *st)
 	*st = ctx->st;
 	st->version = GMLAKE_STATS_VERSION;
 	st->size = sizeof(*st);
-	memcpy(st->calls, ctx->dev.calls, sizeof(st->calls));
-	memcpy(st->call_ns, ctx->dev.call_ns, sizeof(st->call_ns));
-	memcpy(st->call_failures, ctx->dev.call_failures,
-	       sizeof(st->call_failures));
+	/* One by one: the device layer adds to them atomically, also from
+	 * threads that do not hold the lock (lib/dev.c). */
+	for (int i = 0; i < GMLAKE_CALL_COUNT; i++) {
+		st->calls[i] = __atomic_load_n(&ctx->dev.calls[i],
+					       __ATOMIC_RELAXED);
+		st->call_ns[i] = __atomic_load_n(&ctx->dev.call_ns[i],
+						 __ATOMIC_RELAXED);
+		st->call_failures[i] = __atomic_load_n(
+			&ctx->dev.call_failures[i], __ATOMIC_RELAXED);
+	}
 }
 
 void gml_stats_snapshot_locked(gmlake_ctx *ctx, struct gmlake_stats *st)

@@ -192,10 +192,11 @@ static void drop_idle(struct gml_host *h, struct gml_host_region **idle)
 static int grow(struct gml_host *h, size_t size)
 {
 	struct gml_host_region *r = NULL, *idle = NULL, *next;
-	size_t want;
+	size_t want, pinned;
 	int ret;
 
 	pthread_mutex_lock(&h->lock);
+	pinned = h->pinned;	/* for the message: read under the lock */
 	want = size > h->step ? size : h->step;
 	if (size > h->limit - h->pinned - h->inplace)
 		drop_idle(h, &idle);
@@ -209,7 +210,7 @@ static int grow(struct gml_host *h, size_t size)
 	if (want < size || !want)
 		return gml_set_error(-ENOMEM, "host arena: %zu bytes would pass "
 				     "the host limit of %zu bytes (%zu pinned)",
-				     size, h->limit, h->pinned);
+				     size, h->limit, pinned);
 	ret = region_new(h, want, &r);
 	if (ret)
 		return ret;
@@ -311,10 +312,18 @@ int gml_host_alloc(struct gml_host *h, size_t size, bool may_grow, void **out)
 			return ret;
 		p = take(h, size);
 	}
-	if (!p)
+	if (!p) {
+		size_t used, pinned;
+
+		/* The engine grows the arena under h->lock meanwhile. */
+		pthread_mutex_lock(&h->lock);
+		used = h->used;
+		pinned = h->pinned;
+		pthread_mutex_unlock(&h->lock);
 		return gml_set_error(-ENOMEM, "host arena: no %zu bytes free "
 				     "(%zu of %zu used, limit %zu)", size,
-				     h->used, h->pinned, h->limit);
+				     used, pinned, h->limit);
+	}
 	*out = p;
 	return 0;
 }
