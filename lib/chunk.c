@@ -48,7 +48,7 @@ static bool handle_push(gml_handle **list, uint32_t *n, uint32_t *cap,
 /* Give a chunk handle back, or keep it for a later try (still counted). */
 void gml_chunk_handle_release(gmlake_ctx *ctx, gml_handle h)
 {
-	if (!gml_mem_release(&ctx->dev, h)) {
+	if (!gml_dev_mem_release(&ctx->dev, h)) {
 		gml_gauge_add(&ctx->st.chunks, -1);
 		gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
 		ctx->st.releases++;
@@ -110,7 +110,7 @@ int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h)
 	}
 	ret = over_device_limit(ctx, 1);
 	if (!ret)
-		ret = gml_mem_create(&ctx->dev, ctx->chunk, h);
+		ret = gml_dev_mem_create(&ctx->dev, ctx->chunk, h);
 	if (ret)
 		return ret;
 	gml_gauge_add(&ctx->st.chunks, 1);
@@ -183,7 +183,7 @@ static void seg_extend_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 
 		/* A position the driver will not unmap stays mapped with
 		 * no chunk, as after a failed release: trim tries again. */
-		if (v->mapped[i] && gml_mem_unmap(&ctx->dev, v->va + (gml_va)i *
+		if (v->mapped[i] && gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)i *
 						  ctx->chunk, ctx->chunk))
 			v->n = i + 1;
 		else if (v->mapped[i]) {
@@ -224,14 +224,14 @@ int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
 		ret = seg_chunk_new(ctx, v, i);
 		if (ret)
 			goto out_undo;
-		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
+		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
 				  ctx->chunk, v->chunks[i]->handle);
 		if (ret)
 			goto out_undo;
 		v->mapped[i] = 1;
 		gml_count_mapping(ctx, 1);
 	}
-	ret = gml_set_access(&ctx->dev, v->va + (gml_va)n * ctx->chunk,
+	ret = gml_dev_set_access(&ctx->dev, v->va + (gml_va)n * ctx->chunk,
 			     (size_t)k * ctx->chunk);
 	if (ret)
 		goto out_undo;
@@ -283,7 +283,7 @@ int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 		if (c->nviews && c->views[0]->dying)
 			return -EAGAIN;
 	}
-	ret = gml_mem_release(&ctx->dev, c->handle);
+	ret = gml_dev_mem_release(&ctx->dev, c->handle);
 	if (ret)
 		return ret;
 	free(c->views);
@@ -293,7 +293,7 @@ int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 	gml_gauge_add(&ctx->st.chunks, -1);
 	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
 	ctx->st.releases++;
-	if (!gml_mem_unmap(&ctx->dev, seg->va + (gml_va)i * ctx->chunk,
+	if (!gml_dev_mem_unmap(&ctx->dev, seg->va + (gml_va)i * ctx->chunk,
 			   ctx->chunk)) {
 		seg->mapped[i] = 0;
 		gml_count_mapping(ctx, -1);

@@ -444,9 +444,9 @@ static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
 	ret = gml_stream_index(ctx, stream, &idx);
 	if (ret)
 		goto out_leave;
-	ret = gml_memcpy(&ctx->dev, dst, src, size, kind, stream);
+	ret = gml_dev_memcpy(&ctx->dev, dst, src, size, kind, stream);
 	if (!ret) {
-		ret = gml_stream_sync(&ctx->dev, stream);
+		ret = gml_dev_stream_sync(&ctx->dev, stream);
 		/*
 		 * The copy uses the caller's buffer, which the caller may free
 		 * as soon as we return: after a failed wait the copy may still
@@ -454,7 +454,7 @@ static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
 		 * state answers at once). The first error is the one returned.
 		 */
 		if (ret)
-			gml_stream_sync(&ctx->dev, stream);
+			gml_dev_stream_sync(&ctx->dev, stream);
 	}
 out_leave:
 	ctx_leave(ctx);
@@ -557,7 +557,7 @@ GML_EXPORT int gmlake_stream_synchronize(gmlake_ctx *ctx,
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;
-	ret = gml_stream_sync(&ctx->dev, stream);
+	ret = gml_dev_stream_sync(&ctx->dev, stream);
 	ctx_leave(ctx);
 	return ret;
 }

@@ -215,7 +215,7 @@ int gml_dev_stream_destroy(struct gml_dev *dev, gmlake_stream_t s)
 		   dev->ops->stream_destroy(dev->priv, s));
 }
 
-int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h)
+int gml_dev_mem_create(struct gml_dev *dev, size_t size, gml_handle *h)
 {
 	uint64_t t0;
 
@@ -224,7 +224,7 @@ int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h)
 	return end(dev, GMLAKE_CALL_mem_create, t0, dev->ops->mem_create(dev->priv, size, h));
 }
 
-int gml_mem_release(struct gml_dev *dev, gml_handle h)
+int gml_dev_mem_release(struct gml_dev *dev, gml_handle h)
 {
 	uint64_t t0;
 
@@ -233,7 +233,7 @@ int gml_mem_release(struct gml_dev *dev, gml_handle h)
 	return end(dev, GMLAKE_CALL_mem_release, t0, dev->ops->mem_release(dev->priv, h));
 }
 
-int gml_va_reserve(struct gml_dev *dev, size_t size, size_t align, gml_va *va)
+int gml_dev_va_reserve(struct gml_dev *dev, size_t size, size_t align, gml_va *va)
 {
 	uint64_t t0;
 
@@ -242,7 +242,7 @@ int gml_va_reserve(struct gml_dev *dev, size_t size, size_t align, gml_va *va)
 	return end(dev, GMLAKE_CALL_va_reserve, t0, dev->ops->va_reserve(dev->priv, size, align, va));
 }
 
-int gml_va_free(struct gml_dev *dev, gml_va va, size_t size)
+int gml_dev_va_free(struct gml_dev *dev, gml_va va, size_t size)
 {
 	uint64_t t0;
 
@@ -251,7 +251,7 @@ int gml_va_free(struct gml_dev *dev, gml_va va, size_t size)
 	return end(dev, GMLAKE_CALL_va_free, t0, dev->ops->va_free(dev->priv, va, size));
 }
 
-int gml_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h)
+int gml_dev_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h)
 {
 	uint64_t t0;
 
@@ -260,7 +260,7 @@ int gml_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h)
 	return end(dev, GMLAKE_CALL_mem_map, t0, dev->ops->mem_map(dev->priv, va, size, h));
 }
 
-int gml_mem_unmap(struct gml_dev *dev, gml_va va, size_t size)
+int gml_dev_mem_unmap(struct gml_dev *dev, gml_va va, size_t size)
 {
 	uint64_t t0;
 
@@ -269,7 +269,7 @@ int gml_mem_unmap(struct gml_dev *dev, gml_va va, size_t size)
 	return end(dev, GMLAKE_CALL_mem_unmap, t0, dev->ops->mem_unmap(dev->priv, va, size));
 }
 
-int gml_set_access(struct gml_dev *dev, gml_va va, size_t size)
+int gml_dev_set_access(struct gml_dev *dev, gml_va va, size_t size)
 {
 	uint64_t t0;
 
@@ -278,7 +278,7 @@ int gml_set_access(struct gml_dev *dev, gml_va va, size_t size)
 	return end(dev, GMLAKE_CALL_set_access, t0, dev->ops->set_access(dev->priv, va, size));
 }
 
-int gml_event_create(struct gml_dev *dev, gml_event *e)
+int gml_dev_event_create(struct gml_dev *dev, gml_event *e)
 {
 	uint64_t t0;
 
@@ -287,12 +287,12 @@ int gml_event_create(struct gml_dev *dev, gml_event *e)
 	return end(dev, GMLAKE_CALL_event_create, t0, dev->ops->event_create(dev->priv, e));
 }
 
-void gml_event_destroy(struct gml_dev *dev, gml_event e)
+void gml_dev_event_destroy(struct gml_dev *dev, gml_event e)
 {
 	dev->ops->event_destroy(dev->priv, e);
 }
 
-int gml_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s)
+int gml_dev_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s)
 {
 	uint64_t t0;
 
@@ -301,7 +301,7 @@ int gml_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s)
 	return end(dev, GMLAKE_CALL_event_record, t0, dev->ops->event_record(dev->priv, e, s));
 }
 
-int gml_event_query(struct gml_dev *dev, gml_event e)
+int gml_dev_event_query(struct gml_dev *dev, gml_event e)
 {
 	uint64_t t0;
 
@@ -310,7 +310,7 @@ int gml_event_query(struct gml_dev *dev, gml_event e)
 	return end(dev, GMLAKE_CALL_event_query, t0, dev->ops->event_query(dev->priv, e));
 }
 
-int gml_event_sync(struct gml_dev *dev, gml_event e)
+int gml_dev_event_sync(struct gml_dev *dev, gml_event e)
 {
 	uint64_t t0;
 
@@ -319,7 +319,7 @@ int gml_event_sync(struct gml_dev *dev, gml_event e)
 	return end(dev, GMLAKE_CALL_event_sync, t0, dev->ops->event_sync(dev->priv, e));
 }
 
-int gml_stream_sync(struct gml_dev *dev, gmlake_stream_t s)
+int gml_dev_stream_sync(struct gml_dev *dev, gmlake_stream_t s)
 {
 	uint64_t t0;
 
@@ -328,7 +328,7 @@ int gml_stream_sync(struct gml_dev *dev, gmlake_stream_t s)
 	return end(dev, GMLAKE_CALL_stream_sync, t0, dev->ops->stream_sync(dev->priv, s));
 }
 
-int gml_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
+int gml_dev_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
 	       enum gml_copy_kind kind, gmlake_stream_t s)
 {
 	uint64_t t0;
@@ -338,7 +338,7 @@ int gml_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
 	return end(dev, GMLAKE_CALL_memcpy, t0, dev->ops->memcpy_async(dev->priv, dst, src, size, kind, s));
 }
 
-int gml_stream_wait_event(struct gml_dev *dev, gmlake_stream_t s, gml_event e)
+int gml_dev_stream_wait_event(struct gml_dev *dev, gmlake_stream_t s, gml_event e)
 {
 	uint64_t t0;
 
@@ -347,7 +347,7 @@ int gml_stream_wait_event(struct gml_dev *dev, gmlake_stream_t s, gml_event e)
 	return end(dev, GMLAKE_CALL_stream_wait, t0, dev->ops->stream_wait(dev->priv, s, e));
 }
 
-int gml_host_func(struct gml_dev *dev, gmlake_stream_t s, void (*fn)(void *),
+int gml_dev_host_func(struct gml_dev *dev, gmlake_stream_t s, void (*fn)(void *),
 		  void *arg)
 {
 	uint64_t t0;
@@ -357,7 +357,7 @@ int gml_host_func(struct gml_dev *dev, gmlake_stream_t s, void (*fn)(void *),
 	return end(dev, GMLAKE_CALL_host_func, t0, dev->ops->host_func(dev->priv, s, fn, arg));
 }
 
-int gml_host_register(struct gml_dev *dev, void *p, size_t size)
+int gml_dev_host_register(struct gml_dev *dev, void *p, size_t size)
 {
 	uint64_t t0;
 
@@ -366,7 +366,7 @@ int gml_host_register(struct gml_dev *dev, void *p, size_t size)
 	return end(dev, GMLAKE_CALL_host_register, t0, dev->ops->host_register(dev->priv, p, size));
 }
 
-int gml_host_unregister(struct gml_dev *dev, void *p)
+int gml_dev_host_unregister(struct gml_dev *dev, void *p)
 {
 	uint64_t t0;
 
@@ -376,12 +376,12 @@ int gml_host_unregister(struct gml_dev *dev, void *p)
 }
 
 /* A query at set-up, not counted as a call kind of its own. */
-int gml_host_numa(struct gml_dev *dev, int *node)
+int gml_dev_host_numa(struct gml_dev *dev, int *node)
 {
 	return dev->ops->host_numa(dev->priv, node);
 }
 
-int gml_mem_create_host(struct gml_dev *dev, size_t size, int numa,
+int gml_dev_mem_create_host(struct gml_dev *dev, size_t size, int numa,
 			gml_handle *h)
 {
 	uint64_t t0;

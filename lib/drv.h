@@ -5,9 +5,12 @@
  * drv_emu.c: the emulated device). Every operation returns 0 or -errno; a
  * backend keeps the raw driver code for the message in gml_set_error().
  *
- * Callers never use the table directly: dev.c wraps each operation to count
- * and time it, and to inject faults ("fail the Nth call of kind K") on any
- * backend, so tests reach every error path without a GPU.
+ * Callers never use the table directly: dev.c wraps each operation, as
+ * gml_dev_<operation>(), to count and time it, and to inject faults ("fail
+ * the Nth call of kind K") on any backend, so tests reach every error path
+ * without a GPU. The gml_dev_ prefix tells the layer: gml_stream_* (stream
+ * ordering, lib/stream.c) and gml_host_* (the pinned arena, offload/) are
+ * the layers above.
  */
 #ifndef GML_DRV_H
 #define GML_DRV_H
@@ -156,29 +159,29 @@ int gml_dev_mem_info(struct gml_dev *dev, size_t *free, size_t *total);
 int gml_dev_stream_create(struct gml_dev *dev, gmlake_stream_t *s);
 int gml_dev_stream_destroy(struct gml_dev *dev, gmlake_stream_t s);
 
-int gml_mem_create(struct gml_dev *dev, size_t size, gml_handle *h);
-int gml_mem_release(struct gml_dev *dev, gml_handle h);
-int gml_va_reserve(struct gml_dev *dev, size_t size, size_t align,
+int gml_dev_mem_create(struct gml_dev *dev, size_t size, gml_handle *h);
+int gml_dev_mem_release(struct gml_dev *dev, gml_handle h);
+int gml_dev_va_reserve(struct gml_dev *dev, size_t size, size_t align,
 		   gml_va *va);
-int gml_va_free(struct gml_dev *dev, gml_va va, size_t size);
-int gml_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h);
-int gml_mem_unmap(struct gml_dev *dev, gml_va va, size_t size);
-int gml_set_access(struct gml_dev *dev, gml_va va, size_t size);
-int gml_event_create(struct gml_dev *dev, gml_event *e);
-void gml_event_destroy(struct gml_dev *dev, gml_event e);
-int gml_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s);
-int gml_event_query(struct gml_dev *dev, gml_event e);
-int gml_event_sync(struct gml_dev *dev, gml_event e);
-int gml_stream_sync(struct gml_dev *dev, gmlake_stream_t s);
-int gml_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
+int gml_dev_va_free(struct gml_dev *dev, gml_va va, size_t size);
+int gml_dev_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h);
+int gml_dev_mem_unmap(struct gml_dev *dev, gml_va va, size_t size);
+int gml_dev_set_access(struct gml_dev *dev, gml_va va, size_t size);
+int gml_dev_event_create(struct gml_dev *dev, gml_event *e);
+void gml_dev_event_destroy(struct gml_dev *dev, gml_event e);
+int gml_dev_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s);
+int gml_dev_event_query(struct gml_dev *dev, gml_event e);
+int gml_dev_event_sync(struct gml_dev *dev, gml_event e);
+int gml_dev_stream_sync(struct gml_dev *dev, gmlake_stream_t s);
+int gml_dev_memcpy(struct gml_dev *dev, void *dst, const void *src, size_t size,
 	       enum gml_copy_kind kind, gmlake_stream_t s);
-int gml_stream_wait_event(struct gml_dev *dev, gmlake_stream_t s, gml_event e);
-int gml_host_func(struct gml_dev *dev, gmlake_stream_t s, void (*fn)(void *),
+int gml_dev_stream_wait_event(struct gml_dev *dev, gmlake_stream_t s, gml_event e);
+int gml_dev_host_func(struct gml_dev *dev, gmlake_stream_t s, void (*fn)(void *),
 		  void *arg);
-int gml_host_register(struct gml_dev *dev, void *p, size_t size);
-int gml_host_unregister(struct gml_dev *dev, void *p);
-int gml_host_numa(struct gml_dev *dev, int *node);
-int gml_mem_create_host(struct gml_dev *dev, size_t size, int numa,
+int gml_dev_host_register(struct gml_dev *dev, void *p, size_t size);
+int gml_dev_host_unregister(struct gml_dev *dev, void *p);
+int gml_dev_host_numa(struct gml_dev *dev, int *node);
+int gml_dev_mem_create_host(struct gml_dev *dev, size_t size, int numa,
 			gml_handle *h);
 
 /* Emulated device only: the bytes behind it, for tests (NULL elsewhere). */

@@ -59,7 +59,7 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 		for (uint32_t i = 0; i < v->n; i++) {
 			/* A position whose unmap failed earlier: again. */
 			if (!v->chunks[i] && v->mapped[i] &&
-			    !gml_mem_unmap(&ctx->dev, v->va + (gml_va)i *
+			    !gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)i *
 					   ctx->chunk, ctx->chunk)) {
 				v->mapped[i] = 0;
 				v->maxfree = GML_RUN_UNKNOWN;

@@ -48,7 +48,7 @@ static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
 	for (uint32_t i = 0; i < to; i++) {
 		uint32_t p = b->pos + i;
 
-		if (gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+		if (gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
 				ctx->chunk, v->chunks[p]->handle)) {
 			ok = false;
 			continue;
@@ -56,7 +56,7 @@ static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
 		v->mapped[p] = 1;
 		gml_count_mapping(ctx, 1);
 	}
-	if (!ok || (to && gml_set_access(&ctx->dev, b->ptr,
+	if (!ok || (to && gml_dev_set_access(&ctx->dev, b->ptr,
 					 (size_t)to * ctx->chunk)))
 		gml_log(GMLAKE_LOG_ERROR, "cannot map block %#lx back after a "
 			"failed spill", (unsigned long)b->ptr);
@@ -91,7 +91,7 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	for (i = 0; i < b->n; i++) {
 		uint32_t p = b->pos + i;
 
-		ret = gml_mem_unmap(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+		ret = gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
 				    ctx->chunk);
 		if (ret) {
 			detach_undo(ctx, b, i);
@@ -152,8 +152,8 @@ static void attach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t k)
 		/* Twice: a spilled run must stay holes, and the caller
 		 * gives the chunks back. */
 		if (v->mapped[p] &&
-		    (!gml_mem_unmap(&ctx->dev, va, ctx->chunk) ||
-		     !gml_mem_unmap(&ctx->dev, va, ctx->chunk))) {
+		    (!gml_dev_mem_unmap(&ctx->dev, va, ctx->chunk) ||
+		     !gml_dev_mem_unmap(&ctx->dev, va, ctx->chunk))) {
 			v->mapped[p] = 0;
 			gml_count_mapping(ctx, -1);
 		}
@@ -188,14 +188,14 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 	for (i = 0; i < b->n; i++) {
 		uint32_t p = b->pos + i;
 
-		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
 				  ctx->chunk, got[i]->handle);
 		if (ret)
 			goto out_undo;
 		v->mapped[p] = 1;
 		gml_count_mapping(ctx, 1);
 	}
-	ret = gml_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	ret = gml_dev_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
 	if (ret)
 		goto out_undo;
 	for (i = 0; i < b->n; i++) {
@@ -231,7 +231,7 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
 		}
 		/* Unmapped already: by gml_release_cached's retry. */
 		if (s->mapped[e->pos] && !s->chunks[e->pos]) {
-			if (gml_mem_unmap(&ctx->dev, s->va + (gml_va)e->pos *
+			if (gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)e->pos *
 					  ctx->chunk, ctx->chunk)) {
 				ctx->stale[k++] = *e;	/* again later */
 				continue;
@@ -272,7 +272,7 @@ static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
 			s, c->seg_pos, c->guard };
 		s->nstale++;
 	} else {
-		ret = gml_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos *
+		ret = gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos *
 				    ctx->chunk, ctx->chunk);
 		if (ret)
 			return ret;
@@ -427,7 +427,7 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 		ret = seg_chunk(ctx, v, p, ready, &nready, &got[k]);
 		if (ret)
 			goto out_undo;
-		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
 				  ctx->chunk, got[k]->handle);
 		if (ret) {
 			k++;
@@ -436,7 +436,7 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 		v->mapped[p] = 1;
 		gml_count_mapping(ctx, 1);
 	}
-	ret = gml_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	ret = gml_dev_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
 	if (ret)
 		goto out_undo;
 	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;

@@ -228,7 +228,7 @@ static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
 	int ret;
 
 	v->maxfree = GML_RUN_UNKNOWN;
-	ret = gml_mem_unmap(&ctx->dev, va, ctx->chunk);
+	ret = gml_dev_mem_unmap(&ctx->dev, va, ctx->chunk);
 	if (ret)
 		return ret;
 	v->mapped[i] = 0;
@@ -239,7 +239,7 @@ static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
 	if (ret)
 		return gml_set_error(ret, "no host memory to repair a view");
 	v->chunks[i] = c;
-	ret = gml_mem_map(&ctx->dev, va, ctx->chunk, c->handle);
+	ret = gml_dev_mem_map(&ctx->dev, va, ctx->chunk, c->handle);
 	if (ret)
 		return ret;
 	v->mapped[i] = 1;
@@ -266,7 +266,7 @@ static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
 
 			while (first > pos && bad[first - 1])
 				first--;
-			ret = gml_set_access(&ctx->dev, v->va + (gml_va)first *
+			ret = gml_dev_set_access(&ctx->dev, v->va + (gml_va)first *
 					     ctx->chunk, (size_t)(i - first) *
 					     ctx->chunk);
 			if (ret)

@@ -38,7 +38,7 @@ static int event_get(gmlake_ctx *ctx, gml_event *e)
 		*e = ctx->event_pool[--ctx->nevent_pool];
 		return 0;
 	}
-	return gml_event_create(&ctx->dev, e);
+	return gml_dev_event_create(&ctx->dev, e);
 }
 
 static void event_put(gmlake_ctx *ctx, gml_event e)
@@ -49,7 +49,7 @@ static void event_put(gmlake_ctx *ctx, gml_event e)
 	if (ctx->nevent_pool == ctx->cap_event_pool) {
 		pool = realloc(ctx->event_pool, cap * sizeof(*pool));
 		if (!pool) {
-			gml_event_destroy(&ctx->dev, e);
+			gml_dev_event_destroy(&ctx->dev, e);
 			return;
 		}
 		ctx->event_pool = pool;
@@ -90,7 +90,7 @@ static int record(gmlake_ctx *ctx, int idx, uint64_t *seq)
 	ret = event_get(ctx, &e);
 	if (ret)
 		return ret;
-	ret = gml_event_record(&ctx->dev, e, s->handle);
+	ret = gml_dev_event_record(&ctx->dev, e, s->handle);
 	if (ret) {
 		event_put(ctx, e);
 		return ret;
@@ -111,7 +111,7 @@ static void poll_stream(gmlake_ctx *ctx, struct gml_stream *s)
 	while (s->count) {
 		gml_event e = s->pending[s->head].ev;
 
-		if (gml_event_query(&ctx->dev, e))
+		if (gml_dev_event_query(&ctx->dev, e))
 			break;
 		s->done_seq = s->pending[s->head].seq;
 		event_put(ctx, e);
@@ -190,7 +190,7 @@ int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq)
 		seq = s->next_seq;	/* the open seq's event, just made */
 	while (s->count && s->pending[s->head].seq <= seq &&
 	       seq != SEQ_NEVER && seq != 0) {
-		ret = gml_event_sync(&ctx->dev, s->pending[s->head].ev);
+		ret = gml_dev_event_sync(&ctx->dev, s->pending[s->head].ev);
 		if (ret)
 			break;
 		poll_stream(ctx, s);
@@ -198,7 +198,7 @@ int gml_stream_wait(gmlake_ctx *ctx, int idx, uint64_t seq)
 	if (gml_stream_done(ctx, idx, seq))
 		return 0;
 	/* seq 0 without a barrier, or an event that failed: the stream. */
-	ret = gml_stream_sync(&ctx->dev, s->handle);
+	ret = gml_dev_stream_sync(&ctx->dev, s->handle);
 	if (ret)
 		return ret;
 	while (s->count) {
@@ -346,7 +346,7 @@ void gml_streams_mark_always(gmlake_ctx *ctx)
 void gml_events_trim(gmlake_ctx *ctx)
 {
 	for (size_t k = 0; k < ctx->nevent_pool; k++)
-		gml_event_destroy(&ctx->dev, ctx->event_pool[k]);
+		gml_dev_event_destroy(&ctx->dev, ctx->event_pool[k]);
 	ctx->nevent_pool = 0;
 }
 
@@ -356,7 +356,7 @@ void gml_streams_fini(gmlake_ctx *ctx)
 		struct gml_stream *s = &ctx->streams[i];
 
 		for (size_t k = 0; k < s->count; k++)
-			gml_event_destroy(&ctx->dev,
+			gml_dev_event_destroy(&ctx->dev,
 					  s->pending[(s->head + k) % s->cap].ev);
 		free(s->pending);
 	}

@@ -122,7 +122,7 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 		struct gml_chunk *c = v->chunks[i];
 
 		if (v->mapped[i]) {
-			if (gml_mem_unmap(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
+			if (gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
 					  ctx->chunk)) {
 				done = false;
 				continue;
@@ -137,7 +137,7 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 			v->chunks[i] = NULL;
 			continue;
 		}
-		if (c->nviews || gml_mem_release(&ctx->dev, c->handle)) {
+		if (c->nviews || gml_dev_mem_release(&ctx->dev, c->handle)) {
 			done = false;
 			continue;
 		}
@@ -148,7 +148,7 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 		gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
 		ctx->st.releases++;
 	}
-	if (!done || (v->va && gml_va_free(&ctx->dev, v->va,
+	if (!done || (v->va && gml_dev_va_free(&ctx->dev, v->va,
 					   (size_t)v->cap * ctx->chunk)))
 		return -EAGAIN;
 	free(v->guards);
@@ -169,23 +169,23 @@ int gml_view_map(gmlake_ctx *ctx, struct gml_view *v)
 	size_t bytes = (size_t)v->n * ctx->chunk;
 	int ret;
 
-	ret = gml_va_reserve(&ctx->dev, (size_t)v->cap * ctx->chunk,
+	ret = gml_dev_va_reserve(&ctx->dev, (size_t)v->cap * ctx->chunk,
 			     ctx->chunk, &v->va);
 	if (ret && v->cap > v->n) {
 		v->cap = v->n;
-		ret = gml_va_reserve(&ctx->dev, bytes, ctx->chunk, &v->va);
+		ret = gml_dev_va_reserve(&ctx->dev, bytes, ctx->chunk, &v->va);
 	}
 	if (ret)
 		return ret;
 	for (uint32_t i = 0; i < v->n; i++) {
-		ret = gml_mem_map(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
+		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
 				  ctx->chunk, v->chunks[i]->handle);
 		if (ret)
 			return ret;
 		v->mapped[i] = 1;
 		gml_count_mapping(ctx, 1);
 	}
-	ret = gml_set_access(&ctx->dev, v->va, bytes);
+	ret = gml_dev_set_access(&ctx->dev, v->va, bytes);
 	if (ret)
 		return ret;
 	ctx->st.access_bytes += bytes;

@@ -286,10 +286,10 @@ static void off_free(gmlake_ctx *ctx, struct gml_offload *off)
 {
 	/* Host functions still queued write the eventfd: let them run (a
 	 * failed wait is tried once more, before the eventfd closes). */
-	if (off->d2h && gml_stream_sync(&ctx->dev, off->d2h))
-		gml_stream_sync(&ctx->dev, off->d2h);
-	if (off->h2d && gml_stream_sync(&ctx->dev, off->h2d))
-		gml_stream_sync(&ctx->dev, off->h2d);
+	if (off->d2h && gml_dev_stream_sync(&ctx->dev, off->d2h))
+		gml_dev_stream_sync(&ctx->dev, off->d2h);
+	if (off->h2d && gml_dev_stream_sync(&ctx->dev, off->h2d))
+		gml_dev_stream_sync(&ctx->dev, off->h2d);
 	if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
 		io_uring_queue_exit(&off->uring);
 	if (off->efd >= 0)
@@ -333,7 +333,7 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 	off->ctx = ctx;
 	off->efd = -1;
 	pthread_mutex_init(&off->lock, NULL);
-	if (gml_host_numa(&ctx->dev, &off->numa))
+	if (gml_dev_host_numa(&ctx->dev, &off->numa))
 		off->numa = -1;
 	ret = gml_host_init(&off->host, &ctx->dev, off->numa,
 			    gml_ctx_config(ctx)->host_limit,

@@ -83,7 +83,7 @@ static int region_new(struct gml_host *h, size_t size,
 			goto out_free;
 		}
 	}
-	ret = gml_host_register(h->dev, r->base, size);
+	ret = gml_dev_host_register(h->dev, r->base, size);
 	if (ret)
 		goto out_unmap;
 	r->free[0] = (struct host_ext){ 0, size };
@@ -100,7 +100,7 @@ out_free:
 
 static void region_free(struct gml_host *h, struct gml_host_region *r)
 {
-	if (gml_host_unregister(h->dev, r->base))
+	if (gml_dev_host_unregister(h->dev, r->base))
 		gml_log(GMLAKE_LOG_WARN, "host arena: unregister failed: %s",
 			gmlake_last_error());
 	region_unmap(r);

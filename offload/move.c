@@ -56,13 +56,13 @@ static int after_stream(gmlake_ctx *ctx, int idx, gmlake_stream_t cs)
 
 	if (!gml_stream_handle(ctx, idx, &s))
 		return 0;
-	ret = gml_event_create(&ctx->dev, &e);
+	ret = gml_dev_event_create(&ctx->dev, &e);
 	if (ret)
 		return ret;
-	ret = gml_event_record(&ctx->dev, e, s);
+	ret = gml_dev_event_record(&ctx->dev, e, s);
 	if (!ret)
-		ret = gml_stream_wait_event(&ctx->dev, cs, e);
-	gml_event_destroy(&ctx->dev, e);
+		ret = gml_dev_stream_wait_event(&ctx->dev, cs, e);
+	gml_dev_event_destroy(&ctx->dev, e);
 	return ret;
 }
 
@@ -101,22 +101,22 @@ static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 	int ret;
 
 	req->t0 = gml_now_ns();
-	ret = gml_memcpy(&ctx->dev, dst, src, req->size, kind, cs);
+	ret = gml_dev_memcpy(&ctx->dev, dst, src, req->size, kind, cs);
 	if (ret)
 		return ret;
 	req->has_done = false;
-	if (!gml_event_create(&ctx->dev, &req->done)) {
-		if (!gml_event_record(&ctx->dev, req->done, cs)) {
+	if (!gml_dev_event_create(&ctx->dev, &req->done)) {
+		if (!gml_dev_event_record(&ctx->dev, req->done, cs)) {
 			req->has_done = true;
 			req->notified = wake_engine &&
-					!gml_host_func(&ctx->dev, cs, notify,
+					!gml_dev_host_func(&ctx->dev, cs, notify,
 						       off);
 			return 0;
 		}
-		gml_event_destroy(&ctx->dev, req->done);
+		gml_dev_event_destroy(&ctx->dev, req->done);
 	}
 	/* No event to wait on: wait for the whole stream now. */
-	ret = gml_stream_sync(&ctx->dev, cs);
+	ret = gml_dev_stream_sync(&ctx->dev, cs);
 	if (ret) {
 		/* The copy may still run into the buffer: never reuse it. */
 		gml_log(GMLAKE_LOG_ERROR, "offload: lost track of a copy: %s",
@@ -139,12 +139,12 @@ static int copy_done(gmlake_ctx *ctx, struct gml_off_req *req,
 
 	if (!req->has_done)
 		return 1;
-	ret = gml_event_query(&ctx->dev, req->done);
+	ret = gml_dev_event_query(&ctx->dev, req->done);
 	if (ret == -EBUSY)
 		return 0;
 	if (ret)
-		ret = gml_stream_sync(&ctx->dev, cs);
-	gml_event_destroy(&ctx->dev, req->done);
+		ret = gml_dev_stream_sync(&ctx->dev, cs);
+	gml_dev_event_destroy(&ctx->dev, req->done);
 	req->has_done = false;
 	if (!ret)
 		return 1;
@@ -172,26 +172,26 @@ static int inplace_prepare(gmlake_ctx *ctx, struct gml_offload *off,
 	ret = gml_host_charge(&off->host, (int64_t)size);
 	if (ret)
 		return ret;
-	ret = gml_mem_create_host(&ctx->dev, size, off->numa, &b->host_h);
+	ret = gml_dev_mem_create_host(&ctx->dev, size, off->numa, &b->host_h);
 	if (ret)
 		goto out_uncharge;
-	ret = gml_va_reserve(&ctx->dev, size, ctx->chunk, &b->host_va);
+	ret = gml_dev_va_reserve(&ctx->dev, size, ctx->chunk, &b->host_va);
 	if (ret)
 		goto out_release;
-	ret = gml_mem_map(&ctx->dev, b->host_va, size, b->host_h);
+	ret = gml_dev_mem_map(&ctx->dev, b->host_va, size, b->host_h);
 	if (ret)
 		goto out_free_va;
-	ret = gml_set_access(&ctx->dev, b->host_va, size);
+	ret = gml_dev_set_access(&ctx->dev, b->host_va, size);
 	if (ret)
 		goto out_unmap;
 	b->inplace = true;
 	return 0;
 out_unmap:
-	gml_mem_unmap(&ctx->dev, b->host_va, size);
+	gml_dev_mem_unmap(&ctx->dev, b->host_va, size);
 out_free_va:
-	gml_va_free(&ctx->dev, b->host_va, size);
+	gml_dev_va_free(&ctx->dev, b->host_va, size);
 out_release:
-	gml_mem_release(&ctx->dev, b->host_h);
+	gml_dev_mem_release(&ctx->dev, b->host_h);
 out_uncharge:
 	gml_host_charge(&off->host, -(int64_t)size);
 	b->host_va = 0;
@@ -208,18 +208,18 @@ void gml_off_inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
 
 	/* Each step is tried twice: a driver call failing once must not
 	 * leak the host memory, its mapping and its range for good. */
-	if (b->inplace_mapped && (!gml_mem_unmap(&ctx->dev, b->ptr, size) ||
-				  !gml_mem_unmap(&ctx->dev, b->ptr, size)))
+	if (b->inplace_mapped && (!gml_dev_mem_unmap(&ctx->dev, b->ptr, size) ||
+				  !gml_dev_mem_unmap(&ctx->dev, b->ptr, size)))
 		b->inplace_mapped = false;
 	if (b->inplace_mapped ||
-	    (gml_mem_unmap(&ctx->dev, b->host_va, size) &&
-	     gml_mem_unmap(&ctx->dev, b->host_va, size)))
+	    (gml_dev_mem_unmap(&ctx->dev, b->host_va, size) &&
+	     gml_dev_mem_unmap(&ctx->dev, b->host_va, size)))
 		leak = true;
-	if (!leak && gml_va_free(&ctx->dev, b->host_va, size) &&
-	    gml_va_free(&ctx->dev, b->host_va, size))
+	if (!leak && gml_dev_va_free(&ctx->dev, b->host_va, size) &&
+	    gml_dev_va_free(&ctx->dev, b->host_va, size))
 		leak = true;
-	if (!leak && gml_mem_release(&ctx->dev, b->host_h) &&
-	    gml_mem_release(&ctx->dev, b->host_h))
+	if (!leak && gml_dev_mem_release(&ctx->dev, b->host_h) &&
+	    gml_dev_mem_release(&ctx->dev, b->host_h))
 		leak = true;
 	if (leak)
 		gml_log(GMLAKE_LOG_WARN, "offload: leaking in-place host "
@@ -235,10 +235,10 @@ void gml_off_inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
  * stray access reads the right bytes. Best effort. */
 static void inplace_map(gmlake_ctx *ctx, struct gml_block *b)
 {
-	if (gml_mem_map(&ctx->dev, b->ptr, b->alloc_size, b->host_h))
+	if (gml_dev_mem_map(&ctx->dev, b->ptr, b->alloc_size, b->host_h))
 		return;
-	if (gml_set_access(&ctx->dev, b->ptr, b->alloc_size)) {
-		gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+	if (gml_dev_set_access(&ctx->dev, b->ptr, b->alloc_size)) {
+		gml_dev_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
 		return;
 	}
 	b->inplace_mapped = true;
@@ -484,10 +484,10 @@ int gml_off_spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
 		ret = queue_copy(ctx, off, &req, off->d2h, req.host,
 				 (void *)b->ptr, GML_COPY_DTOH, false);
 	if (!ret && req.has_done) {
-		ret = gml_event_sync(&ctx->dev, req.done);
+		ret = gml_dev_event_sync(&ctx->dev, req.done);
 		if (ret)
-			ret = gml_stream_sync(&ctx->dev, off->d2h);
-		gml_event_destroy(&ctx->dev, req.done);
+			ret = gml_dev_stream_sync(&ctx->dev, off->d2h);
+		gml_dev_event_destroy(&ctx->dev, req.done);
 		if (ret) {
 			gml_log(GMLAKE_LOG_ERROR, "offload: the automatic "
 				"spill of block %#lx failed or cannot be "
@@ -549,7 +549,7 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 	b = req->b;
 	peak = ctx->st.reserved_bytes.peak;
 	if (b->inplace_mapped) {
-		ret = gml_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+		ret = gml_dev_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
 		if (ret)
 			goto out_unlock;
 		b->inplace_mapped = false;

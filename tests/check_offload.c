@@ -382,7 +382,7 @@ START_TEST(test_failed_fetch_keeps_taken_chunks_back)
 	q = th_alloc(h.ctx, 8 * TH_MiB, h.s);
 	th_hold(h.ctx, h.s, true);
 	memset(buf, 0x5a, 8 * TH_MiB);
-	ck_assert_int_eq(gml_memcpy(th_dev(h.ctx), q, buf, 8 * TH_MiB,
+	ck_assert_int_eq(gml_dev_memcpy(th_dev(h.ctx), q, buf, 8 * TH_MiB,
 				    GML_COPY_HTOD, h.s), 0);
 	th_free(h.ctx, q);		/* the copy into it is still queued */
 	gml_dev_fail_nth(th_dev(h.ctx), GMLAKE_CALL_set_access, 1, EIO);

@@ -27,7 +27,7 @@
 static int queue_copy(gmlake_ctx *ctx, void *dst, const void *src,
 		      size_t size, enum gml_copy_kind kind, gmlake_stream_t s)
 {
-	return gml_memcpy(th_dev(ctx), dst, src, size, kind, s);
+	return gml_dev_memcpy(th_dev(ctx), dst, src, size, kind, s);
 }
 
 /* A device-to-host copy queued on a (held) stream, checked later. */
