@@ -136,9 +136,11 @@ def summary_from_dict(d, device=0):
                                          for s in ("current", "peak",
                                                    "total")]))
     lines.append(thin)
+    # The one definition (README, gmlake-replay, bench): the share of the
+    # reserved peak that the requested peak leaves unused; never negative.
     peak_res = d["reserved_bytes.peak"]
-    frag = (1 - d["allocated_bytes.peak"] / peak_res) * 100 if peak_res \
-        else 0.0
+    frag = max(0.0, (1 - d["requested_bytes.peak"] / peak_res) * 100) \
+        if peak_res else 0.0
     for label, value in (("Allocations / frees", "%d / %d" %
                           (d["allocs"], d["frees"])),
                          ("Stitches / reuses", "%d / %d" %

@@ -193,6 +193,12 @@ class TestEmu(unittest.TestCase):
         self.assertRegex(text, r"Allocated, on the device +\| +4\.00 MiB")
         self.assertIn("Reserved memory", text)
         self.assertIn("Fragmentation at peaks", text)
+        # One definition: 1 - requested.peak / reserved.peak (3 MiB asked
+        # of a 4 MiB reservation at least: 25% or more, never negative).
+        st = gmlake.stats(self.DEVICE)
+        want = 100 * (1 - st["requested_bytes.peak"] /
+                      st["reserved_bytes.peak"])
+        self.assertIn("%.1f %%" % want, text)
 
     def test_no_context(self):
         with self.assertRaises(RuntimeError) as cm:
