@@ -74,6 +74,7 @@ static void *emu_worker(void *arg)
 	struct emu_stream *s = arg;
 	struct emu_item *it;
 
+	pthread_setname_np(pthread_self(), "gmlake-emu");	/* for top -H */
 	pthread_mutex_lock(&s->lock);
 	for (;;) {
 		while (!s->stop && (s->hold || !s->head))

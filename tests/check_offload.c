@@ -650,35 +650,6 @@ START_TEST(test_ring_errors)
 }
 END_TEST
 
-/* Whether a thread of this process is named name (/proc/self/task). */
-static bool thread_named(const char *name)
-{
-	char path[300], comm[32];
-	struct dirent *e;
-	bool found = false;
-	DIR *d = opendir("/proc/self/task");
-
-	if (!d)
-		return false;
-	while (!found && (e = readdir(d))) {
-		FILE *f;
-
-		if (e->d_name[0] == '.')
-			continue;
-		snprintf(path, sizeof(path), "/proc/self/task/%s/comm",
-			 e->d_name);
-		f = fopen(path, "r");
-		if (!f)
-			continue;
-		if (fgets(comm, sizeof(comm), f))
-			found = !strncmp(comm, name, strlen(name)) &&
-				comm[strlen(name)] == '\n';
-		fclose(f);
-	}
-	closedir(d);
-	return found;
-}
-
 /* The engine thread has a name (top -H, gdb, perf show it). */
 START_TEST(test_engine_named)
 {
@@ -686,10 +657,10 @@ START_TEST(test_engine_named)
 	struct gmlake_offload ring;
 	int ms;
 
-	ck_assert(!thread_named("gmlake-offload"));
+	ck_assert(!th_thread_named("gmlake-offload"));
 	ring_init(&ring, ctx, 2);
 	/* It names itself when it starts. */
-	for (ms = 0; !thread_named("gmlake-offload") && ms < 5000; ms++)
+	for (ms = 0; !th_thread_named("gmlake-offload") && ms < 5000; ms++)
 		usleep(1000);
 	ck_assert_msg(ms < 5000, "no thread named gmlake-offload");
 	TH_OK(ctx, gmlake_offload_exit(&ring));

@@ -741,6 +741,21 @@ START_TEST(test_fork_child_errors)
 }
 END_TEST
 
+/* The emulated device's stream workers carry a name (top -H, gdb). */
+START_TEST(test_emu_worker_named)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(8));
+	gmlake_stream_t s = th_stream(ctx);
+	void *p = th_alloc(ctx, 4 * TH_MiB, s);
+
+	th_fill_ok(ctx, p, 4 * TH_MiB, 92, s);	/* starts the worker */
+	ck_assert(th_thread_named("gmlake-emu"));
+	th_free(ctx, p);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s));
+	th_destroy(ctx);
+}
+END_TEST
+
 static Suite *stream_suite(bool emu)
 {
 	Suite *s = suite_create("stream");
@@ -772,8 +787,9 @@ static Suite *stream_suite(bool emu)
 	tcase_add_test(tc, test_record_stream_small);
 
 	if (emu) {
-		tc = th_tcase(s, "Fork");
+		tc = th_tcase(s, "Process");
 		tcase_add_test(tc, test_fork_child_errors);
+		tcase_add_test(tc, test_emu_worker_named);
 	}
 
 	tc = th_tcase(s, "Random");

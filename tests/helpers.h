@@ -532,6 +532,35 @@ static TH_UNUSED char *th_stats_text(gmlake_ctx *ctx, bool json)
 /* ---------------------------------------------------------------------- */
 /* Process resources, to see that a destroyed context left nothing.      */
 
+/* Whether a thread of this process is named name (/proc/self/task). */
+static TH_UNUSED bool th_thread_named(const char *name)
+{
+	char path[300], comm[32];
+	struct dirent *e;
+	bool found = false;
+	DIR *d = opendir("/proc/self/task");
+
+	if (!d)
+		return false;
+	while (!found && (e = readdir(d))) {
+		FILE *f;
+
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "/proc/self/task/%s/comm",
+			 e->d_name);
+		f = fopen(path, "r");
+		if (!f)
+			continue;
+		if (fgets(comm, sizeof(comm), f))
+			found = !strncmp(comm, name, strlen(name)) &&
+				comm[strlen(name)] == '\n';
+		fclose(f);
+	}
+	closedir(d);
+	return found;
+}
+
 static TH_UNUSED int th_count_fds(void)
 {
 	DIR *d = opendir("/proc/self/fd");
