@@ -786,24 +786,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     // RuntimeError whose message starts as PyTorch's own does, which is
     // what accelerate's and Lightning's batch-size finders look for;
     // GMLAKE_TORCH_OOM_TYPED=1 throws the typed error, to investigate.
-    const char* typed = getenv("GMLAKE_TORCH_OOM_TYPED");
-    if (!typed || strcmp(typed, "1"))
-      TORCH_CHECK(
-          false,
-          "CUDA out of memory. Tried to allocate ",
-          fmt_size(size),
-          ". GPU ",
-          static_cast<int>(device),
-          " has a total capacity of ",
-          fmt_size(dev_total),
-          " of which ",
-          fmt_size(dev_free),
-          " is free. libgmlake: ",
-          why,
-          ".");
-    TORCH_CHECK_WITH(
-        OutOfMemoryError,
-        false,
+    const std::string msg = c10::str(
         "CUDA out of memory. Tried to allocate ",
         fmt_size(size),
         ". GPU ",
@@ -817,6 +800,9 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
         ". (libgmlake serves this process's CUDA memory; "
         "PYTORCH_CUDA_ALLOC_CONF does not apply. gmlake.memory_summary() "
         "shows its state.)");
+    const char* typed = getenv("GMLAKE_TORCH_OOM_TYPED");
+    TORCH_CHECK_WITH(OutOfMemoryError, !typed || strcmp(typed, "1"), msg);
+    TORCH_CHECK(false, msg);
   }
 
   void add_segments(
