@@ -224,12 +224,9 @@ int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
 		ret = seg_chunk_new(ctx, v, i);
 		if (ret)
 			goto out_undo;
-		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
-				  ctx->chunk, v->chunks[i]->handle);
+		ret = gml_view_map_pos(ctx, v, i, v->chunks[i]->handle);
 		if (ret)
 			goto out_undo;
-		v->mapped[i] = 1;
-		gml_count_mapping(ctx, 1);
 	}
 	ret = gml_dev_set_access(&ctx->dev, v->va + (gml_va)n * ctx->chunk,
 			     (size_t)k * ctx->chunk);

@@ -48,13 +48,8 @@ static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
 	for (uint32_t i = 0; i < to; i++) {
 		uint32_t p = b->pos + i;
 
-		if (gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
-				ctx->chunk, v->chunks[p]->handle)) {
+		if (gml_view_map_pos(ctx, v, p, v->chunks[p]->handle))
 			ok = false;
-			continue;
-		}
-		v->mapped[p] = 1;
-		gml_count_mapping(ctx, 1);
 	}
 	if (!ok || (to && gml_dev_set_access(&ctx->dev, b->ptr,
 					 (size_t)to * ctx->chunk)))
@@ -188,12 +183,9 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 	for (i = 0; i < b->n; i++) {
 		uint32_t p = b->pos + i;
 
-		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
-				  ctx->chunk, got[i]->handle);
+		ret = gml_view_map_pos(ctx, v, p, got[i]->handle);
 		if (ret)
 			goto out_undo;
-		v->mapped[p] = 1;
-		gml_count_mapping(ctx, 1);
 	}
 	ret = gml_dev_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
 	if (ret)
@@ -427,14 +419,11 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 		ret = seg_chunk(ctx, v, p, ready, &nready, &got[k]);
 		if (ret)
 			goto out_undo;
-		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
-				  ctx->chunk, got[k]->handle);
+		ret = gml_view_map_pos(ctx, v, p, got[k]->handle);
 		if (ret) {
 			k++;
 			goto out_undo;
 		}
-		v->mapped[p] = 1;
-		gml_count_mapping(ctx, 1);
 	}
 	ret = gml_dev_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
 	if (ret)

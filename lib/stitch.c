@@ -239,12 +239,7 @@ static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
 	if (ret)
 		return gml_set_error(ret, "no host memory to repair a view");
 	v->chunks[i] = c;
-	ret = gml_dev_mem_map(&ctx->dev, va, ctx->chunk, c->handle);
-	if (ret)
-		return ret;
-	v->mapped[i] = 1;
-	gml_count_mapping(ctx, 1);
-	return 0;
+	return gml_view_map_pos(ctx, v, i, c->handle);
 }
 
 /* Remap the bad positions of [pos, pos + n), one set-access per run. */

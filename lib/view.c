@@ -159,6 +159,20 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 	return 0;
 }
 
+/* Map handle h at position p of v, its mapped bit and count in step. */
+int gml_view_map_pos(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		     gml_handle h)
+{
+	int ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				  ctx->chunk, h);
+
+	if (ret)
+		return ret;
+	v->mapped[p] = 1;
+	gml_count_mapping(ctx, 1);
+	return 0;
+}
+
 /*
  * Reserve a range of v->cap positions for v and map its n chunks, one
  * set-access call for all. A segment asks for room to grow at its end;
@@ -178,12 +192,9 @@ int gml_view_map(gmlake_ctx *ctx, struct gml_view *v)
 	if (ret)
 		return ret;
 	for (uint32_t i = 0; i < v->n; i++) {
-		ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
-				  ctx->chunk, v->chunks[i]->handle);
+		ret = gml_view_map_pos(ctx, v, i, v->chunks[i]->handle);
 		if (ret)
 			return ret;
-		v->mapped[i] = 1;
-		gml_count_mapping(ctx, 1);
 	}
 	ret = gml_dev_set_access(&ctx->dev, v->va, bytes);
 	if (ret)
