@@ -206,7 +206,6 @@ void gml_config_defaults(struct gmlake_config *cfg)
 static const char *const other_names[] = {
 	"GMLAKE_STRICT", "GMLAKE_SHM_DIR",
 	"GMLAKE_LIBRARY", "GMLAKE_CACHE_DIR", "GMLAKE_TORCH_BACKEND",
-	"GMLAKE_TORCH_OOM_TYPED",
 	"GMLAKE_SKIP_VERSION_CHECK", "GMLAKE_INCLUDE_DIR",
 	"GMLAKE_STATS_LAYOUT", "GMLAKE_OFFLOAD_LAYOUT",
 };

@@ -18,10 +18,9 @@ two backends (backend() says which runs):
   torch.cuda.memory._record_memory_history() / _snapshot() /
   _dump_snapshot(), cudnn.benchmark, CUDA graphs (private pools,
   torch.compile(mode="reduce-overhead")) and torch.cuda.MemPool without
-  an allocator of its own; out of memory raises a RuntimeError at the
-  allocation whose message starts "CUDA out of memory." (the typed
-  torch.cuda.OutOfMemoryError crashed PyTorch 2.11 when thrown from the
-  adapter; see docs/pytorch.md).
+  an allocator of its own; out of memory raises
+  torch.cuda.OutOfMemoryError at the allocation, with libgmlake's
+  message after PyTorch's own "CUDA out of memory." words.
 "ctypes": PyTorch's CUDAPluggableAllocator with libgmlake's C entry
   points, where the adapter cannot be built (no compiler or ninja).
   PyTorch's statistics, snapshot and graph functions raise there; use

@@ -24,6 +24,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -111,6 +112,31 @@ constexpr int kMaxDevices = 128; // lib/torch.h GML_TORCH_MAX_DEVICES
 std::string last_error() {
   const char* msg = api.gmlake_last_error();
   return msg && *msg ? msg : "no message";
+}
+
+// Messages with numbers are formatted here, never by inserting a number
+// into a stream (c10::str, TORCH_CHECK's extra arguments): on the H200's
+// toolchain the adapter's std::ostream number insertion crashed (SIGSEGV
+// in num_put on a null facet), which is what turned every out-of-memory
+// error into a crash. Strings alone go through c10::str safely.
+std::string fmt(const char* format, ...)
+    __attribute__((format(printf, 1, 2)));
+std::string fmt(const char* format, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, format);
+  int n = vsnprintf(buf, sizeof(buf), format, ap);
+  va_end(ap);
+  if (n < 0)
+    return format;
+  if (static_cast<size_t>(n) < sizeof(buf))
+    return std::string(buf, n);
+  std::string out(static_cast<size_t>(n) + 1, '\0');
+  va_start(ap, format);
+  vsnprintf(&out[0], out.size(), format, ap);
+  va_end(ap);
+  out.resize(n);
+  return out;
 }
 
 std::string fmt_size(size_t n) {
@@ -300,10 +326,9 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
     TORCH_CHECK(
         device >= 0 && device < kMaxDevices,
-        "libgmlake serves CUDA devices 0 to ",
-        kMaxDevices - 1,
-        ", not ",
-        static_cast<int>(device));
+        fmt("libgmlake serves CUDA devices 0 to %d, not %d",
+            kMaxDevices - 1,
+            static_cast<int>(device)));
     void* p = malloc(size, device, stream);
     return {p, p, &delete_any, c10::Device(c10::DeviceType::CUDA, device)};
   }
@@ -750,12 +775,10 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     if (why.find("out of memory") == std::string::npos) {
       TORCH_CHECK(
           false,
-          "libgmlake could not allocate ",
-          fmt_size(size),
-          " on CUDA device ",
-          static_cast<int>(device),
-          ": ",
-          why);
+          fmt("libgmlake could not allocate %s on CUDA device %d: %s",
+              fmt_size(size).c_str(),
+              static_cast<int>(device),
+              why.c_str()));
     }
     size_t dev_free = 0, dev_total = 0;
     {
@@ -779,30 +802,19 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
             dev_total,
             dev_free);
     }
-    // A c10::OutOfMemoryError thrown from here crashes the process on
-    // PyTorch 2.11 (SIGSEGV after the throw, before Python sees it), while
-    // a c10::Error from the same place is caught and CUDA goes on working
-    // (measured on the H200). Until the cause is found, out of memory is a
-    // RuntimeError whose message starts as PyTorch's own does, which is
-    // what accelerate's and Lightning's batch-size finders look for;
-    // GMLAKE_TORCH_OOM_TYPED=1 throws the typed error, to investigate.
-    const std::string msg = c10::str(
-        "CUDA out of memory. Tried to allocate ",
-        fmt_size(size),
-        ". GPU ",
+    // PyTorch's own wording first: accelerate's and Lightning's
+    // batch-size finders look for "CUDA out of memory." as well as the type.
+    const std::string msg = fmt(
+        "CUDA out of memory. Tried to allocate %s. GPU %d has a total "
+        "capacity of %s of which %s is free. libgmlake: %s. (libgmlake "
+        "serves this process's CUDA memory; PYTORCH_CUDA_ALLOC_CONF does "
+        "not apply. gmlake.memory_summary() shows its state.)",
+        fmt_size(size).c_str(),
         static_cast<int>(device),
-        " has a total capacity of ",
-        fmt_size(dev_total),
-        " of which ",
-        fmt_size(dev_free),
-        " is free. libgmlake: ",
-        why,
-        ". (libgmlake serves this process's CUDA memory; "
-        "PYTORCH_CUDA_ALLOC_CONF does not apply. gmlake.memory_summary() "
-        "shows its state.)");
-    const char* typed = getenv("GMLAKE_TORCH_OOM_TYPED");
-    TORCH_CHECK_WITH(OutOfMemoryError, !typed || strcmp(typed, "1"), msg);
-    TORCH_CHECK(false, msg);
+        fmt_size(dev_total).c_str(),
+        fmt_size(dev_free).c_str(),
+        why.c_str());
+    TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   }
 
   void add_segments(
@@ -939,16 +951,12 @@ void load_api(const std::string& path) {
   int major = a.gmlake_version_major(), minor = a.gmlake_version_minor();
   TORCH_CHECK(
       major == GMLAKE_VERSION_MAJOR && minor >= GMLAKE_VERSION_MINOR,
-      "libgmlake: ",
-      path,
-      " is version ",
-      major,
-      ".",
-      minor,
-      "; this adapter was built for ",
-      GMLAKE_VERSION_MAJOR,
-      ".",
-      GMLAKE_VERSION_MINOR);
+      fmt("libgmlake: %s is version %d.%d; this adapter was built for %d.%d",
+          path.c_str(),
+          major,
+          minor,
+          GMLAKE_VERSION_MAJOR,
+          GMLAKE_VERSION_MINOR));
   api = a;
   api_path = path;
 }
