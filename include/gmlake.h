@@ -72,7 +72,10 @@ struct gmlake_config {
 					   starts; 0: one growth step */
 	unsigned spare_keep_ms;		/* spilled chunks kept this long
 					   unused for a fetch; 5000 */
-	unsigned reserved32;
+	bool stream_order;		/* a request may wait on the device
+					   for memory other streams' work
+					   still covers; true */
+	uint8_t reserved8[3];
 	uint64_t reserved[6];
 };
 
@@ -106,8 +109,9 @@ int gmlake_stream_synchronize(gmlake_ctx *ctx, gmlake_stream_t stream);
 /*
  * Allocation. A block is used on its stream; freeing it makes it reusable
  * at once on that stream and on others once the stream's work queued before
- * the free has completed. record_stream adds a stream whose work must also
- * complete before the block is reused.
+ * the free has completed, or sooner by a stream made to wait for that work
+ * on the device (cfg.stream_order). record_stream adds a stream whose work
+ * must also complete before the block is reused.
  */
 int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
 		 gmlake_stream_t stream);

@@ -9,11 +9,14 @@
  *   3. the free run at the end of the newest segment and new chunks
  *      mapped after it, while reserved memory stays within a small budget
  *      over the most ever requested (grow_in_budget),
- *   4. repair of a cached stitched view: remap only its positions whose
+ *   4. steps 1 and 2 again over memory other streams' queued work still
+ *      covers, the request's stream ordered after that work on the
+ *      device (order_fit: an event wait, no driver mapping),
+ *   5. repair of a cached stitched view: remap only its positions whose
  *      chunks are taken, when that costs well under a new stitch,
- *   5. a new stitched view over free chunks, after growing the newest
+ *   6. a new stitched view over free chunks, after growing the newest
  *      segment by only the shortfall when too few chunks are free,
- *   6. steps 1-5 again after each rung of the pressure ladder (pressure.c:
+ *   7. steps 1-6 again after each rung of the pressure ladder (pressure.c:
  *      what the cache holds unused, then one spilled block at a time
  *      where a tier is registered),
  * and otherwise fails with -ENOMEM, the live blocks unchanged.
@@ -35,6 +38,7 @@
 #endif
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -117,10 +121,46 @@ static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 	return 0;
 }
 
-/* Steps 1-4 of the policy. */
+/*
+ * Step 4: steps 1 and 2 again, now taking memory that other streams'
+ * queued work still covers, the request's stream ordered after that work
+ * on the device (one event wait per stream). A wait costs microseconds
+ * where the remapping of steps 5 and 6 costs milliseconds; it is what
+ * FSDP's all-gather and compute streams need, whose frees the GPU has
+ * not caught up with when the other stream asks. Never while a CUDA
+ * graph captures (ctx->order_off), whose streams may not wait on events
+ * from outside the capture.
+ */
+static bool order_fit(gmlake_ctx *ctx, uint32_t n, int stream, struct run *r)
+{
+	bool found;
+
+	if (ctx->nstreams < 2 || !ctx->cfg.stream_order ||
+	    atomic_load_explicit(&ctx->order_off, memory_order_relaxed))
+		return false;
+	ctx->order_for = stream + 1;
+	found = gml_first_fit(ctx, n, stream, r) ||
+		gml_best_fit(ctx, ctx->stitched, n, stream, r);
+	ctx->order_for = 0;
+	return found && !gml_stream_order_run(ctx, r->view->chunks + r->pos,
+					      n, stream);
+}
+
+/* Why a request took the slow path: what to look at when steady steps
+ * still call the driver (GMLAKE_LOG_LEVEL=debug). */
+static void slow_path_log(uint32_t n, int stream, const char *how,
+			  uint64_t passed)
+{
+	gml_log(GMLAKE_LOG_DEBUG, "%" PRIu32 " chunks on stream %d: %s; %"
+		PRIu64 " free chunks passed over as other streams' pending "
+		"work", n, stream, how, passed);
+}
+
+/* Steps 1-6 of the policy. */
 static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
 		     struct gml_block *b)
 {
+	uint64_t passed = ctx->st.cross_stream_waits;
 	struct run r;
 	int ret;
 
@@ -130,12 +170,22 @@ static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
 		ctx->st.stitch_reuses++;
 	} else if (tail_grow(ctx, n, stream, &r) == 0) {
 		/* counted in grows */
+	} else if (order_fit(ctx, n, stream, &r)) {
+		ctx->st.fits++;
+		slow_path_log(n, stream, "ordered after other streams' work",
+			      ctx->st.cross_stream_waits - passed);
 	} else {
+		const char *how = "repaired a stitched range";
+
 		ret = gml_repair(ctx, n, stream, &r);
-		if (ret == -ENOENT)
+		if (ret == -ENOENT) {
 			ret = gml_stitch(ctx, n, stream, &r);
+			how = "stitched";
+		}
 		if (ret)
 			return ret;
+		slow_path_log(n, stream, how,
+			      ctx->st.cross_stream_waits - passed);
 	}
 	take(ctx, b, &r, n);
 	if (ctx->nstitched > ctx->cfg.stitch_cache_max)

@@ -54,6 +54,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_HOST_LIMIT", OPT_SIZE, FIELD(host_limit) },
 	{ "GMLAKE_HOST_PIN", OPT_SIZE, FIELD(host_pin) },
 	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms) },
+	{ "GMLAKE_STREAM_ORDER", OPT_BOOL, FIELD(stream_order) },
 	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
 };
 
@@ -197,6 +198,7 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->publish = true;
 	cfg->host_limit = (size_t)16 << 30;
 	cfg->spare_keep_ms = 5000;
+	cfg->stream_order = true;
 }
 
 /*

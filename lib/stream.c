@@ -10,12 +10,20 @@
  * one barrier event per existing stream covers every seq 0 guard before it.
  *
  * Events stay few, as FSDP's many frees on several streams need: a free
- * records one only while fewer than two of its stream's are in flight;
- * otherwise it gets the open seq, which the stream's next event covers,
- * recorded by a later free or on demand by whoever asks about that seq.
- * An event recorded later completes later, which is safe. A fit looking
- * at many chunks polls each stream once per allocation (ctx->poll_gen,
- * gml_guard_ready_scan), not once per chunk.
+ * records nothing and queries nothing. It gets its stream's open seq,
+ * which the stream's next event covers, recorded on demand by whoever
+ * asks about that seq; an event recorded later completes later, which is
+ * safe. Only frees that must be waited for by seq (blocks other streams
+ * used, blocks on stitched views) record at once, while fewer than two of
+ * the stream's events are in flight. A fit looking at many chunks polls
+ * each stream once per allocation (ctx->poll_gen, gml_guard_ready_scan),
+ * not once per chunk.
+ *
+ * When a request would otherwise cost the driver work, the allocator may
+ * take memory another stream's work still covers and order the request's
+ * stream after that work on the device (gml_stream_order_run: one event
+ * wait per stream), as a caller of cudaStreamWaitEvent would; the host
+ * never waits for it.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -159,6 +167,22 @@ static bool stream_done(gmlake_ctx *ctx, int idx, uint64_t seq, bool scan)
 	return s->done_seq >= seq;
 }
 
+/*
+ * Whether stream `to` can be ordered after guard g on the device, so that
+ * its memory may be taken before g's work is known complete: g names an
+ * event that exists or can be recorded now.
+ */
+static bool guard_orderable(gmlake_ctx *ctx, const struct gml_guard *g)
+{
+	const struct gml_stream *s = &ctx->streams[g->stream];
+
+	if (g->seq == SEQ_NEVER)
+		return false;
+	if (g->seq == 0)
+		return s->barrier && s->barrier != SEQ_NEVER;
+	return true;
+}
+
 bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq)
 {
 	return stream_done(ctx, idx, seq, false);
@@ -167,8 +191,11 @@ bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq)
 bool gml_guard_ready_scan(gmlake_ctx *ctx, const struct gml_guard *g,
 			  int want)
 {
-	return g->stream < 0 || g->stream == want ||
-	       stream_done(ctx, g->stream, g->seq, true);
+	if (g->stream < 0 || g->stream == want)
+		return true;
+	if (ctx->order_for == want + 1)
+		return guard_orderable(ctx, g);
+	return stream_done(ctx, g->stream, g->seq, true);
 }
 
 uint64_t gml_stream_last(gmlake_ctx *ctx, int idx)
@@ -229,20 +256,25 @@ bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want)
  */
 int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
 {
-	if (ctx->streams[idx].dead) {
-		*seq = ctx->streams[idx].done_seq;
+	struct gml_stream *s = &ctx->streams[idx];
+
+	if (s->dead) {
+		*seq = s->done_seq;
 		return 0;
 	}
 	if (ctx->nstreams == 1 && !force && !ctx->mark_always) {
 		*seq = 0;
 		return 0;
 	}
-	ctx->poll_gen++;
-	if (ctx->streams[idx].count >= 2)
-		poll_stream_once(ctx, &ctx->streams[idx]);
-	if (ctx->streams[idx].count >= 2) {
-		struct gml_stream *s = &ctx->streams[idx];
-
+	/* No query here: a free on its own stream needs no answer, and the
+	 * open seq costs nothing until another stream asks about it. A
+	 * forced mark is waited for by seq: its event is recorded now unless
+	 * two are still in flight after one poll. */
+	if (force && s->count >= 2) {
+		ctx->poll_gen++;
+		poll_stream_once(ctx, s);
+	}
+	if (!force || s->count >= 2) {
 		s->open_seq = s->next_seq + 1;
 		*seq = s->open_seq;
 		return 0;
@@ -252,6 +284,65 @@ int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
 		return -EIO;
 	}
 	return 0;
+}
+
+/*
+ * Order stream `to` after the work guard (from, seq) covers: a wait on
+ * the device for the event of seq (recorded now for an open seq), so the
+ * caller may reuse the memory at once. Never a wait on the host: without
+ * an event to wait on it fails, and the caller passes the memory over.
+ */
+static int stream_order(gmlake_ctx *ctx, int from, uint64_t seq, int to)
+{
+	struct gml_stream *s = &ctx->streams[from];
+
+	if (stream_done(ctx, from, seq, true))
+		return 0;
+	if (seq == 0)
+		seq = s->barrier;
+	if (seq == SEQ_NEVER || seq > s->next_seq)
+		return -EAGAIN;		/* no event covers it */
+	for (size_t i = 0; i < s->count; i++) {
+		size_t k = (s->head + i) % s->cap;
+
+		if (s->pending[k].seq >= seq)
+			return gml_dev_stream_wait_event(&ctx->dev,
+						       ctx->streams[to].handle,
+						       s->pending[k].ev);
+	}
+	return 0;	/* every event up to seq completed in the meantime */
+}
+
+/*
+ * After a fit in ordering mode (gml_guard_ready_scan with ctx->order_for
+ * set): order stream `to` after every other stream's guard on the n
+ * chunks, one wait per stream, the latest seq of each. On failure the
+ * memory must not be used; the waits made stay, which only delays `to`.
+ */
+int gml_stream_order_run(gmlake_ctx *ctx, struct gml_chunk *const *chunks,
+			 uint32_t n, int to)
+{
+	uint64_t gen = ++ctx->order_pass;
+	int ret = 0;
+
+	for (uint32_t i = 0; i < n; i++) {
+		const struct gml_guard *g = &chunks[i]->guard;
+		struct gml_stream *s;
+
+		if (g->stream < 0 || g->stream == to)
+			continue;
+		s = &ctx->streams[g->stream];
+		if (s->order_gen != gen || s->order_seq < g->seq ||
+		    (g->seq == 0 && s->order_seq < s->barrier)) {
+			s->order_gen = gen;
+			s->order_seq = g->seq ? g->seq : s->barrier;
+		}
+	}
+	for (int i = 0; i < ctx->nstreams && !ret; i++)
+		if (ctx->streams[i].order_gen == gen)
+			ret = stream_order(ctx, i, ctx->streams[i].order_seq,
+					   to);
+	return ret;
 }
 
 static int add_stream(gmlake_ctx *ctx, gmlake_stream_t handle)

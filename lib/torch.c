@@ -261,6 +261,7 @@ static int alloc_limited(gmlake_ctx *ctx, int device, size_t size,
 			 gmlake_stream_t stream, void **p)
 {
 	struct torch_state s;
+	bool routing;
 	int ret;
 
 	if (__atomic_load_n(&ctx->cfg.device_limit, __ATOMIC_RELAXED)) {
@@ -271,9 +272,16 @@ static int alloc_limited(gmlake_ctx *ctx, int device, size_t size,
 					     "hold it next to what is "
 					     "allocated");
 	}
+	/* While a graph captures its streams may not wait on events from
+	 * outside the capture: no cross-stream ordering then. */
+	routing = gmlake_torch_pool_routing(device);
+	if (routing)
+		atomic_fetch_add(&ctx->order_off, 1);
 	ret = gmlake_alloc(ctx, p, size, stream);
+	if (routing)
+		atomic_fetch_sub(&ctx->order_off, 1);
 	/* A trim waits for every stream: never while a graph captures. */
-	if (ret != -ENOMEM || gmlake_torch_pool_routing(device))
+	if (ret != -ENOMEM || routing)
 		return ret;
 	atomic_fetch_add(&torch_counts[device].retries, 1);
 	atomic_fetch_add(&torch_counts[device].trims, 1);

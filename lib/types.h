@@ -32,6 +32,7 @@
 #define GML_TYPES_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -105,6 +106,7 @@ struct gml_stream {
 					   (the next record covers it); 0:
 					   none */
 	uint64_t poll_gen;		/* ctx->poll_gen when last polled */
+	uint64_t order_gen, order_seq;	/* gml_stream_order_run's pass */
 	struct { uint64_t seq; gml_event ev; } *pending;
 	size_t head, count, cap;	/* ring of recorded events */
 };
@@ -197,6 +199,12 @@ struct gmlake_ctx {
 					   too (the offload manager runs) */
 	uint64_t poll_gen;		/* one event query per stream per
 					   allocation or free */
+	int order_for;			/* stream index + 1 whose fit may take
+					   memory other streams' work covers
+					   (gml_stream_order_run); 0: none */
+	uint64_t order_pass;		/* gml_stream_order_run's passes */
+	atomic_int order_off;		/* > 0: never order streams on the
+					   device (a CUDA graph captures) */
 
 	struct gml_ptrmap blocks;	/* ptr -> live block */
 	struct gml_block *live;		/* live blocks */
@@ -233,6 +241,8 @@ bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want);
  * that look at many chunks. */
 bool gml_guard_ready_scan(gmlake_ctx *ctx, const struct gml_guard *g,
 			  int want);
+int gml_stream_order_run(gmlake_ctx *ctx, struct gml_chunk *const *chunks,
+			 uint32_t n, int to);
 void gml_events_trim(gmlake_ctx *ctx);
 void gml_streams_fini(gmlake_ctx *ctx);
 

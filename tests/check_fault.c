@@ -27,7 +27,9 @@
  * and make gmlake_ctx_init fail at each of its steps. Each walk prints its
  * number of fault sites.
  */
+#include <pthread.h>
 #include <sys/resource.h>
+#include <time.h>
 
 #include "gmlake-offload.h"
 #include "helpers.h"
@@ -37,6 +39,23 @@
 #define F_BLOCKS 32
 #define F_MAX_NTH 400
 
+/* Let a held stream go after a while, from another thread. */
+struct f_unhold {
+	gmlake_ctx *ctx;
+	gmlake_stream_t s;
+	pthread_t thread;
+};
+
+static void *f_unhold_later(void *arg)
+{
+	struct f_unhold *u = arg;
+	struct timespec ts = { 0, 50 * 1000 * 1000 };
+
+	nanosleep(&ts, NULL);
+	gml_emu_stream_hold(gml_ctx_dev(u->ctx)->priv, u->s, false);
+	return NULL;
+}
+
 /* Every call kind: the allocation paths, the waits and the copies. */
 static const int fault_kinds[] = {
 	GMLAKE_CALL_mem_create,	  GMLAKE_CALL_va_reserve,
@@ -45,7 +64,8 @@ static const int fault_kinds[] = {
 	GMLAKE_CALL_va_free,	  GMLAKE_CALL_event_create,
 	GMLAKE_CALL_event_record, GMLAKE_CALL_event_query,
 	GMLAKE_CALL_event_sync,	  GMLAKE_CALL_stream_sync,
-	GMLAKE_CALL_memcpy,	  GML_CALL_stream_create,
+	GMLAKE_CALL_memcpy,	  GMLAKE_CALL_stream_wait,
+	GML_CALL_stream_create,
 	GML_CALL_stream_destroy,  GML_CALL_mem_info,
 	GML_CALL_enter,
 };
@@ -171,10 +191,54 @@ static void f_sync(struct fs *f, gmlake_stream_t s)
 	     "gmlake_stream_synchronize");
 }
 
+/*
+ * Verify block i (on a), hold a, free it, and allocate size on b while a
+ * is held; a is let go 50 ms later by a thread, and b's block is filled
+ * once a ran. The new block joins the others.
+ */
+static void f_free_held(struct fs *f, int i, size_t size)
+{
+	struct f_unhold u = { f->ctx, f->a, 0 };
+	struct fblk *b;
+	void *p = NULL;
+	size_t diff = 0;
+	int ret;
+
+	if (i < 0 || !f->blk[i].live || f->blk[i].s != f->a)
+		return;
+	b = &f->blk[i];
+	if (!b->dirty) {
+		snprintf(f->trace, sizeof(f->trace), "read %zu", b->size);
+		ret = th_verify(f->ctx, b->p, b->size, b->seed, b->s, &diff);
+		ck_assert_msg(ret != 1, "%s: block %p corrupt at offset %zu",
+			      site, b->p, diff);
+		f_ok(f, ret, "gmlake_memcpy_dtoh");
+	}
+	th_hold(f->ctx, f->a, true);
+	ck_assert_int_eq(pthread_create(&u.thread, NULL, f_unhold_later, &u),
+			 0);
+	snprintf(f->trace, sizeof(f->trace), "free %zu held", b->size);
+	if (f_ok(f, gmlake_free(f->ctx, b->p), "gmlake_free"))
+		b->live = false;
+	snprintf(f->trace, sizeof(f->trace), "alloc %zu on b, a held", size);
+	ret = gmlake_alloc(f->ctx, &p, size, f->b);
+	ck_assert_int_eq(pthread_join(u.thread, NULL), 0);
+	if (!f_ok(f, ret, "gmlake_alloc"))
+		return;
+	ck_assert_int_lt(f->n, F_BLOCKS);
+	b = &f->blk[f->n++];
+	*b = (struct fblk){ .p = p, .size = size, .seed = 0xf000 +
+			    (uint64_t)f->n, .s = f->b, .live = true };
+	snprintf(f->trace, sizeof(f->trace), "fill %zu", size);
+	if (!f_ok(f, th_fill(f->ctx, p, size, b->seed, f->b),
+		  "gmlake_memcpy_htod"))
+		b->dirty = true;
+}
+
 /* The fixed scenario; runs with a fault armed. */
 static void scenario(struct fs *f)
 {
-	int i0, i1, i3, i6, i7, i9, s0, s1;
+	int i0, i1, i3, i5, i6, i7, i9, s0, s1;
 	void *p = NULL;
 
 	/* Grow: large blocks and small ones, on two streams. */
@@ -183,10 +247,18 @@ static void scenario(struct fs *f)
 	f_alloc(f, 2 * TH_MiB, f->a);
 	i3 = f_alloc(f, 2 * TH_MiB, f->a);
 	f_alloc(f, 2 * TH_MiB, f->a);
-	f_alloc(f, 6 * TH_MiB, f->a);
+	i5 = f_alloc(f, 6 * TH_MiB, f->a);
 	s0 = f_alloc(f, 3000, f->a);
 	s1 = f_alloc(f, 70000, f->a);
 	f_alloc(f, 100, f->b);
+
+	/*
+	 * Cross-stream ordering: the 6 MiB block is freed on a while a's
+	 * work is held, and b takes its chunks (the budget is full), waiting
+	 * for a on the device. If a fault sends the request down another
+	 * path that waits on the host, a thread lets a go after 50 ms.
+	 */
+	f_free_held(f, i5, 6 * TH_MiB);
 
 	/* Stitch two non-adjacent free chunks, then reuse the range. */
 	f_free(f, i1);
@@ -367,6 +439,7 @@ START_TEST(test_fault_walk)
 	case GMLAKE_CALL_va_free:
 	case GMLAKE_CALL_stream_sync:
 	case GMLAKE_CALL_memcpy:
+	case GMLAKE_CALL_stream_wait:
 	case GML_CALL_stream_create:
 	case GML_CALL_stream_destroy:
 	case GML_CALL_mem_info:
@@ -409,6 +482,8 @@ START_TEST(test_fault_events_used)
 				  st.calls[GMLAKE_CALL_event_query],
 			  0);
 	ck_assert_uint_eq(st.call_failures[GMLAKE_CALL_mem_map], 0);
+	/* b took the held block's chunks, ordered after a on the device. */
+	ck_assert_uint_ge(st.calls[GMLAKE_CALL_stream_wait], 1);
 	aftermath(&f, &(struct gml_emu_info){ .live_reservations = ~0ull });
 	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.a));
 	TH_OK(f.ctx, gmlake_stream_destroy(f.ctx, f.b));

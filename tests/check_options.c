@@ -114,7 +114,9 @@ START_TEST(test_defaults)
 	ck_assert_int_eq(cfg.offload_engine, GMLAKE_OFFLOAD_ENGINE_NONE);
 	ck_assert_uint_eq(cfg.host_pin, 0);
 	ck_assert_uint_eq(cfg.spare_keep_ms, 5000);
-	ck_assert_uint_eq(cfg.reserved32, 0);
+	ck_assert(cfg.stream_order);
+	for (i = 0; i < 3; i++)
+		ck_assert_uint_eq(cfg.reserved8[i], 0);
 	for (i = 0; i < 6; i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
 	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
@@ -358,6 +360,18 @@ START_TEST(test_publish)
 	static const struct opt o = OPT("GMLAKE_PUBLISH", publish, bool_at);
 	static const struct val good[] = { { "off", false }, { "1", true } };
 	static const char *const bad[] = { "sometimes" };
+
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), true);	/* the default */
+}
+END_TEST
+
+START_TEST(test_stream_order)
+{
+	static const struct opt o =
+		OPT("GMLAKE_STREAM_ORDER", stream_order, bool_at);
+	static const struct val good[] = { { "0", false }, { "on", true } };
+	static const char *const bad[] = { "later" };
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), true);	/* the default */
@@ -888,6 +902,7 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_log_level);
 	tcase_add_test(tc, test_show_stats);
 	tcase_add_test(tc, test_publish);
+	tcase_add_test(tc, test_stream_order);
 	tcase_add_test(tc, test_offload_engine);
 	tcase_add_test(tc, test_several);
 

@@ -21,6 +21,21 @@
 #define CAP_CHUNKS(n) ((size_t)(n) * TH_CHUNK)
 
 /*
+ * A context whose requests pass over memory other streams' work still
+ * covers (stream_order off): the cases that show the pass-over. With it
+ * on, such memory is taken and the request's stream waits on the device
+ * instead (the Ordered cases).
+ */
+static gmlake_ctx *ctx_pass_over(size_t capacity)
+{
+	struct gmlake_config cfg;
+
+	th_config(&cfg, capacity);
+	cfg.stream_order = false;
+	return th_ctx_cfg(&cfg);
+}
+
+/*
  * Queue a copy on stream s without waiting (gmlake_memcpy_* wait for the
  * copy, which a held stream never finishes): the device layer's copy.
  */
@@ -173,7 +188,7 @@ END_TEST
 /* Freed on A while A is held: not for B until A completes; then it is. */
 START_TEST(test_cross_stream_pending)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_ctx *ctx = ctx_pass_over(CAP_CHUNKS(4));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct gmlake_stats s0, s1;
 	struct pending pd;
@@ -217,7 +232,7 @@ END_TEST
  */
 START_TEST(test_small_deferred_empty)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_ctx *ctx = ctx_pass_over(CAP_CHUNKS(4));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	size_t half = TH_MiB - 512;	/* two to a chunk */
 	struct pending pd;
@@ -262,6 +277,7 @@ START_TEST(test_peak_slack_logged)
 
 	th_config(&cfg, CAP_CHUNKS(4));
 	cfg.log_level = GMLAKE_LOG_DEBUG;
+	cfg.stream_order = false;
 	ctx = th_ctx_cfg(&cfg);
 	a = th_stream(ctx);
 	b = th_stream(ctx);
@@ -292,7 +308,7 @@ END_TEST
 /* The same for small blocks, which share chunks. */
 START_TEST(test_cross_stream_small)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_ctx *ctx = ctx_pass_over(CAP_CHUNKS(4));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct pending pd[8];
 	void *x[8], *y[8];
@@ -318,7 +334,7 @@ END_TEST
 /* Stitching must not take chunks whose last stream is still busy. */
 START_TEST(test_cross_stream_stitch)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(6));
+	gmlake_ctx *ctx = ctx_pass_over(CAP_CHUNKS(6));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct pending p0, p2;
 	void *x[4], *y, *z, *w;
@@ -360,7 +376,7 @@ END_TEST
 /* A cached stitched range freed on busy A is not for B either. */
 START_TEST(test_cross_stream_stitched_reuse)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(12));
+	gmlake_ctx *ctx = ctx_pass_over(CAP_CHUNKS(12));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct pending pd;
 	void *x[4], *big, *y;
@@ -384,10 +400,84 @@ START_TEST(test_cross_stream_stitched_reuse)
 }
 END_TEST
 
+/*
+ * Ordered (stream_order, the default): B's request could otherwise be
+ * served only by driver work, so it takes the chunks A freed while A is
+ * held and B waits on the device for A's work. Nothing grows, A's queued
+ * read still sees A's data, and B's write lands after it.
+ */
+START_TEST(test_ordered_takes_pending)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(2));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct gmlake_stats s0, s1;
+	struct pending pd;
+	void *x, *y, *buf;
+
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
+	th_hold(ctx, a, true);
+	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	th_stats(ctx, &s0);
+	expect_alloc(ctx, &y, 4 * TH_MiB, b, "B while A holds x's work");
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(y, x);
+	ck_assert_uint_eq(s1.grows, s0.grows);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_int_eq(s1.chunks.current, 2);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_stream_wait],
+			  s0.calls[GMLAKE_CALL_stream_wait] + 1);
+	/* Queued on B now, it must not overtake A's held read. */
+	buf = malloc(4 * TH_MiB);
+	ck_assert_ptr_nonnull(buf);
+	th_pattern(buf, 4 * TH_MiB, 2);
+	ck_assert_int_eq(queue_copy(ctx, y, buf, 4 * TH_MiB, GML_COPY_HTOD,
+				    b), 0);
+	release_and_check(ctx, a, &pd, 1, "ordered: A's read");
+	th_sync(ctx, b);
+	free(buf);
+	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	destroy_all(ctx, a, b);
+}
+END_TEST
+
+/*
+ * Ordered, but growth within the budget comes first: after a trim the
+ * most ever requested (8 MiB) is above what is reserved (4 MiB), so B
+ * gets new chunks and waits for nothing.
+ */
+START_TEST(test_ordered_growth_first)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(8));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct gmlake_stats s0, s1;
+	struct pending pd;
+	void *x, *w, *y;
+
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
+	w = th_alloc(ctx, 4 * TH_MiB, a);
+	th_free(ctx, w);
+	th_sync(ctx, a);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_hold(ctx, a, true);
+	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	th_stats(ctx, &s0);
+	ck_assert_int_eq(s0.reserved_bytes.current, 4 * TH_MiB);
+	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &x, 1, "4 MiB on B");
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.grows, s0.grows + 1);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_stream_wait],
+			  s0.calls[GMLAKE_CALL_stream_wait]);
+	th_fill_ok(ctx, y, 4 * TH_MiB, 2, b);	/* B waits for nothing */
+	release_and_check(ctx, a, &pd, 1, "growth first: A's read");
+	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	destroy_all(ctx, a, b);
+}
+END_TEST
+
 /* record_stream(B): freed, the block waits for B too, even on A. */
 START_TEST(test_record_stream)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_ctx *ctx = ctx_pass_over(CAP_CHUNKS(4));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct pending pd;
 	void *x, *y, *w;
@@ -417,7 +507,7 @@ END_TEST
 /* record_stream on a small block. */
 START_TEST(test_record_stream_small)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(4));
+	gmlake_ctx *ctx = ctx_pass_over(CAP_CHUNKS(4));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct pending pd;
 	void *x, *y[4];
@@ -650,7 +740,9 @@ START_TEST(test_random_streams)
 	int op, s, ooms = 0;
 
 	ck_assert_ptr_nonnull(r);
-	r->ctx = th_ctx(CAP_CHUNKS(64));
+	/* Every fill and check waits for its stream, which must not wait
+	 * on a held one: pass over. */
+	r->ctx = ctx_pass_over(CAP_CHUNKS(64));
 	for (s = 0; s < RS_STREAMS; s++)
 		r->st[s] = th_stream(r->ctx);
 	for (op = 0; op < RS_OPS; op++) {
@@ -781,6 +873,10 @@ static Suite *stream_suite(bool emu)
 	tcase_add_test(tc, test_cross_stream_small);
 	tcase_add_test(tc, test_cross_stream_stitch);
 	tcase_add_test(tc, test_cross_stream_stitched_reuse);
+
+	tc = th_tcase(s, "Ordered");
+	tcase_add_test(tc, test_ordered_takes_pending);
+	tcase_add_test(tc, test_ordered_growth_first);
 
 	tc = th_tcase(s, "RecordStream");
 	tcase_add_test(tc, test_record_stream);
