@@ -20,7 +20,15 @@ max_driver=${REPLAY_MAX_DRIVER_PCT:-1.0}
 # still fails the test on a regression). recompute: since segments grow at
 # their end, one repair of 551 chunks lands at step 6.5 of its 12, inside
 # the half this measures; the view then serves every later step.
-known_gaps=${REPLAY_KNOWN_GAPS:-recompute:1.7}
+#
+# eco_sage (torch_geometric GraphSAGE on random graphs, bench/capture_eco.py):
+# each step allocates and frees a message tensor of 1,000-1,700 chunks per
+# layer, between node tensors a tenth that size that first fit places on
+# the big one's chunks; its stitched range is repaired every time (the
+# H200 bench shows the same, 7.5% of a steady step). Its fragmentation
+# (3.3%) is over the goal too.
+known_gaps=${REPLAY_KNOWN_GAPS:-recompute:1.7 eco_sage:10.5}
+known_frag_gaps=${REPLAY_KNOWN_FRAG_GAPS:-eco_sage:3.4}
 
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
@@ -60,6 +68,21 @@ value() {
 			print substr(s, 1, RLENGTH)
 		}
 	}' <<<"$2"
+}
+
+# gap_limit NAME GOAL GAP...: sets limit (GOAL, or NAME's ceiling among the
+# name:ceiling GAPs) and note (what the goal is, for a known gap).
+gap_limit() {
+	local name=$1 goal=$2 gap
+	shift 2
+	limit=$goal
+	note=
+	for gap in "$@"; do
+		if [ "${gap%%:*}" = "$name" ]; then
+			limit=${gap#*:}
+			note=" (known gap: the goal is $goal)"
+		fi
+	done
 }
 
 # at_most VALUE LIMIT: true when VALUE is a number no greater than LIMIT.
@@ -110,22 +133,16 @@ for path in "${traces[@]}"; do
 	fi
 
 	frag=$(value fragmentation_pct "$line")
-	if at_most "$frag" "$max_frag"; then
-		result OK "$name: fragmentation_pct $frag <= $max_frag"
+	gap_limit "$name" "$max_frag" $known_frag_gaps
+	if at_most "$frag" "$limit"; then
+		result OK "$name: fragmentation_pct $frag <= $limit$note"
 	else
-		result FAIL "$name: fragmentation_pct $frag, limit $max_frag"
+		result FAIL "$name: fragmentation_pct $frag, limit $limit$note"
 	fi
 
 	pct=$(value driver_pct_second_half "$line")
 	ms=$(value driver_ms_second_half "$line")
-	limit=$max_driver
-	note=
-	for gap in $known_gaps; do
-		if [ "${gap%%:*}" = "$name" ]; then
-			limit=${gap#*:}
-			note=" (known gap: the goal is $max_driver)"
-		fi
-	done
+	gap_limit "$name" "$max_driver" $known_gaps
 	if at_most "$pct" "$limit"; then
 		result OK "$name: driver_pct_second_half $pct <= $limit ($ms ms)$note"
 	else
