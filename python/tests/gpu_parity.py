@@ -19,7 +19,10 @@ sharing the pool), ipc (a CUDA tensor through a pipe to a spawned
 process), mempool (torch.cuda.MemPool and use_mem_pool), oom_linear (out
 of memory inside a Linear caught as torch.cuda.OutOfMemoryError, then
 the process goes on), oom_400g (torch.empty(400 GiB) + 1 raises
-OutOfMemoryError; CUDA still works). --slow adds compile_max_autotune;
+OutOfMemoryError; CUDA still works), cross_stream (memory freed on a
+busy stream and allocated on another: the second stream's writes land
+after the first's reads; under libgmlake it says how often the memory
+was taken and the stream made to wait). --slow adds compile_max_autotune;
 --rows alloc_cost measures an allocation and free through PyTorch
 (run it with --backend ctypes too, to compare the adapter's cost).
 ipc and mempool pass when they work or fail with libgmlake's documented
@@ -47,7 +50,7 @@ MiB = 1 << 20
 
 ROWS = ("enable", "memory_stats", "reset_peak", "memory_history",
         "cudnn_benchmark", "compile_reduce_overhead", "graph_pool", "ipc",
-        "mempool", "oom_linear", "oom_400g")
+        "mempool", "oom_linear", "oom_400g", "cross_stream")
 SLOW_ROWS = ("compile_max_autotune",)
 # Rows that measure and always pass (--rows to run them).
 EXTRA_ROWS = ("alloc_cost",)
@@ -275,6 +278,43 @@ def row_graph_pool(torch, ctx):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return "6+4 outside tensors intact over 5 replays of 2 graphs"
+
+
+def row_cross_stream(torch, ctx):
+    """x is allocated and freed on s1 while s1 still has to read it (the
+    read queued behind matmuls); z is allocated at once on s2 and filled.
+    Whoever z's memory is, y = x * 2 must be all 2s."""
+    n = 256 * MiB // 4
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    gm = None
+    if ctx["mode"] == "gmlake":
+        import gmlake
+        gm = gmlake
+        waits0 = gm.stats(0)["calls.stream_wait"]
+    reused = bad = 0
+    for _ in range(8):
+        s1.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            x = torch.ones(n, device="cuda")
+            for _ in range(30):
+                b = a @ a
+            y = x * 2
+            xp = x.data_ptr()
+            del x                   # freed on s1, its read still queued
+        with torch.cuda.stream(s2):
+            z = torch.full((n,), 7.0, device="cuda")
+            reused += z.data_ptr() <= xp < z.data_ptr() + 4 * n
+        torch.cuda.synchronize()
+        bad += int((y != 2).sum())
+        del y, z, b
+    check(bad == 0, "%d elements read after another stream overwrote "
+          "them" % bad)
+    detail = "y intact over 8 rounds; z took x's memory %d times" % reused
+    if gm is not None:
+        detail += ", %d stream waits" % (gm.stats(0)["calls.stream_wait"] -
+                                         waits0)
+    return detail
 
 
 def _ipc_child(conn):
