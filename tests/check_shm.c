@@ -30,6 +30,7 @@
 #include "gmlake-offload.h"
 #include "gmlake-shm.h"
 #include "shm.h"
+#include "json.h"
 #include "top.h"
 
 static char dir[256];
@@ -1274,7 +1275,7 @@ static char *memout(void (*fn)(FILE *, const void *), const void *arg)
 
 static void json_str_to(FILE *f, const void *s)
 {
-	top_json_str(f, s);
+	gml_json_str(f, s);
 }
 
 /* UTF-8 passes through; what is not UTF-8 becomes U+FFFD, never \u00XX. */

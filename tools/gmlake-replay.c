@@ -33,6 +33,7 @@
 
 #include <gmlake.h>
 
+#include "json.h"
 #include "trace.h"
 
 #define MIB	    (1ull << 20)
@@ -961,16 +962,9 @@ static void compute(struct replay *r, struct result *x)
 
 static void json_str(const char *key, const char *s)
 {
-	printf("\"%s\": \"", key);
-	for (; *s; s++) {
-		if (*s == '"' || *s == '\\')
-			printf("\\%c", *s);
-		else if ((unsigned char)*s < 0x20)
-			printf("\\u%04x", (unsigned char)*s);
-		else
-			putchar(*s);
-	}
-	printf("\", ");
+	printf("\"%s\": ", key);
+	gml_json_str(stdout, s);
+	printf(", ");
 }
 
 static void json_u64(const char *key, uint64_t v)

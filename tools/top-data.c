@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "gmlake.h"
+#include "json.h"
 #include "top.h"
 
 /* ---------------------------------------------------------------------- */
@@ -898,59 +899,6 @@ void top_print_text(struct top_state *st, FILE *f)
 	fputc('\n', f);
 }
 
-/* Bytes of a valid UTF-8 sequence at s (1 to 4), or 0 when it is not. */
-static int utf8_len(const unsigned char *s)
-{
-	int n = s[0] >= 0xf0 ? 4 : s[0] >= 0xe0 ? 3 : s[0] >= 0xc2 ? 2 : 0;
-	uint32_t cp;
-
-	if (s[0] >= 0xf5 || !n)
-		return 0;
-	for (int i = 1; i < n; i++)
-		if ((s[i] & 0xc0) != 0x80)
-			return 0;
-	cp = n == 2 ? (s[0] & 0x1fu) << 6 | (s[1] & 0x3f) :
-	     n == 3 ? (s[0] & 0x0fu) << 12 | (s[1] & 0x3fu) << 6 |
-			      (s[2] & 0x3f) :
-		      (s[0] & 0x07u) << 18 | (s[1] & 0x3fu) << 12 |
-			      (s[2] & 0x3fu) << 6 | (s[3] & 0x3f);
-	/* overlong forms, surrogates, past U+10FFFF */
-	if ((n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) ||
-	    (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
-		return 0;
-	return n;
-}
-
-/*
- * A JSON string: valid UTF-8 passes through as it is, control characters
- * and quotes are escaped, and a byte that is not UTF-8 becomes U+FFFD (it
- * was written as \u00XX, which turned each byte of a UTF-8 name into a
- * Latin-1 character).
- */
-void top_json_str(FILE *f, const char *str)
-{
-	const unsigned char *s = (const unsigned char *)str;
-	int n;
-
-	fputc('"', f);
-	while (*s) {
-		if (*s == '"' || *s == '\\') {
-			fprintf(f, "\\%c", *s++);
-		} else if (*s < 0x20 || *s == 0x7f) {
-			fprintf(f, "\\u%04x", *s++);
-		} else if (*s < 0x80) {
-			fputc(*s++, f);
-		} else if ((n = utf8_len(s))) {
-			fwrite(s, 1, (size_t)n, f);
-			s += n;
-		} else {
-			fputs("\\ufffd", f);
-			s++;
-		}
-	}
-	fputc('"', f);
-}
-
 static void json_num(FILE *f, const char *name, bool valid, int prec,
 		     double v)
 {
@@ -980,17 +928,17 @@ static void json_row(FILE *f, const struct top_row *r)
 	double frag = top_frag(r, &fv);
 
 	fprintf(f, "{\"pid\":%d,\"uid\":%u,\"user\":", r->pid, r->uid);
-	top_json_str(f, r->user);
+	gml_json_str(f, r->user);
 	fprintf(f, ",\"command\":");
-	top_json_str(f, r->comm);
+	gml_json_str(f, r->comm);
 	fprintf(f, ",\"state\":\"%s\",\"removed\":%s,\"message\":",
 		states[r->state], r->removed ? "true" : "false");
 	if (r->msg[0])
-		top_json_str(f, r->msg);
+		gml_json_str(f, r->msg);
 	else
 		fprintf(f, "null");
 	fprintf(f, ",\"path\":");
-	top_json_str(f, r->path);
+	gml_json_str(f, r->path);
 	if (!ok) {
 		fprintf(f, "}");
 		return;
@@ -1032,7 +980,7 @@ void top_print_json(struct top_state *st, FILE *f)
 	clock_gettime(CLOCK_REALTIME, &ts);
 	fprintf(f, "{\"version\":\"%s\",\"time\":%.3f,\"dir\":",
 		PACKAGE_VERSION, ts.tv_sec + ts.tv_nsec / 1e9);
-	top_json_str(f, st->dir);
+	gml_json_str(f, st->dir);
 	fprintf(f, ",\"sort\":\"%s\",\"reverse\":%s,\"skipped\":%llu",
 		col_names[st->sort_col], st->sort_reverse ? "true" : "false",
 		(unsigned long long)st->skipped);
@@ -1041,13 +989,13 @@ void top_print_json(struct top_state *st, FILE *f)
 	if (st->nvml_ok)
 		fprintf(f, "null");
 	else
-		top_json_str(f, st->nvml_msg);
+		gml_json_str(f, st->nvml_msg);
 	fprintf(f, "},\"gpus\":[");
 	for (unsigned i = 0; i < st->ngpus; i++) {
 		struct top_gpu *g = &st->gpus[i];
 
 		fprintf(f, "%s{\"index\":%u,\"name\":", i ? "," : "", i);
-		top_json_str(f, g->valid ? g->name : "");
+		gml_json_str(f, g->valid ? g->name : "");
 		if (g->valid)
 			fprintf(f, ",\"total\":%llu,\"used\":%llu}",
 				(unsigned long long)g->total,

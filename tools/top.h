@@ -111,7 +111,6 @@ void top_gpu_lines(struct top_state *st, void (*line)(void *, const char *),
 		   void *arg);
 void top_print_text(struct top_state *st, FILE *f);
 void top_print_json(struct top_state *st, FILE *f);
-void top_json_str(FILE *f, const char *s);
 
 /* top-ui.c */
 int top_ui_run(struct top_state *st, double delay);
