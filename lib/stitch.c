@@ -66,11 +66,7 @@ static int run_cmp_len(const void *a, const void *b)
 {
 	const struct run *x = a, *y = b;
 
-	if (x->len != y->len)
-		return x->len < y->len ? -1 : 1;
-	if (x->view != y->view)
-		return x->view->va > y->view->va ? -1 : 1;
-	return x->pos > y->pos ? -1 : x->pos < y->pos;
+	return x->len < y->len ? -1 : x->len > y->len ? 1 : 0;
 }
 
 /* Every free run of the segments usable on stream; returns the chunks. */
@@ -115,9 +111,8 @@ static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
 }
 
 /*
- * A new stitched view of n chunks: the free runs, smallest first (the
- * highest first among equals, away from first fit), and a new segment
- * for the shortfall. Stitching maps no new physical memory. Small
+ * A new stitched view of n chunks: the free runs, smallest first, and a new
+ * segment for the shortfall. Stitching maps no new physical memory. Small
  * runs go first so that large free runs stay whole for step 1: taking
  * the largest first made big views overlap the segments that hold other
  * big blocks, and each step repaired them.
@@ -203,11 +198,7 @@ static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 }
 
 /* Up to want free chunks usable on stream that v does not map, those no
- * other stitched view maps first, so repairs keep other views whole; from
- * the top of each segment down, since first fit fills from the bottom:
- * GraphSAGE's message tensor, freed and allocated again between node
- * tensors in every layer, had its range repaired each time while the
- * spares came from the bottom (10.3% of the replay's steady time; 4.4%). */
+ * other stitched view maps first, so repairs keep other views whole. */
 static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
 			     struct gml_chunk **out, uint32_t want)
 {
@@ -216,8 +207,7 @@ static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
 	for (int pass = 0; pass < 2; pass++)
 		for (struct gml_view *s = gml_list_last(ctx->segs); s && got < want;
 		     s = s->prev)
-			for (uint32_t j = s->n; j-- > 0 && got < want;) {
-				uint32_t i = j;
+			for (uint32_t i = 0; i < s->n && got < want; i++) {
 				struct gml_chunk *c = s->chunks[i];
 
 				if (c && s->mapped[i] && !c->owner &&
