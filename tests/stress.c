@@ -12,7 +12,10 @@
  * default one), frees, record_stream on another stream and free, trims, and
  * hand-overs through a shared array: a block allocated by one thread on its
  * stream is taken by another, recorded on that thread's stream and freed
- * there (a cross-stream free). Every block is filled with a pattern of its
+ * there (a cross-stream free), and asynchronous use: a block written and
+ * read back by copies queued on the stream and freed while they are still
+ * queued, the read checked after the stream ran (memory reused too early
+ * by another stream shows there). Every block is filled with a pattern of its
  * own (through gmlake_memcpy_htod, so the same code runs on a GPU) and
  * checked (gmlake_memcpy_dtoh) before it is freed or handed over. After
  * each phase every block is freed and the invariant checker must hold with
@@ -86,7 +89,7 @@ static atomic_bool failed;
 /* What was done, over all threads. */
 static atomic_uint_fast64_t n_ops, n_alloc, n_free, n_cross, n_record, n_trim,
 	n_oom, n_bytes, n_spill, n_fetch, n_spill_oom, n_fetch_oom, n_unmovable,
-	n_free_spilled, n_spill_busy;
+	n_free_spilled, n_spill_busy, n_async, n_waits;
 
 static void fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -164,6 +167,9 @@ struct sthread {
 	struct sblock live[STRESS_LIVE];
 	int n;
 	uint8_t *buf;			/* host staging, STRESS_MAX bytes */
+	uint8_t *abuf_in, *abuf_out;	/* op_async's copies, likewise */
+	size_t async_size;		/* a read-back to check; 0: none */
+	uint64_t async_cookie;
 };
 
 #define STRESS_MAX (6 * MiB)
@@ -493,6 +499,93 @@ static void op_handover(struct sthread *t)
 		n_cross++;
 }
 
+/* Queued ahead of op_async's copies: the stream is busy for 2 ms. */
+static void async_stall(void *arg)
+{
+	struct timespec ts = { 0, 2 * 1000 * 1000 };
+
+	(void)arg;
+	nanosleep(&ts, NULL);
+}
+
+/* The read-back op_async queued, once its stream ran: the pattern. */
+static void async_check(struct sthread *t)
+{
+	int ret;
+
+	if (!t->async_size)
+		return;
+	ret = gmlake_stream_synchronize(t->sc->ctx, t->stream);
+	if (ret) {
+		fail("thread %d: stream_synchronize: %d (%s)", t->id, ret,
+		     gmlake_last_error());
+		return;
+	}
+	for (size_t i = 0; i < t->async_size; i += 8) {
+		uint64_t w = cookie_word(t->async_cookie, i / 8), got = 0;
+		size_t n = t->async_size - i < 8 ? t->async_size - i : 8;
+
+		memcpy(&got, t->abuf_out + i, n);
+		if (memcmp(&got, &w, n)) {
+			fail("thread %d: a read queued before its block's free "
+			     "saw other data at offset %zu of %zu: the memory "
+			     "was reused before the read ran", t->id, i,
+			     t->async_size);
+			break;
+		}
+	}
+	n_bytes += t->async_size;
+	t->async_size = 0;
+}
+
+/*
+ * Asynchronous, as a training step is: a new block is written and read
+ * back by copies queued on the thread's stream, and freed while they are
+ * still queued; the read is checked later. If the allocator hands the
+ * memory to another stream before the read ran (without that stream
+ * waiting for it), the other stream's writes show up here. A host
+ * function that sleeps 2 ms goes first, so the copies are still queued
+ * while other threads allocate.
+ */
+static void op_async(struct sthread *t)
+{
+	struct gml_dev *dev = gml_ctx_dev(t->sc->ctx);
+	/* Large: small blocks stay in their stream's own chunks. */
+	size_t size = 2 * MiB + rnd(&t->rng) % (STRESS_MAX - 2 * MiB + 1);
+	uint64_t cookie = rnd(&t->rng) | 1;
+	void *p;
+	int ret;
+
+	async_check(t);
+	ret = gmlake_alloc(t->sc->ctx, &p, size, t->stream);
+	if (ret == -ENOMEM) {
+		n_oom++;
+		return;
+	}
+	if (ret) {
+		fail("thread %d: alloc %zu: %d (%s)", t->id, size, ret,
+		     gmlake_last_error());
+		return;
+	}
+	n_alloc++;
+	cookie_fill(t->abuf_in, size, cookie);
+	memset(t->abuf_out, 0x5a, size);
+	ret = gml_dev_host_func(dev, t->stream, async_stall, NULL);
+	if (!ret)
+		ret = gml_dev_memcpy(dev, p, t->abuf_in, size, GML_COPY_HTOD,
+				     t->stream);
+	if (!ret)
+		ret = gml_dev_memcpy(dev, t->abuf_out, p, size, GML_COPY_DTOH,
+				     t->stream);
+	if (ret)
+		fail("thread %d: queued copy of %zu: %d (%s)", t->id, size, ret,
+		     gmlake_last_error());
+	else
+		t->async_size = size, t->async_cookie = cookie;
+	if (!do_free(t, &(struct sblock){ .p = p, .size = size }))
+		n_async++;
+}
+
 static void op_trim(struct sthread *t)
 {
 	int ret = gmlake_trim(t->sc->ctx);
@@ -517,6 +610,7 @@ static const struct stress_op stress_ops[] = {
 	{ "trim", 2, op_trim },
 	{ "spill", 8, op_spill },
 	{ "fetch", 5, op_fetch },
+	{ "async", 10, op_async },
 };
 #define N_OPS (sizeof(stress_ops) / sizeof(stress_ops[0]))
 
@@ -552,6 +646,10 @@ static void *thread_main(void *arg)
 		gmlake_stream_destroy(t->sc->ctx, t->stream);
 		return NULL;
 	}
+	t->abuf_in = malloc(STRESS_MAX);
+	t->abuf_out = malloc(STRESS_MAX);
+	if (!t->abuf_in || !t->abuf_out)
+		fail("thread %d: no host memory for copies", t->id);
 	for (k = 0; k < scale * 10 && !atomic_load(&failed); k++) {
 		op_run(t);
 		if (k % 64 == 63 && (ret = gml_ctx_check(t->sc->ctx)))
@@ -563,6 +661,9 @@ static void *thread_main(void *arg)
 
 		check_free(t, &b, t->stream);
 	}
+	async_check(t);
+	free(t->abuf_in);
+	free(t->abuf_out);
 	ret = gmlake_offload_exit(&t->ring);
 	if (ret)
 		fail("thread %d: offload_exit: %d (%s)", t->id, ret,
@@ -646,6 +747,7 @@ static void sctx_close(struct sctx *sc)
 	if (!gmlake_stats_get(sc->ctx, &st) && st.chunks.current)
 		fail("after the last trim: %" PRId64 " chunks held",
 		     st.chunks.current);
+	n_waits += st.calls[GMLAKE_CALL_stream_wait];
 	if (gml_dev_is_emu(gml_ctx_dev(sc->ctx))) {
 		struct gml_emu_info info;
 
@@ -769,7 +871,9 @@ int main(int argc, char **argv)
 	       PRIu64 " fetches, %" PRIu64 " spills over the host budget, %"
 	       PRIu64 " spills of blocks sharing chunks, %"
 	       PRIu64 " fetches with no room, %" PRIu64 " small blocks "
-	       "refused, %" PRIu64 " spilled blocks freed as they were), %"
+	       "refused, %" PRIu64 " spilled blocks freed as they were, %"
+	       PRIu64 " freed with copies queued, %" PRIu64 " streams made "
+	       "to wait for another), %"
 	       PRIu64 " MiB checked, in %.1f s: %s\n", threads, scale, iters,
 	       (uint64_t)n_ops,
 	       (uint64_t)n_alloc, (uint64_t)n_free, (uint64_t)n_cross,
@@ -777,7 +881,7 @@ int main(int argc, char **argv)
 	       (uint64_t)n_spill, (uint64_t)n_fetch, (uint64_t)n_spill_oom,
 	       (uint64_t)n_spill_busy,
 	       (uint64_t)n_fetch_oom, (uint64_t)n_unmovable,
-	       (uint64_t)n_free_spilled,
+	       (uint64_t)n_free_spilled, (uint64_t)n_async, (uint64_t)n_waits,
 	       (uint64_t)(n_bytes >> 20), secs,
 	       atomic_load(&failed) ? "FAILED" : "ok");
 	return atomic_load(&failed) ? 1 : 0;
