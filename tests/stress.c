@@ -162,6 +162,7 @@ struct sthread {
 	int id;
 	uint64_t rng;
 	gmlake_stream_t stream;
+	gmlake_stream_t other;		/* op_async's second stream */
 	struct gmlake_offload ring;
 	bool ring_live;
 	struct sblock live[STRESS_LIVE];
@@ -545,7 +546,8 @@ static void async_check(struct sthread *t)
  * memory to another stream before the read ran (without that stream
  * waiting for it), the other stream's writes show up here. A host
  * function that sleeps 2 ms goes first, so the copies are still queued
- * while other threads allocate.
+ * when the same size is asked for at once on the thread's second stream
+ * and written there.
  */
 static void op_async(struct sthread *t)
 {
@@ -582,8 +584,28 @@ static void op_async(struct sthread *t)
 		     gmlake_last_error());
 	else
 		t->async_size = size, t->async_cookie = cookie;
-	if (!do_free(t, &(struct sblock){ .p = p, .size = size }))
-		n_async++;
+	if (do_free(t, &(struct sblock){ .p = p, .size = size }))
+		return;
+	n_async++;
+	/* At once, the same size on another stream, written there: it must
+	 * not land before the queued read. */
+	ret = gmlake_alloc(t->sc->ctx, &p, size, t->other);
+	if (ret == -ENOMEM) {
+		n_oom++;
+		return;
+	}
+	if (ret) {
+		fail("thread %d: alloc %zu: %d (%s)", t->id, size, ret,
+		     gmlake_last_error());
+		return;
+	}
+	n_alloc++;
+	cookie_fill(t->buf, size, cookie + 2);
+	ret = gmlake_memcpy_htod(t->sc->ctx, p, t->buf, size, t->other);
+	if (ret)
+		fail("thread %d: fill %p+%zu: %d (%s)", t->id, p, size, ret,
+		     gmlake_last_error());
+	do_free(t, &(struct sblock){ .p = p, .size = size });
 }
 
 static void op_trim(struct sthread *t)
@@ -639,10 +661,18 @@ static void *thread_main(void *arg)
 		     gmlake_last_error());
 		return NULL;
 	}
+	ret = gmlake_stream_create(t->sc->ctx, &t->other);
+	if (ret) {
+		fail("thread %d: stream_create: %d (%s)", t->id, ret,
+		     gmlake_last_error());
+		gmlake_stream_destroy(t->sc->ctx, t->stream);
+		return NULL;
+	}
 	ret = gmlake_offload_init(&t->ring, t->sc->ctx, 4, 0);
 	if (ret) {
 		fail("thread %d: offload_init: %d (%s)", t->id, ret,
 		     gmlake_last_error());
+		gmlake_stream_destroy(t->sc->ctx, t->other);
 		gmlake_stream_destroy(t->sc->ctx, t->stream);
 		return NULL;
 	}
@@ -669,6 +699,8 @@ static void *thread_main(void *arg)
 		fail("thread %d: offload_exit: %d (%s)", t->id, ret,
 		     gmlake_last_error());
 	ret = gmlake_stream_destroy(t->sc->ctx, t->stream);
+	if (!ret)
+		ret = gmlake_stream_destroy(t->sc->ctx, t->other);
 	if (ret)
 		fail("thread %d: stream_destroy: %d (%s)", t->id, ret,
 		     gmlake_last_error());
