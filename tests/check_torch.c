@@ -783,6 +783,64 @@ START_TEST(test_pool_no_trim)
 }
 END_TEST
 
+/*
+ * While a private pool takes allocations (a CUDA graph captures, whose
+ * streams may not wait on events from outside the capture), a request
+ * never takes memory another stream's work still covers: no stream wait,
+ * new chunks instead. After the routing ends the same request is ordered.
+ */
+static void order_case(bool routing, uint64_t *waits, bool *same)
+{
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *ctx;
+	gmlake_stream_t a, b;
+	void *x, *y;
+
+	ck_assert_int_eq(gml_torch_reset(), 0);
+	ck_assert_int_eq(setenv("GMLAKE_EMU_CAPACITY", "16M", 1), 0);
+	y = torch_alloc_ok(4096, 0, NULL);		/* makes the context */
+	gmlake_torch_free(y, 4096, 0, NULL);
+	ctx = torch_ctx(0);
+	a = th_stream(ctx);
+	b = th_stream(ctx);
+	x = torch_alloc_ok(4 * TH_MiB, 0, a);
+	th_hold(ctx, a, true);
+	gmlake_torch_free(x, 4 * TH_MiB, 0, a);	/* pending: a is held */
+	if (routing)
+		ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	stats_of(0, &s0);
+	y = torch_alloc_ok(4 * TH_MiB, 0, b);
+	stats_of(0, &s1);
+	*waits = s1.calls[GMLAKE_CALL_stream_wait] -
+		 s0.calls[GMLAKE_CALL_stream_wait];
+	*same = y == x;
+	th_hold(ctx, a, false);
+	if (routing) {
+		ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+		ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	}
+	gmlake_torch_free(y, 4 * TH_MiB, 0, b);
+	TH_OK(ctx, gmlake_stream_synchronize(ctx, a));
+	TH_OK(ctx, gmlake_stream_synchronize(ctx, b));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, a));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, b));
+	ck_assert_int_eq(setenv("GMLAKE_EMU_CAPACITY", "256M", 1), 0);
+}
+
+START_TEST(test_no_order_while_routing)
+{
+	uint64_t waits;
+	bool same;
+
+	order_case(true, &waits, &same);
+	ck_assert_uint_eq(waits, 0);
+	ck_assert(!same);
+	order_case(false, &waits, &same);
+	ck_assert_uint_eq(waits, 1);
+	ck_assert(same);
+}
+END_TEST
+
 /* A checkpoint of the pool's live blocks, and its restore. */
 START_TEST(test_pool_checkpoint)
 {
@@ -1142,6 +1200,7 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_pool_live);
 		tcase_add_test(tc, test_pool_sync_hook);
 		tcase_add_test(tc, test_pool_no_trim);
+		tcase_add_test(tc, test_no_order_while_routing);
 		tcase_add_test(tc, test_pool_checkpoint);
 		tcase_add_test(tc, test_raw_delete);
 
