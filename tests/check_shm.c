@@ -213,12 +213,15 @@ START_TEST(contexts_share_one_segment)
 	struct gmlake_shm_snapshot snap;
 	gmlake_ctx *a = th_ctx(64 * TH_MiB), *b = th_ctx(64 * TH_MiB);
 	char path[512];
-	void *pa, *pb;
+	void *pa, *pb, *pc;
 	int ret;
 
 	own_path(path, sizeof(path));
 	ck_assert_int_eq(gmlake_alloc(a, &pa, 4 * TH_MiB, NULL), 0);
 	ck_assert_int_eq(gmlake_alloc(b, &pb, 6 * TH_MiB, NULL), 0);
+	/* Counts of b's own, so that a's slot alone cannot pass for it. */
+	ck_assert_int_eq(gmlake_alloc(b, &pc, TH_MiB, NULL), 0);
+	ck_assert_int_eq(gmlake_free(b, pc), 0);
 	wait_published(b, &snap);
 	wait_published(a, &snap);
 	ck_assert_uint_eq(snap.nslots, 2);
