@@ -176,6 +176,8 @@ static bool guard_orderable(gmlake_ctx *ctx, const struct gml_guard *g)
 {
 	const struct gml_stream *s = &ctx->streams[g->stream];
 
+	if (s->dead)
+		return true;	/* its work is done */
 	if (g->seq == SEQ_NEVER)
 		return false;
 	if (g->seq == 0)
