@@ -389,27 +389,37 @@ static void op_fetch(struct sthread *t)
 		fetch_check(t, &t->live[(i + k) % t->n], t->stream);
 }
 
+/* An allocation on s, counted; false when it failed (out of memory is
+ * counted, anything else fails the run). */
+static bool alloc_counted(struct sthread *t, void **p, size_t size,
+			  gmlake_stream_t s)
+{
+	int ret = gmlake_alloc(t->sc->ctx, p, size, s);
+
+	if (ret == -ENOMEM) {
+		n_oom++;
+		return false;
+	}
+	if (ret) {
+		fail("thread %d: alloc %zu: %d (%s)", t->id, size, ret,
+		     gmlake_last_error());
+		return false;
+	}
+	n_alloc++;
+	return true;
+}
+
 static void op_alloc(struct sthread *t)
 {
 	struct sblock b;
 	gmlake_stream_t s = rnd(&t->rng) % 4 ? t->stream : NULL;
-	int ret;
 
 	if (t->n == STRESS_LIVE)
 		return;
 	b.size = pick_size(&t->rng);
 	b.cookie = rnd(&t->rng) | 1;
-	ret = gmlake_alloc(t->sc->ctx, &b.p, b.size, s);
-	if (ret == -ENOMEM) {
-		n_oom++;
+	if (!alloc_counted(t, &b.p, b.size, s))
 		return;
-	}
-	if (ret) {
-		fail("thread %d: alloc %zu: %d (%s)", t->id, b.size, ret,
-		     gmlake_last_error());
-		return;
-	}
-	n_alloc++;
 	b.spilled = false;
 	if (fill(t, &b, s))
 		return;
@@ -559,17 +569,8 @@ static void op_async(struct sthread *t)
 	int ret;
 
 	async_check(t);
-	ret = gmlake_alloc(t->sc->ctx, &p, size, t->stream);
-	if (ret == -ENOMEM) {
-		n_oom++;
+	if (!alloc_counted(t, &p, size, t->stream))
 		return;
-	}
-	if (ret) {
-		fail("thread %d: alloc %zu: %d (%s)", t->id, size, ret,
-		     gmlake_last_error());
-		return;
-	}
-	n_alloc++;
 	cookie_fill(t->abuf_in, size, cookie);
 	memset(t->abuf_out, 0x5a, size);
 	ret = gml_dev_host_func(dev, t->stream, async_stall, NULL);
@@ -589,17 +590,8 @@ static void op_async(struct sthread *t)
 	n_async++;
 	/* At once, the same size on another stream, written there: it must
 	 * not land before the queued read. */
-	ret = gmlake_alloc(t->sc->ctx, &p, size, t->other);
-	if (ret == -ENOMEM) {
-		n_oom++;
+	if (!alloc_counted(t, &p, size, t->other))
 		return;
-	}
-	if (ret) {
-		fail("thread %d: alloc %zu: %d (%s)", t->id, size, ret,
-		     gmlake_last_error());
-		return;
-	}
-	n_alloc++;
 	cookie_fill(t->buf, size, cookie + 2);
 	ret = gmlake_memcpy_htod(t->sc->ctx, p, t->buf, size, t->other);
 	if (ret)
