@@ -201,7 +201,11 @@ def enable(library=None, excepthook=True, backend=None):
                     "gmlake: the PyTorch adapter is not available (%s); "
                     "using the ctypes backend (CUDAPluggableAllocator), "
                     "under which torch.cuda.memory_stats(), snapshots, CUDA "
-                    "graphs and OutOfMemoryError do not work" % e,
+                    "graphs and OutOfMemoryError do not work, and an "
+                    "allocation that fails can hand PyTorch a tensor with "
+                    "no memory (data_ptr() 0) that a later kernel faults "
+                    "on; install a C++ compiler and ninja for the "
+                    "adapter" % e,
                     RuntimeWarning, stacklevel=2)
         if used is None:
             _enable_ctypes(torch, path, lib)
