@@ -300,8 +300,6 @@ static int stream_order(gmlake_ctx *ctx, int from, uint64_t seq, int to)
 
 	if (stream_done(ctx, from, seq, true))
 		return 0;
-	if (seq == 0)
-		seq = s->barrier;
 	if (seq == SEQ_NEVER || seq > s->next_seq)
 		return -EAGAIN;		/* no event covers it */
 	for (size_t i = 0; i < s->count; i++) {
@@ -330,14 +328,15 @@ int gml_stream_order_run(gmlake_ctx *ctx, struct gml_chunk *const *chunks,
 	for (uint32_t i = 0; i < n; i++) {
 		const struct gml_guard *g = &chunks[i]->guard;
 		struct gml_stream *s;
+		uint64_t seq;
 
 		if (g->stream < 0 || g->stream == to)
 			continue;
 		s = &ctx->streams[g->stream];
-		if (s->order_gen != gen || s->order_seq < g->seq ||
-		    (g->seq == 0 && s->order_seq < s->barrier)) {
+		seq = g->seq ? g->seq : s->barrier;	/* seq 0: the barrier */
+		if (s->order_gen != gen || s->order_seq < seq) {
 			s->order_gen = gen;
-			s->order_seq = g->seq ? g->seq : s->barrier;
+			s->order_seq = seq;
 		}
 	}
 	for (int i = 0; i < ctx->nstreams && !ret; i++)
