@@ -118,17 +118,12 @@ static bool f_ok(struct fs *f, int ret, const char *what)
 	return ret == 0;
 }
 
-/* Allocate and fill; the slot, or -1 when the allocation failed. */
-static int f_alloc(struct fs *f, size_t size, gmlake_stream_t s)
+/* Keep p (size bytes on s) as a new slot and fill it; the slot. */
+static int f_keep(struct fs *f, void *p, size_t size, gmlake_stream_t s)
 {
 	struct fblk *b;
-	void *p = NULL;
 	int ret;
 
-	snprintf(f->trace, sizeof(f->trace), "alloc %zu", size);
-	ret = gmlake_alloc(f->ctx, &p, size, s);
-	if (!f_ok(f, ret, "gmlake_alloc"))
-		return -1;
 	ck_assert_int_lt(f->n, F_BLOCKS);
 	b = &f->blk[f->n];
 	b->p = p;
@@ -136,6 +131,7 @@ static int f_alloc(struct fs *f, size_t size, gmlake_stream_t s)
 	b->seed = 0xf000 + (uint64_t)f->n;
 	b->s = s;
 	b->live = true;
+	b->dirty = false;
 	snprintf(f->trace, sizeof(f->trace), "fill %zu", size);
 	ret = th_fill(f->ctx, p, size, b->seed, s);
 	if (!f_ok(f, ret, "gmlake_memcpy_htod"))
@@ -143,25 +139,40 @@ static int f_alloc(struct fs *f, size_t size, gmlake_stream_t s)
 	return f->n++;
 }
 
-/* Verify and free; a failed free must leave the block whole or gone. */
-static void f_free(struct fs *f, int i)
+/* Allocate and fill; the slot, or -1 when the allocation failed. */
+static int f_alloc(struct fs *f, size_t size, gmlake_stream_t s)
 {
-	struct fblk *b;
+	void *p = NULL;
+	int ret;
+
+	snprintf(f->trace, sizeof(f->trace), "alloc %zu", size);
+	ret = gmlake_alloc(f->ctx, &p, size, s);
+	if (!f_ok(f, ret, "gmlake_alloc"))
+		return -1;
+	return f_keep(f, p, size, s);
+}
+
+/* A live block keeps its bytes (unless a failed copy left them undefined). */
+static void f_verify(struct fs *f, const struct fblk *b)
+{
+	size_t diff = 0;
+	int ret;
+
+	if (b->dirty)
+		return;
+	snprintf(f->trace, sizeof(f->trace), "read %zu", b->size);
+	ret = th_verify(f->ctx, b->p, b->size, b->seed, b->s, &diff);
+	ck_assert_msg(ret != 1, "%s: block %p (%zu bytes) corrupt at "
+		      "offset %zu", site, b->p, b->size, diff);
+	f_ok(f, ret, "gmlake_memcpy_dtoh");
+}
+
+/* Free; a failed free must leave the block whole or gone. */
+static void f_release(struct fs *f, struct fblk *b)
+{
 	size_t sz;
 	int ret;
 
-	if (i < 0 || !f->blk[i].live)
-		return;
-	b = &f->blk[i];
-	if (!b->dirty) {
-		size_t diff = 0;
-
-		snprintf(f->trace, sizeof(f->trace), "read %zu", b->size);
-		ret = th_verify(f->ctx, b->p, b->size, b->seed, b->s, &diff);
-		ck_assert_msg(ret != 1, "%s: block %p (%zu bytes) corrupt at "
-			      "offset %zu", site, b->p, b->size, diff);
-		f_ok(f, ret, "gmlake_memcpy_dtoh");
-	}
 	snprintf(f->trace, sizeof(f->trace), "free %zu", b->size);
 	ret = gmlake_free(f->ctx, b->p);
 	if (f_ok(f, ret, "gmlake_free")) {
@@ -176,6 +187,15 @@ static void f_free(struct fs *f, int i)
 	ck_assert_int_eq(ret, -EINVAL);
 	b->live = false;
 	f->lost++;
+}
+
+/* Verify and free. */
+static void f_free(struct fs *f, int i)
+{
+	if (i < 0 || !f->blk[i].live)
+		return;
+	f_verify(f, &f->blk[i]);
+	f_release(f, &f->blk[i]);
 }
 
 static void f_trim(struct fs *f)
@@ -199,40 +219,21 @@ static void f_sync(struct fs *f, gmlake_stream_t s)
 static void f_free_held(struct fs *f, int i, size_t size)
 {
 	struct f_unhold u = { f->ctx, f->a, 0 };
-	struct fblk *b;
 	void *p = NULL;
-	size_t diff = 0;
 	int ret;
 
 	if (i < 0 || !f->blk[i].live || f->blk[i].s != f->a)
 		return;
-	b = &f->blk[i];
-	if (!b->dirty) {
-		snprintf(f->trace, sizeof(f->trace), "read %zu", b->size);
-		ret = th_verify(f->ctx, b->p, b->size, b->seed, b->s, &diff);
-		ck_assert_msg(ret != 1, "%s: block %p corrupt at offset %zu",
-			      site, b->p, diff);
-		f_ok(f, ret, "gmlake_memcpy_dtoh");
-	}
+	f_verify(f, &f->blk[i]);
 	th_hold(f->ctx, f->a, true);
 	ck_assert_int_eq(pthread_create(&u.thread, NULL, f_unhold_later, &u),
 			 0);
-	snprintf(f->trace, sizeof(f->trace), "free %zu held", b->size);
-	if (f_ok(f, gmlake_free(f->ctx, b->p), "gmlake_free"))
-		b->live = false;
+	f_release(f, &f->blk[i]);
 	snprintf(f->trace, sizeof(f->trace), "alloc %zu on b, a held", size);
 	ret = gmlake_alloc(f->ctx, &p, size, f->b);
 	ck_assert_int_eq(pthread_join(u.thread, NULL), 0);
-	if (!f_ok(f, ret, "gmlake_alloc"))
-		return;
-	ck_assert_int_lt(f->n, F_BLOCKS);
-	b = &f->blk[f->n++];
-	*b = (struct fblk){ .p = p, .size = size, .seed = 0xf000 +
-			    (uint64_t)f->n, .s = f->b, .live = true };
-	snprintf(f->trace, sizeof(f->trace), "fill %zu", size);
-	if (!f_ok(f, th_fill(f->ctx, p, size, b->seed, f->b),
-		  "gmlake_memcpy_htod"))
-		b->dirty = true;
+	if (f_ok(f, ret, "gmlake_alloc"))
+		f_keep(f, p, size, f->b);
 }
 
 /* The fixed scenario; runs with a fault armed. */

@@ -202,8 +202,24 @@ static int fill(struct sthread *t, const struct sblock *b, gmlake_stream_t s)
 }
 
 /* Check a block's pattern, read on stream s. */
+/* The first offset of buf that is not cookie's pattern, or SIZE_MAX. */
+static size_t cookie_mismatch(const uint8_t *buf, size_t size,
+			      uint64_t cookie)
+{
+	for (size_t i = 0; i < size; i += 8) {
+		uint64_t w = cookie_word(cookie, i / 8), got = 0;
+		size_t n = size - i < 8 ? size - i : 8;
+
+		memcpy(&got, buf + i, n);
+		if (memcmp(&got, &w, n))
+			return i;
+	}
+	return SIZE_MAX;
+}
+
 static int verify(struct sthread *t, const struct sblock *b, gmlake_stream_t s)
 {
+	size_t off;
 	int ret;
 
 	memset(t->buf, 0x5a, b->size);
@@ -213,17 +229,12 @@ static int verify(struct sthread *t, const struct sblock *b, gmlake_stream_t s)
 		     ret, gmlake_last_error());
 		return ret;
 	}
-	for (size_t i = 0; i < b->size; i += 8) {
-		uint64_t w = cookie_word(b->cookie, i / 8), got = 0;
-		size_t n = b->size - i < 8 ? b->size - i : 8;
-
-		memcpy(&got, t->buf + i, n);
-		if (memcmp(&got, &w, n)) {
-			fail("thread %d: block %p (%zu bytes, cookie %#" PRIx64
-			     ") corrupt at offset %zu", t->id, b->p, b->size,
-			     b->cookie, i);
-			return -EFAULT;
-		}
+	off = cookie_mismatch(t->buf, b->size, b->cookie);
+	if (off != SIZE_MAX) {
+		fail("thread %d: block %p (%zu bytes, cookie %#" PRIx64
+		     ") corrupt at offset %zu", t->id, b->p, b->size,
+		     b->cookie, off);
+		return -EFAULT;
 	}
 	n_bytes += b->size;
 	return 0;
@@ -522,6 +533,7 @@ static void async_stall(void *arg)
 /* The read-back op_async queued, once its stream ran: the pattern. */
 static void async_check(struct sthread *t)
 {
+	size_t off;
 	int ret;
 
 	if (!t->async_size)
@@ -532,19 +544,11 @@ static void async_check(struct sthread *t)
 		     gmlake_last_error());
 		return;
 	}
-	for (size_t i = 0; i < t->async_size; i += 8) {
-		uint64_t w = cookie_word(t->async_cookie, i / 8), got = 0;
-		size_t n = t->async_size - i < 8 ? t->async_size - i : 8;
-
-		memcpy(&got, t->abuf_out + i, n);
-		if (memcmp(&got, &w, n)) {
-			fail("thread %d: a read queued before its block's free "
-			     "saw other data at offset %zu of %zu: the memory "
-			     "was reused before the read ran", t->id, i,
-			     t->async_size);
-			break;
-		}
-	}
+	off = cookie_mismatch(t->abuf_out, t->async_size, t->async_cookie);
+	if (off != SIZE_MAX)
+		fail("thread %d: a read queued before its block's free saw "
+		     "other data at offset %zu of %zu: the memory was reused "
+		     "before the read ran", t->id, off, t->async_size);
 	n_bytes += t->async_size;
 	t->async_size = 0;
 }
