@@ -41,6 +41,12 @@ offload rings and fetches them back, at the same address, in backward:
     with gmlake.torch.offload_activations():
         loss = model(batch)
     loss.backward()
+
+offload_optimizer(optimizer) (gmlake.optimizer) keeps the optimizer's
+state (AdamW's moments) on the host between steps: the step runs in
+buckets, each fetching its state back to the same addresses, stepping on
+the GPU as before and spilling it again; the state comes back ahead of
+the step, during the last backward before it.
 """
 
 import contextlib
@@ -52,6 +58,7 @@ import warnings
 
 from . import _adapter, _lib, _snapshot, _stats, _version
 from .activations import Offloader, offload_activations  # noqa: F401
+from .optimizer import OptimizerOffloader, offload_optimizer  # noqa: F401
 
 ALLOC = "gmlake_torch_alloc"
 FREE = "gmlake_torch_free"
