@@ -19,17 +19,30 @@ up to about bucket_bytes (256 MiB), taken in param_groups order. For each
 bucket the wrapper makes the bucket's state resident, runs the
 optimizer's own step with param_groups cut down to the bucket's
 parameters (the groups' other keys, lr and the rest, are the same dicts),
-and then submits spills of the state tensors that step made or updated.
-The optimizer itself, fused, foreach or for-loop, runs on the GPU as it
-always does: a spill keeps a block's device address reserved and the
-fetch maps memory at the SAME address again, so every tensor in
-optimizer.state stays valid and nothing is copied in Python.
+and then parks the state that step made or updated. The optimizer
+itself, fused, foreach or for-loop, runs on the GPU as it always does: a
+spill keeps a block's device address reserved and the fetch maps memory
+at the SAME address again, so every tensor in optimizer.state stays
+valid and nothing is copied in Python.
 
 Why buckets: a step needs the state of every parameter it updates. Run
 whole, it would need all of it on the device at once, which is the peak
 that offloading is there to remove. By buckets the peak is the
 parameters, their gradients and a window of state: the bucket stepping,
 `prefetch` buckets (2) fetched ahead, and the spills still copying.
+
+Parking: the first buckets' state stays on the device while it fits in
+keep_bytes, and the rest is spilled (submitted, not waited for: the
+copy runs after the step's kernels, on libgmlake's copy stream). The
+bus then carries only what memory needs. "auto" (the default) keeps the
+device's size less a reserve (reserve_bytes: 10% of the device, at
+least 2 GiB) less the most that was resident besides the state at the
+start of a backward (sampled at its first gradient): 0, spill it all,
+until the first backward has been seen. State kept is advised
+offloadable (gmlake_advise) until its bucket's next step, so where the
+guess was wrong libgmlake spills it to serve an allocation that would
+fail otherwise, and the step fetches it again (stats["pressure_spills"]).
+keep_bytes=0 parks everything on the host after every step.
 
 When state comes back:
 
@@ -40,19 +53,19 @@ When state comes back:
   before it, the backward running is the last before a step, and each
   gradient hook of it prefetches buckets in stepping order while their
   bytes stay within prefetch_bytes: backward frees memory as it goes, so
-  later hooks find more room. "auto" (the default) takes the
-  device's free room at that moment, its capacity less what is
-  allocated and resident (and the fetches still under way), less a reserve (reserve_bytes: 10% of the capacity, at least
-  2 GiB) for what backward still allocates. The reserve is a guess, not
-  a limit: a prefetched bucket is advised offloadable (gmlake_advise), so
-  when backward needs its memory after all, libgmlake spills it back
-  before an allocation would fail, and the step fetches it again. A block
+  later hooks find more room. "auto" (the default) takes the device's
+  free room at that moment: its size less what is allocated and
+  resident (and the fetches still under way), less the reserve, for
+  what backward still allocates. The reserve is a guess, not a limit: a
+  prefetched bucket is advised offloadable like kept state, so when
+  backward needs its memory after all, libgmlake spills it back. A block
   is advised offloadable only while nothing will use it before its
   bucket's step, and is advised back before that step runs.
 * During the step, `prefetch` buckets ahead of the one stepping, so that
   the bus works while the GPU steps.
-* A bucket not back when its step comes is fetched then, and the host
-  waits for that copy (the only wait; stats["fetch_waits"] counts them).
+* A bucket not back when its step comes is fetched then
+  (stats["late_fetches"] counts its tensors), and the host waits for the
+  copy: the only wait (stats["host_waits"] counts the tensors waited for).
 
 Other uses of the state: optimizer.state_dict() and load_state_dict()
 are wrapped too. state_dict() first fetches all state (waiting for it),
@@ -150,7 +163,9 @@ class OptimizerOffloader:
     optimizer: a torch.optim.Optimizer; bucket_bytes: parameter bytes per
     bucket; prefetch: buckets fetched ahead during the step; prefetch_bytes:
     state bytes fetched in the last backward ("auto", an int, or 0 for
-    none); reserve_bytes: room "auto" leaves free (None: 10% of the
+    none); keep_bytes: state bytes that stay on the device after a step
+    ("auto", an int, or 0: spill all of it); reserve_bytes: room "auto"
+    leaves free (None: 10% of the
     device, at least 2 GiB); min_bytes: smaller state stays; hooks: count
     backward passes through the parameters' gradient hooks (False: only
     prefetch_now() and the step fetch); entries: submission entries of
@@ -161,7 +176,8 @@ class OptimizerOffloader:
     """
 
     def __init__(self, optimizer, bucket_bytes=BUCKET_BYTES, prefetch=2,
-                 prefetch_bytes="auto", reserve_bytes=None, min_bytes=MiB,
+                 prefetch_bytes="auto", keep_bytes="auto",
+                 reserve_bytes=None, min_bytes=MiB,
                  hooks=True, entries=1024, context=None, memory=None,
                  library=None):
         if not hasattr(optimizer, "param_groups") or \
@@ -171,9 +187,10 @@ class OptimizerOffloader:
                             type(optimizer).__name__)
         if bucket_bytes <= 0 or prefetch < 0:
             raise ValueError("bucket_bytes must be > 0 and prefetch >= 0")
-        if prefetch_bytes != "auto" and (not isinstance(prefetch_bytes, int)
-                                         or prefetch_bytes < 0):
-            raise ValueError("prefetch_bytes must be 'auto' or bytes >= 0")
+        for name, v in (("prefetch_bytes", prefetch_bytes),
+                        ("keep_bytes", keep_bytes)):
+            if v != "auto" and (not isinstance(v, int) or v < 0):
+                raise ValueError("%s must be 'auto' or bytes >= 0" % name)
         if getattr(optimizer, "_gmlake_offloader", None) is not None:
             raise RuntimeError("this optimizer is offloaded already; close() "
                                "its OptimizerOffloader first")
@@ -181,6 +198,7 @@ class OptimizerOffloader:
         self.bucket_bytes = int(bucket_bytes)
         self.prefetch = int(prefetch)
         self.prefetch_bytes = prefetch_bytes
+        self.keep_bytes = keep_bytes
         self.reserve_bytes = reserve_bytes
         self.min_bytes = int(min_bytes)
         self.entries = entries
@@ -205,6 +223,8 @@ class OptimizerOffloader:
         self._first = None          # the parameter whose grad comes first
         self._passes = 0            # backward passes since the last step
         self._accum = None          # passes of the last window
+        self._peak = None           # resident besides state, sampled
+        self._capacity = 0
         self._ahead_from = 0        # first bucket not prefetched yet
         self._check_hidden()
         self._orig = {n: optimizer.__dict__.get(n)
@@ -235,6 +255,7 @@ class OptimizerOffloader:
         with self._lock:
             self._reap_ready()
             self._window_ends()
+            keep = self._keep_budget()
             for i in range(len(buckets)):
                 self._resident(i)
                 self._stepping = i
@@ -243,8 +264,7 @@ class OptimizerOffloader:
                 finally:
                     self._stepping = None
                 self._collect(i, buckets[i])
-                for rec in self._by_bucket[i]:
-                    self._spill(rec)
+                keep = self._park(i, keep)
                 self._flush()
             self.stats["steps"] += 1
         if not self._checked:
@@ -465,9 +485,43 @@ class OptimizerOffloader:
             rec.state = SPILLED
             self.stats["pressure_spills"] += 1
 
-    def _spill(self, rec):
-        if rec.movable and rec.state == RESIDENT:
+    def _park(self, i, keep):
+        """After bucket i's step: keep its state on the device while it
+        fits in keep bytes (advised offloadable: pressure may still take
+        it), else spill it. What is left of keep."""
+        recs = [r for r in self._by_bucket[i]
+                if r.movable and r.state == RESIDENT]
+        nbytes = sum(r.nbytes for r in recs)
+        if nbytes <= keep:
+            for rec in recs:
+                self._advise(rec)
+            self.stats["kept_bytes"] += nbytes
+            return keep - nbytes
+        for rec in recs:
             self._queue(rec, _off.SPILL)
+        return 0                # later buckets spill too: keep the first
+
+    def _advise(self, rec):
+        rec.advised = True
+        _off.advise(self._ring(rec.device).ctx, rec.ptr,
+                    _off.ADVISE_OFFLOADABLE, self.library)
+
+    def _keep_budget(self):
+        """State bytes that may stay on the device through the next
+        window: the device's size less the reserve, less the most that
+        was resident besides the state at a backward's start (sampled at
+        its first gradient). 0 until a window was seen."""
+        if self.keep_bytes != "auto":
+            return self.keep_bytes
+        if self._peak is None:
+            return 0
+        return max(0, self._capacity - self._reserve(self._capacity) -
+                   self._peak)
+
+    def _reserve(self, capacity):
+        if self.reserve_bytes is not None:
+            return self.reserve_bytes
+        return max(capacity // 10, 2 * GiB)
 
     def _want(self, rec, op):
         """Make sure a fetch of rec is (or will be) submitted."""
@@ -547,6 +601,8 @@ class OptimizerOffloader:
             self._first = p
         if p is self._first:
             self._passes += 1
+            if self.keep_bytes == "auto":
+                self._sample()
         if self._accum is None or self._passes < self._accum or \
                 self.prefetch_bytes == 0 or \
                 self._ahead_from >= len(self._buckets or ()):
@@ -562,14 +618,24 @@ class OptimizerOffloader:
         self._passes = 0
         self._ahead_from = 0
 
+    def _sample(self):
+        """What is resident besides the state the bookkeeping holds on
+        the device, at a backward's start: the window's peak, nearly."""
+        dev = self._first.device.index or 0
+        resident, self._capacity = self._memory(dev)
+        with self._lock:
+            state = sum(r.nbytes for r in self._recs.values()
+                        if r.state == RESIDENT)
+        other = max(0, resident - state)
+        if self._peak is None or other > self._peak:
+            self._peak = other
+
     def _budget(self):
         if self.prefetch_bytes != "auto":
             return self.prefetch_bytes
         dev = next(iter(self._recs.values())).device if self._recs else 0
         resident, capacity = self._memory(dev)
-        reserve = self.reserve_bytes
-        if reserve is None:
-            reserve = max(capacity // 10, 2 * GiB)
+        reserve = self._reserve(capacity)
         # Fetches in flight may not be in the resident bytes yet.
         coming = sum(r.nbytes for r in self._recs.values()
                      if r.state == FETCHING)

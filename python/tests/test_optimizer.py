@@ -167,6 +167,7 @@ class TestOptimizer(EmuCase):
         opt = FakeAdam(self, params, groups)
         opts.setdefault("bucket_bytes", 2 * PARAM)
         opts.setdefault("reserve_bytes", 0)
+        opts.setdefault("keep_bytes", 0)
         off = optimizer.OptimizerOffloader(opt, library=self.lib,
                                            entries=4, memory=self.memory,
                                            **opts)
@@ -266,6 +267,27 @@ class TestOptimizer(EmuCase):
         opt.step()
         self.assertEqual(off.stats["late_fetches"], late + 2)
 
+    def test_keep_what_fits(self):
+        opt, off, params = self.offloaded(keep_bytes="auto")
+        opt.step()                  # no window seen: all of it spills
+        off.synchronize()
+        self.assertEqual(self.states(opt), [offload.SPILLED] * 5)
+        # A backward's start sees the room for bucket 0's state only.
+        self.set_room(2 * STATE + STATE // 2)
+        self.backward(params)
+        opt.step()
+        off.synchronize()
+        self.assertEqual(self.states(opt), [offload.RESIDENT] * 2 +
+                         [offload.SPILLED] * 3)
+        self.assertEqual(off.stats["kept_bytes"], 2 * STATE)
+        # Kept state is offloadable until its step: pressure takes it,
+        # and the step fetches it again.
+        self.squeeze(90 * MiB)
+        taken = self.states(opt)[:2].count(offload.SPILLED)
+        self.assertGreater(taken, 0)
+        opt.step()                  # FakeAdam checks every byte
+        self.assertEqual(off.stats["pressure_spills"], taken)
+
     def test_pressure_takes_prefetched_back(self):
         opt, off, params = self.offloaded()
         opt.step()
@@ -355,6 +377,9 @@ class TestOptimizer(EmuCase):
             optimizer.OptimizerOffloader(object(), library=self.lib)
         with self.assertRaises(ValueError):
             optimizer.OptimizerOffloader(opt, prefetch_bytes=-1,
+                                         library=self.lib)
+        with self.assertRaises(ValueError):
+            optimizer.OptimizerOffloader(opt, keep_bytes="all",
                                          library=self.lib)
         hidden = FakeAdam(self, [FakeParam("q")])
         hidden.flat_buffer = self.tensor(2 * MiB, 1)
