@@ -227,6 +227,13 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 {
 	struct gml_view *v = b->view;
 
+	if (v->chunks[b->pos]->spanned) {	/* its run becomes holes */
+		gml_span_free(ctx, b, g);
+		v->live--;
+		free(b);
+		gml_seg_drop_if_empty(ctx, v);
+		return;
+	}
 	for (uint32_t i = 0; i < b->n; i++) {
 		v->chunks[b->pos + i]->owner = NULL;
 		v->chunks[b->pos + i]->guard = *g;
@@ -240,9 +247,9 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 	gml_gauge_add(&ctx->st.stitched_live, -1);
 	if (v->holes && !v->live && !v->dying) {
 		gml_view_evict(ctx, v, false);	/* offload: holes leave */
-		 return;
-		 }
-		 if (ctx->nstitched > ctx->cfg.stitch_cache_max)
+		return;
+	}
+	if (ctx->nstitched > ctx->cfg.stitch_cache_max)
 		gml_cache_trim(ctx, ctx->cfg.stitch_cache_max);
 }
 

@@ -377,6 +377,10 @@ static int check_totals(gmlake_ctx *ctx, struct tally *t)
 
 	t->chunks += ctx->nzombies;	/* released later, still counted */
 	t->chunks += ctx->nspares;	/* kept for reuse, still counted */
+	for (uint32_t i = 0; i < ctx->nspan_spares; i++)
+		t->chunks += ctx->span_spares[i].n;
+	for (uint32_t i = 0; i < ctx->nstale; i++)
+		t->chunks += ctx->stale[i].n;	/* freed spans, mapped still */
 	if (t->spilled_bytes != st->spilled_bytes.current ||
 	    t->spilled_blocks != st->spilled_blocks.current)
 		return gml_set_error(-EFAULT, "%lld spilled blocks of %lld "

@@ -17,7 +17,7 @@
 #include "types.h"
 
 /* Whether n more chunks would take reserved memory past cfg.device_limit. */
-static int over_device_limit(gmlake_ctx *ctx, uint32_t n)
+int gml_over_device_limit(gmlake_ctx *ctx, uint32_t n)
 {
 	uint64_t want = (uint64_t)ctx->st.reserved_bytes.current +
 			(uint64_t)n * ctx->chunk;
@@ -96,6 +96,7 @@ void gml_spares_release(gmlake_ctx *ctx)
 	free(ctx->spares);
 	ctx->spares = NULL;
 	ctx->cap_spares = 0;
+	gml_span_spares_release(ctx);
 }
 
 /* A chunk handle: a spare, else a new one within the device limit. */
@@ -108,7 +109,7 @@ int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h)
 		ctx->spare_ns = gml_now_ns();
 		return 0;
 	}
-	ret = over_device_limit(ctx, 1);
+	ret = gml_over_device_limit(ctx, 1);
 	if (!ret)
 		ret = gml_dev_mem_create(&ctx->dev, ctx->chunk, h);
 	if (ret)
@@ -150,7 +151,7 @@ static int seg_create(gmlake_ctx *ctx, uint32_t n, struct gml_view **out)
 	struct gml_view *v;
 	int ret;
 
-	if (n > ctx->nspares && over_device_limit(ctx, n - ctx->nspares))
+	if (n > ctx->nspares && gml_over_device_limit(ctx, n - ctx->nspares))
 		return -ENOMEM;
 	v = gml_view_new(n, false);
 	if (!v)
@@ -208,7 +209,7 @@ int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
 
 	if (k > v->cap - n)
 		return -ENOSPC;
-	if (k > ctx->nspares && over_device_limit(ctx, k - ctx->nspares))
+	if (k > ctx->nspares && gml_over_device_limit(ctx, k - ctx->nspares))
 		return -ENOMEM;
 	chunks = realloc(v->chunks, (size_t)(n + k) * sizeof(*chunks));
 	if (!chunks)

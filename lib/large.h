@@ -55,6 +55,24 @@ void gml_chunk_handle_release(gmlake_ctx *ctx, gml_handle h);
 void gml_spare_put(gmlake_ctx *ctx, gml_handle h);
 int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h);
 
+int gml_over_device_limit(gmlake_ctx *ctx, uint32_t n);
+
+/* resident.c: a position (n 0) or a freed span (n positions, handle h)
+ * to unmap once the work g covers is done; 0 or -ENOMEM. */
+int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
+		  uint32_t n, gml_handle h, const struct gml_guard *g);
+
+/* span.c: one handle under a cycling segment block's run */
+#define GML_SPAN_MIN 16		/* chunks: 32 MiB at the default size */
+bool gml_span_wanted(const gmlake_ctx *ctx, const struct gml_block *b);
+int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b);
+int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b);
+void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
+		   const struct gml_guard *g);
+bool gml_span_stale_unmap(gmlake_ctx *ctx, const struct gml_stale *e);
+void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n);
+void gml_span_spares_release(gmlake_ctx *ctx);
+
 /* stitch.c */
 int gml_view_evict(gmlake_ctx *ctx, struct gml_view *v, bool wait);
 void gml_cache_trim(gmlake_ctx *ctx, uint32_t limit);

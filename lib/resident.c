@@ -76,6 +76,8 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	if (ctx->nzombies)
 		gml_zombies_reap(ctx);
 	v->maxfree = GML_RUN_UNKNOWN;
+	if (v->chunks[b->pos]->spanned)
+		return check ? 0 : gml_span_detach(ctx, b);
 	for (i = 0; !v->stitched && i < b->n; i++) {
 		ret = unshare_chunk(ctx, v->chunks[b->pos + i]);
 		if (ret)
@@ -221,8 +223,13 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
 			ctx->stale[k++] = *e;
 			continue;
 		}
+		if (e->n) {		/* a freed span */
+			if (s->mapped[e->pos] && !gml_span_stale_unmap(ctx, e)) {
+				ctx->stale[k++] = *e;
+				continue;
+			}
 		/* Unmapped already: by gml_release_cached's retry. */
-		if (s->mapped[e->pos] && !s->chunks[e->pos]) {
+		} else if (s->mapped[e->pos] && !s->chunks[e->pos]) {
 			if (gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)e->pos *
 					  ctx->chunk, ctx->chunk)) {
 				ctx->stale[k++] = *e;	/* again later */
@@ -244,25 +251,33 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
  * otherwise later (gml_stale_reap): the caller orders its own use after
  * all work queued so far, and until then nothing reads the old address.
  */
+int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
+		  uint32_t n, gml_handle h, const struct gml_guard *g)
+{
+	if (ctx->nstale == ctx->cap_stale) {
+		uint32_t cap = ctx->cap_stale ? 2 * ctx->cap_stale : 64;
+		struct gml_stale *grown = realloc(ctx->stale,
+						  cap * sizeof(*grown));
+
+		if (!grown)
+			return -ENOMEM;
+		ctx->stale = grown;
+		ctx->cap_stale = cap;
+	}
+	ctx->stale[ctx->nstale++] = (struct gml_stale){ s, pos, *g, n, h };
+	s->nstale++;
+	return 0;
+}
+
 static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
 {
 	struct gml_view *s = c->seg;
-	struct gml_stale *grown;
 	int ret;
 
 	if (!gml_guard_ready(ctx, &c->guard, -1)) {
-		if (ctx->nstale == ctx->cap_stale) {
-			uint32_t cap = ctx->cap_stale ? 2 * ctx->cap_stale : 64;
-
-			grown = realloc(ctx->stale, cap * sizeof(*grown));
-			if (!grown)
-				return -ENOMEM;
-			ctx->stale = grown;
-			ctx->cap_stale = cap;
-		}
-		ctx->stale[ctx->nstale++] = (struct gml_stale){
-			s, c->seg_pos, c->guard };
-		s->nstale++;
+		ret = gml_stale_add(ctx, s, c->seg_pos, 0, 0, &c->guard);
+		if (ret)
+			return ret;
 	} else {
 		ret = gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos *
 				    ctx->chunk, ctx->chunk);
@@ -469,6 +484,11 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 	if (ctx->nstale)
 		gml_stale_reap(ctx, false);
 	b->view->maxfree = GML_RUN_UNKNOWN;
+	if (gml_span_wanted(ctx, b) && gml_span_attach(ctx, b) == 0) {
+		b->fetches++;
+		free(got);
+		return 0;
+	}
 	if (b->view->stitched)
 		ret = attach_stitched(ctx, b, got);
 	else
@@ -477,6 +497,8 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 		got[i]->owner = b;
 		gml_chunk_touch(got[i]);
 	}
+	if (!ret)
+		b->fetches++;
 	free(got);
 	return ret;
 }

@@ -70,7 +70,7 @@ int gml_chunks_tend(gmlake_ctx *ctx)
 		if (ctx->nstale)
 			ms = STALE_LOOK_MS;
 	}
-	if (ctx->nspares) {
+	if (ctx->nspares || ctx->nspan_spares) {
 		keep = (uint64_t)ctx->cfg.spare_keep_ms * 1000000;
 		age = gml_now_ns() - ctx->spare_ns;
 		if (age >= keep) {

@@ -70,6 +70,10 @@ struct gml_chunk {
 	struct gml_guard guard;		/* last free */
 	struct gml_view **views;	/* stitched views mapping it */
 	uint32_t nviews, cap_views;
+	bool spanned;			/* one position of a span (span.c):
+					   its handle maps the whole run */
+	uint32_t span_len;		/* a span's first chunk: its positions
+					   (the structs are one array) */
 };
 
 struct gml_view {
@@ -120,6 +124,15 @@ struct gml_stale {
 	struct gml_view *seg;
 	uint32_t pos;
 	struct gml_guard guard;
+	uint32_t n;			/* a freed span's positions (span.c);
+					   0: the one position pos */
+	gml_handle span_h;		/* that span's handle */
+};
+
+/* An unmapped span kept for the next fetch of its size (span.c). */
+struct gml_span_spare {
+	gml_handle h;
+	uint32_t n;
 };
 
 /* Where a large block's bytes are (offload/). */
@@ -159,6 +172,8 @@ struct gml_block {
 	gml_va host_va;			/* and its second mapping; */
 	bool inplace_mapped;		/* also mapped at ptr */
 	struct gml_block *oprev, *onext; /* that LRU, oldest first */
+	uint32_t fetches;		/* fetched so often: from the second
+					   fetch, into a span (span.c) */
 };
 
 struct gml_schunk {
@@ -222,6 +237,8 @@ struct gmlake_ctx {
 	uint32_t nstale, cap_stale;
 	gml_handle *spares;		/* unmapped chunks kept for reuse */
 	uint32_t nspares, cap_spares;
+	struct gml_span_spare *span_spares; /* unmapped spans, likewise */
+	uint32_t nspan_spares, cap_span_spares;
 	uint64_t spare_ns;		/* when spares last changed */
 
 	struct gmlake_stats st;
@@ -266,8 +283,8 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check);
 int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b);
 void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b);
 void gml_zombies_reap(gmlake_ctx *ctx);
-/* Spilled chunks kept for the next fetch or segment, released after
- * cfg.spare_keep_ms unused, on trim, under pressure and at destroy. */
+/* Spilled chunks and spans kept for the next fetch or segment, released
+ * after cfg.spare_keep_ms unused, on trim, under pressure and at destroy. */
 void gml_spares_release(gmlake_ctx *ctx);
 void gml_log_peak_slack_now(gmlake_ctx *ctx, const char *what, size_t size);
 /* At debug level, after a request that raised the reserved peak: what free

@@ -460,8 +460,10 @@ static int spill_fail(struct gml_offload *off, struct gml_off_req *req,
 }
 
 /*
- * Spill b now, in this thread, from the arena's free space only: the
- * allocation path under pressure. ctx lock held. 0 or -errno, b intact.
+ * Spill b now, in this thread: the allocation path under pressure. The
+ * arena grows here if it must (pinning under the context lock is slow,
+ * but the request would fail otherwise). ctx lock held. 0 or -errno, b
+ * intact.
  */
 int gml_off_spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
 		       struct gml_block *b)
@@ -474,11 +476,10 @@ int gml_off_spill_sync(gmlake_ctx *ctx, struct gml_offload *off,
 	ret = gml_large_detach(ctx, b, true);
 	if (ret)
 		return ret;
-	ret = gml_host_alloc(&off->host, req.size, false, &req.host);
-	if (ret) {
-		gml_off_wake(off);	/* the engine pins more, ahead */
+	ret = gml_host_alloc(&off->host, req.size, true, &req.host);
+	gml_off_wake(off);		/* the engine pins more, ahead */
+	if (ret)
 		return ret;
-	}
 	ret = after_block(ctx, b, off->d2h);
 	if (!ret)
 		ret = queue_copy(ctx, off, &req, off->d2h, req.host,

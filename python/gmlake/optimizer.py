@@ -29,7 +29,9 @@ Why buckets: a step needs the state of every parameter it updates. Run
 whole, it would need all of it on the device at once, which is the peak
 that offloading is there to remove. By buckets the peak is the
 parameters, their gradients and a window of state: the bucket stepping,
-`prefetch` buckets (2) fetched ahead, and the spills still copying.
+`prefetch` buckets (2) fetched ahead, and the spills still copying (at
+most max_inflight bytes, 2 GiB: before a bucket steps, the wrapper waits
+for spills to complete until no more are copying).
 
 Parking: the first buckets' state stays on the device while it fits in
 keep_bytes, and the rest is spilled (submitted, not waited for: the
@@ -165,7 +167,8 @@ class OptimizerOffloader:
     state bytes fetched in the last backward ("auto", an int, or 0 for
     none); keep_bytes: state bytes that stay on the device after a step
     ("auto", an int, or 0: spill all of it); reserve_bytes: room "auto"
-    leaves free (None: 10% of the
+    leaves free; max_inflight: bytes of spills copying before the step
+    waits for some (None: never) (None: 10% of the
     device, at least 2 GiB); min_bytes: smaller state stays; hooks: count
     backward passes through the parameters' gradient hooks (False: only
     prefetch_now() and the step fetch); entries: submission entries of
@@ -177,7 +180,7 @@ class OptimizerOffloader:
 
     def __init__(self, optimizer, bucket_bytes=BUCKET_BYTES, prefetch=2,
                  prefetch_bytes="auto", keep_bytes="auto",
-                 reserve_bytes=None, min_bytes=MiB,
+                 reserve_bytes=None, max_inflight=2 * GiB, min_bytes=MiB,
                  hooks=True, entries=1024, context=None, memory=None,
                  library=None):
         if not hasattr(optimizer, "param_groups") or \
@@ -199,6 +202,9 @@ class OptimizerOffloader:
         self.prefetch = int(prefetch)
         self.prefetch_bytes = prefetch_bytes
         self.keep_bytes = keep_bytes
+        if max_inflight is not None and max_inflight < 0:
+            raise ValueError("max_inflight must be >= 0 (or None)")
+        self.max_inflight = max_inflight
         self.reserve_bytes = reserve_bytes
         self.min_bytes = int(min_bytes)
         self.entries = entries
@@ -211,6 +217,7 @@ class OptimizerOffloader:
         self._recs = {}             # (device, ptr) -> _Rec
         self._by_bucket = collections.defaultdict(list)
         self._inflight = {}         # user_data -> (_Rec, op)
+        self._spilling = 0          # bytes of spills not completed
         self._rings = {}
         self._dirty = set()
         self._ids = itertools.count(1)
@@ -257,6 +264,7 @@ class OptimizerOffloader:
             self._window_ends()
             keep = self._keep_budget()
             for i in range(len(buckets)):
+                self._throttle()
                 self._resident(i)
                 self._stepping = i
                 try:
@@ -501,6 +509,19 @@ class OptimizerOffloader:
             self._queue(rec, _off.SPILL)
         return 0                # later buckets spill too: keep the first
 
+    def _throttle(self):
+        """Wait for spills until at most max_inflight bytes are copying:
+        a spill's memory comes back only when its copy is done, and the
+        GPU steps buckets faster than the bus takes their state, so
+        without this the step's peak would hold most of the state."""
+        cap = self.max_inflight
+        while cap is not None and self._spilling > cap:
+            self.stats["waits_for_bus"] += 1
+            rec = next(r for r, op in self._inflight.values()
+                       if op == _off.SPILL)
+            self._flush()
+            self._complete(*self._rings[rec.device].reap())
+
     def _advise(self, rec):
         rec.advised = True
         _off.advise(self._ring(rec.device).ctx, rec.ptr,
@@ -666,6 +687,7 @@ class OptimizerOffloader:
         if op == _off.SPILL:
             ring.prep_spill(sqe, rec.ptr)
             rec.state = SPILLING
+            self._spilling += rec.nbytes
         elif op == _off.FETCH:
             ring.prep_fetch(sqe, rec.ptr)
             rec.state = FETCHING
@@ -696,6 +718,7 @@ class OptimizerOffloader:
             self.unknown[uid] = res
             return
         if op == _off.SPILL:
+            self._spilling -= rec.nbytes
             if res == 0:
                 rec.state = SPILLED
                 self.stats["spilled_bytes"] += rec.nbytes
@@ -706,6 +729,14 @@ class OptimizerOffloader:
             rec.state = RESIDENT
             rec.want = None
             self.stats["spill_" + _off.errno_name(res)] += 1
+            if res == -errno.ENOMEM and not self.stats["warned_host"]:
+                self.stats["warned_host"] = 1
+                import warnings
+                warnings.warn(
+                    "gmlake offload_optimizer: a spill found no host memory "
+                    "(the pinned arena is at GMLAKE_HOST_LIMIT, 16 GiB by "
+                    "default): that state stays on the device; raise "
+                    "GMLAKE_HOST_LIMIT to park more", RuntimeWarning)
             if res in (-errno.EOPNOTSUPP, -errno.EINVAL):
                 rec.movable = False
             return

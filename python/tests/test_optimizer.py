@@ -267,6 +267,17 @@ class TestOptimizer(EmuCase):
         opt.step()
         self.assertEqual(off.stats["late_fetches"], late + 2)
 
+    def test_spills_in_flight_bounded(self):
+        opt, off, params = self.offloaded(max_inflight=STATE)
+        opt.step()
+        # Before each of buckets 1 and 2 the step waited until at most
+        # one tensor's spill was copying.
+        self.assertGreaterEqual(off.stats["waits_for_bus"], 2)
+        self.assertLessEqual(off._spilling, 2 * STATE)
+        off.synchronize()
+        self.assertEqual(self.states(opt), [offload.SPILLED] * 5)
+        opt.step()
+
     def test_keep_what_fits(self):
         opt, off, params = self.offloaded(keep_bytes="auto")
         opt.step()                  # no window seen: all of it spills

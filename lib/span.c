@@ -1,0 +1,256 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Spans: one physical handle under the whole run of a segment block that
+ * goes back and forth between the device and the host (offload/).
+ *
+ * The driver charges its mapping calls per handle, not per byte: on the
+ * H200 cuMemSetAccess costs 25-40 us per handle (120-220 us while kernels
+ * run) and cuMemUnmap 15-19 us, whatever the handle's size, so a 2 MiB
+ * chunk costs as much to map and unmap as it takes to copy. A block that
+ * is fetched for the second time (one that cycles: optimizer state, a
+ * parameter shard; a saved activation is fetched once and freed) of at
+ * least GML_SPAN_MIN chunks is therefore fetched into one handle of its
+ * whole size: one map and one set-access, and one unmap at its next
+ * spill, where chunks cost one of each per 2 MiB. After the spill the
+ * handle is a spare span, and the next fetch of a block of that size maps
+ * it again: a steady cycle creates and releases nothing.
+ *
+ * A span's positions have chunk structs (all with the span's handle; the
+ * first has span_len set) so the rest of the allocator sees an ordinary
+ * resident block. They are owned by their block from the fetch to its
+ * spill or free, so they are never free chunks: no stitched view maps
+ * them and nothing releases them one by one. At the free the run becomes
+ * holes, as a spilled block's run is, once the work that used it is done
+ * (a stale entry, unmapped by gml_stale_reap), and the handle a spare.
+ * Spare spans go with the spare chunks (gml_spares_release: the spare
+ * timer, trim, memory pressure, destroy).
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <stdlib.h>
+
+#include "error.h"
+#include "large.h"
+#include "types.h"
+
+/* Whether b's next fetch should be into a span (ctx lock held). */
+bool gml_span_wanted(const gmlake_ctx *ctx, const struct gml_block *b)
+{
+	(void)ctx;
+	return !b->view->stitched && b->n >= GML_SPAN_MIN && b->fetches > 0;
+}
+
+static void span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n)
+{
+	if (gml_dev_mem_release(&ctx->dev, h)) {
+		gml_log(GMLAKE_LOG_WARN, "leaking a span of %u chunks the "
+			"driver would not release", n);
+		return;
+	}
+	gml_gauge_add(&ctx->st.chunks, -(int64_t)n);
+	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)n * (int64_t)ctx->chunk);
+	ctx->st.releases += n;
+}
+
+/* Keep an unmapped span for the next fetch of its size. */
+void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n)
+{
+	if (ctx->nspan_spares == ctx->cap_span_spares) {
+		uint32_t cap = ctx->cap_span_spares ? 2 * ctx->cap_span_spares : 8;
+		struct gml_span_spare *grown = realloc(ctx->span_spares,
+						       cap * sizeof(*grown));
+
+		if (!grown) {
+			span_release(ctx, h, n);
+			return;
+		}
+		ctx->span_spares = grown;
+		ctx->cap_span_spares = cap;
+	}
+	ctx->span_spares[ctx->nspan_spares++] = (struct gml_span_spare){ h, n };
+	ctx->spare_ns = gml_now_ns();
+}
+
+void gml_span_spares_release(gmlake_ctx *ctx)
+{
+	while (ctx->nspan_spares) {
+		struct gml_span_spare *s = &ctx->span_spares[--ctx->nspan_spares];
+
+		span_release(ctx, s->h, s->n);
+	}
+	free(ctx->span_spares);
+	ctx->span_spares = NULL;
+	ctx->cap_span_spares = 0;
+}
+
+/* A handle of n chunks: a spare span of that size, or a new one. */
+static int span_get(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
+{
+	int ret;
+
+	for (uint32_t i = 0; i < ctx->nspan_spares; i++)
+		if (ctx->span_spares[i].n == n) {
+			*h = ctx->span_spares[i].h;
+			ctx->span_spares[i] =
+				ctx->span_spares[--ctx->nspan_spares];
+			ctx->spare_ns = gml_now_ns();
+			return 0;
+		}
+	ret = gml_over_device_limit(ctx, n);
+	if (!ret)
+		ret = gml_dev_mem_create(&ctx->dev, (size_t)n * ctx->chunk, h);
+	if (ret == -ENOMEM && (ctx->nspares || ctx->nspan_spares)) {
+		/* Spare chunks of other sizes hold the room: give them back. */
+		gml_spares_release(ctx);
+		ret = gml_over_device_limit(ctx, n);
+		if (!ret)
+			ret = gml_dev_mem_create(&ctx->dev,
+						 (size_t)n * ctx->chunk, h);
+	}
+	if (ret)
+		return ret;
+	gml_gauge_add(&ctx->st.chunks, n);
+	gml_gauge_add(&ctx->st.reserved_bytes, (int64_t)n * (int64_t)ctx->chunk);
+	return 0;
+}
+
+/*
+ * Map one span at spilled segment block b's run (its holes): 0 with b
+ * owning the span's chunks, or -errno with b still spilled and nothing
+ * held (the caller then fetches into chunks).
+ */
+int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
+{
+	struct gml_view *v = b->view;
+	size_t size = (size_t)b->n * ctx->chunk;
+	struct gml_chunk *c;
+	gml_handle h;
+	uint32_t i;
+	int ret;
+
+	c = calloc(b->n, sizeof(*c));
+	if (!c)
+		return gml_set_error(-ENOMEM, "no host memory for a span");
+	ret = span_get(ctx, b->n, &h);
+	if (ret)
+		goto out_free;
+	ret = gml_dev_mem_map(&ctx->dev, b->ptr, size, h);
+	if (ret)
+		goto out_put;
+	ret = gml_dev_set_access(&ctx->dev, b->ptr, size);
+	if (ret) {
+		if (gml_dev_mem_unmap(&ctx->dev, b->ptr, size)) {
+			/* Still mapped: the handle lives while it is. */
+			gml_log(GMLAKE_LOG_ERROR, "cannot unmap a span at %#lx "
+				"after a failed fetch", (unsigned long)b->ptr);
+			span_release(ctx, h, b->n);
+			goto out_free;
+		}
+		goto out_put;
+	}
+	ctx->st.access_bytes += size;
+	gml_count_mapping(ctx, b->n);
+	for (i = 0; i < b->n; i++) {
+		uint32_t p = b->pos + i;
+
+		c[i].handle = h;
+		c[i].owner = b;
+		c[i].seg = v;
+		c[i].seg_pos = p;
+		c[i].guard.stream = -1;
+		c[i].spanned = true;
+		gml_chunk_touch(&c[i]);
+		v->chunks[p] = &c[i];
+		v->mapped[p] = 1;
+	}
+	c[0].span_len = b->n;
+	return 0;
+out_put:
+	gml_span_put(ctx, h, b->n);
+out_free:
+	free(c);
+	return ret;
+}
+
+/* Drop the chunk structs of the span at v's position p (its first). */
+static void span_forget(struct gml_view *v, uint32_t p)
+{
+	struct gml_chunk *first = v->chunks[p];
+	uint32_t n = first->span_len;
+
+	for (uint32_t i = 0; i < n; i++)
+		v->chunks[p + i] = NULL;
+	free(first);
+}
+
+/*
+ * Spill: unmap resident span block b's run (its work complete, its bytes
+ * elsewhere) and keep the handle. 0, or -errno with b intact.
+ */
+int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b)
+{
+	struct gml_view *v = b->view;
+	gml_handle h = v->chunks[b->pos]->handle;
+	int ret;
+
+	ret = gml_dev_mem_unmap(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	if (ret)
+		return ret;
+	for (uint32_t i = 0; i < b->n; i++)
+		v->mapped[b->pos + i] = 0;
+	gml_count_mapping(ctx, -(int64_t)b->n);
+	span_forget(v, b->pos);
+	gml_span_put(ctx, h, b->n);
+	return 0;
+}
+
+/* Unmap a span's run now and keep its handle; false if the driver
+ * refused (the run stays mapped). */
+static bool span_unmap(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
+		       uint32_t n, gml_handle h)
+{
+	if (gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)pos * ctx->chunk,
+			      (size_t)n * ctx->chunk))
+		return false;
+	for (uint32_t i = 0; i < n; i++)
+		s->mapped[pos + i] = 0;
+	gml_count_mapping(ctx, -(int64_t)n);
+	gml_span_put(ctx, h, n);
+	return true;
+}
+
+/*
+ * Free resident span block b (ctx lock held; b itself is the caller's):
+ * its run becomes holes. Unmapped now when the work g covers is done,
+ * else once it is (a stale entry of the whole span); waited for only if
+ * there is no memory for the entry.
+ */
+void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
+		   const struct gml_guard *g)
+{
+	struct gml_view *v = b->view;
+	gml_handle h = v->chunks[b->pos]->handle;
+	uint32_t pos = b->pos, n = b->n;
+
+	span_forget(v, pos);
+	v->maxfree = GML_RUN_UNKNOWN;
+	if (gml_guard_ready(ctx, g, -1) && span_unmap(ctx, v, pos, n, h))
+		return;
+	if (gml_stale_add(ctx, v, pos, n, h, g) == 0)
+		return;
+	if (g->stream >= 0 && gml_stream_wait(ctx, g->stream, g->seq))
+		gml_log(GMLAKE_LOG_ERROR, "cannot wait for the work on a freed "
+			"span at %#lx", (unsigned long)b->ptr);
+	if (!span_unmap(ctx, v, pos, n, h))
+		gml_log(GMLAKE_LOG_ERROR, "leaking a span at %#lx the driver "
+			"would not unmap", (unsigned long)b->ptr);
+}
+
+/* A stale span's work is done: unmap it (the stale reap). */
+bool gml_span_stale_unmap(gmlake_ctx *ctx, const struct gml_stale *e)
+{
+	return span_unmap(ctx, e->seg, e->pos, e->n, e->span_h);
+}
