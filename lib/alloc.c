@@ -231,7 +231,13 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 		gml_span_free(ctx, b, g);
 		v->live--;
 		free(b);
-		gml_seg_drop_if_empty(ctx, v);
+		if (!v->stitched) {
+			gml_seg_drop_if_empty(ctx, v);
+			return;
+		}
+		gml_gauge_add(&ctx->st.stitched_live, -1);
+		if (!v->live && !v->dying)
+			gml_view_evict(ctx, v, false);	/* holes leave */
 		return;
 	}
 	for (uint32_t i = 0; i < b->n; i++) {
@@ -258,6 +264,8 @@ void gml_views_fini(gmlake_ctx *ctx)
 {
 	struct gml_view *v, *next;
 
+	/* The caller waited for every stream: freed spans go now. */
+	gml_stale_reap(ctx, true);
 	for (v = ctx->stitched; v; v = next) {
 		next = v->next;
 		gml_list_del(&ctx->stitched, v);

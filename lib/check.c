@@ -176,6 +176,11 @@ static int check_views(gmlake_ctx *ctx, struct gml_view *list, bool cached,
 				t->chunks++;
 				continue;
 			}
+			if (c && c->spanned) {	/* a span's home is here */
+				t->chunks++;
+				t->owned += c->owner != NULL;
+				continue;
+			}
 			if (c && !gml_chunk_in_view(c, v))
 				return gml_set_error(-EFAULT, "chunk does not "
 						     "know stitched view %#llx",

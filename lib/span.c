@@ -40,7 +40,7 @@
 bool gml_span_wanted(const gmlake_ctx *ctx, const struct gml_block *b)
 {
 	(void)ctx;
-	return !b->view->stitched && b->n >= GML_SPAN_MIN && b->fetches > 0;
+	return b->n >= GML_SPAN_MIN && b->fetches > 0;
 }
 
 static void span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n)
@@ -118,9 +118,10 @@ static int span_get(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
 }
 
 /*
- * Map one span at spilled segment block b's run (its holes): 0 with b
- * owning the span's chunks, or -errno with b still spilled and nothing
- * held (the caller then fetches into chunks).
+ * Map one span at spilled block b's run (its holes), of a segment or of a
+ * stitched view: 0 with b owning the span's chunks (their home is the
+ * run itself), or -errno with b still spilled and nothing held (the
+ * caller then fetches into chunks).
  */
 int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
 {
@@ -167,6 +168,8 @@ int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
 		v->mapped[p] = 1;
 	}
 	c[0].span_len = b->n;
+	if (v->stitched)
+		v->holes -= b->n;
 	return 0;
 out_put:
 	gml_span_put(ctx, h, b->n);
@@ -203,6 +206,8 @@ int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b)
 		v->mapped[b->pos + i] = 0;
 	gml_count_mapping(ctx, -(int64_t)b->n);
 	span_forget(v, b->pos);
+	if (v->stitched)
+		v->holes += b->n;
 	gml_span_put(ctx, h, b->n);
 	return 0;
 }
@@ -225,8 +230,10 @@ static bool span_unmap(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 /*
  * Free resident span block b (ctx lock held; b itself is the caller's):
  * its run becomes holes. Unmapped now when the work g covers is done,
- * else once it is (a stale entry of the whole span); waited for only if
- * there is no memory for the entry.
+ * else, on a segment, once it is (a stale entry of the whole span). On a
+ * stitched view, or with no memory for the entry, the work is waited for
+ * here: a block that cycled is rarely freed (optimizer state lives as
+ * long as its optimizer).
  */
 void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 		   const struct gml_guard *g)
@@ -237,9 +244,11 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 
 	span_forget(v, pos);
 	v->maxfree = GML_RUN_UNKNOWN;
+	if (v->stitched)
+		v->holes += n;
 	if (gml_guard_ready(ctx, g, -1) && span_unmap(ctx, v, pos, n, h))
 		return;
-	if (gml_stale_add(ctx, v, pos, n, h, g) == 0)
+	if (!v->stitched && gml_stale_add(ctx, v, pos, n, h, g) == 0)
 		return;
 	if (g->stream >= 0 && gml_stream_wait(ctx, g->stream, g->seq))
 		gml_log(GMLAKE_LOG_ERROR, "cannot wait for the work on a freed "

@@ -1357,6 +1357,61 @@ START_TEST(test_span_cycle)
 }
 END_TEST
 
+/*
+ * A stitched block cycles into a span too: its range stays the stitched
+ * view's, the span fills its holes, and a free (which waits for the
+ * block's work) leaves holes that take the view out of the cache.
+ */
+START_TEST(test_span_stitched)
+{
+	gmlake_ctx *ctx = off_ctx(256 * TH_MiB, 256 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_stats st, m;
+	void *a, *b, *c, *d, *s;
+
+	a = th_alloc(ctx, 32 * TH_MiB, NULL);
+	b = th_alloc(ctx, 32 * TH_MiB, NULL);
+	c = th_alloc(ctx, 32 * TH_MiB, NULL);
+	d = th_alloc(ctx, 32 * TH_MiB, NULL);
+	th_fill_ok(ctx, b, 32 * TH_MiB, 2, NULL);
+	th_fill_ok(ctx, d, 32 * TH_MiB, 4, NULL);
+	th_free(ctx, a);
+	th_free(ctx, c);
+	/* Room for a new 64 MiB handle stays: a span is made only where
+	 * the device has the room (else the fetch takes cached chunks). */
+	s = th_alloc(ctx, 64 * TH_MiB, NULL);		/* a's and c's chunks */
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.stitched_live.current, 1);
+	th_fill_ok(ctx, s, 64 * TH_MiB, 7, NULL);
+	ring_init(&ring, ctx, 4);
+	ck_assert_int_eq(spill(&ring, s), 0);
+	ck_assert_int_eq(fetch(&ring, s), 0);		/* chunks */
+	for (int round = 0; round < 2; round++) {
+		ck_assert_int_eq(spill(&ring, s), 0);
+		th_check(ctx);
+		th_stats(ctx, &m);
+		ck_assert_int_eq(fetch(&ring, s), 0);	/* a span */
+		ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_mem_map), 1);
+		th_check(ctx);
+		th_verify_ok(ctx, s, 64 * TH_MiB, 7, NULL);
+	}
+	th_verify_ok(ctx, b, 32 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, d, 32 * TH_MiB, 4, NULL);
+	th_free(ctx, s);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.stitched_live.current, 0);
+	ck_assert_int_eq(st.stitched_cached.current, 0);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_free(ctx, b);
+	th_free(ctx, d);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.reserved_bytes.current, 0);
+	th_destroy(ctx);
+}
+END_TEST
+
 START_TEST(test_auto_oom)
 {
 	gmlake_ctx *ctx = off_ctx(24 * TH_MiB, 64 * TH_MiB, 0);
@@ -1943,6 +1998,7 @@ static Suite *offload_suite(void)
 	tc = th_tcase(s, "Core");
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_span_cycle);
+	tcase_add_test(tc, test_span_stitched);
 	tcase_add_test(tc, test_spill_fetch_stitched);
 	tcase_add_test(tc, test_fetch_takes_cached_chunks);
 	tcase_add_test(tc, test_fetch_evicts_unused_stitched);

@@ -43,7 +43,9 @@ start of a backward (sampled at its first gradient): 0, spill it all,
 until the first backward has been seen. State kept is advised
 offloadable (gmlake_advise) until its bucket's next step, so where the
 guess was wrong libgmlake spills it to serve an allocation that would
-fail otherwise, and the step fetches it again (stats["pressure_spills"]).
+fail otherwise, and the step fetches it again (stats["pressure_spills"]);
+what pressure took is added to the estimate, so the next steps keep that
+much less.
 keep_bytes=0 parks everything on the host after every step.
 
 When state comes back:
@@ -231,6 +233,7 @@ class OptimizerOffloader:
         self._passes = 0            # backward passes since the last step
         self._accum = None          # passes of the last window
         self._peak = None           # resident besides state, sampled
+        self._taken = 0             # state bytes pressure took back
         self._capacity = 0
         self._ahead_from = 0        # first bucket not prefetched yet
         self._check_hidden()
@@ -492,6 +495,7 @@ class OptimizerOffloader:
         if _off.state(ctx, rec.ptr, self.library) == _off.SPILLED:
             rec.state = SPILLED
             self.stats["pressure_spills"] += 1
+            self._taken += rec.nbytes
 
     def _park(self, i, keep):
         """After bucket i's step: keep its state on the device while it
@@ -638,6 +642,11 @@ class OptimizerOffloader:
             self._accum = self._passes
         self._passes = 0
         self._ahead_from = 0
+        # What pressure took back was more than the room there was: the
+        # next windows keep (and count on) that much less.
+        if self._peak is not None:
+            self._peak += self._taken
+        self._taken = 0
 
     def _sample(self):
         """What is resident besides the state the bookkeeping holds on
