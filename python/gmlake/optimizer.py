@@ -51,9 +51,10 @@ keep_bytes=0 parks everything on the host after every step.
 When state comes back:
 
 * In the last micro-batch's backward. The wrapper hooks gradient
-  accumulation (register_post_accumulate_grad_hook on each parameter)
-  and counts backward passes between steps by the parameter whose
-  gradient comes first. Once a window reaches the count of the window
+  accumulation (register_post_accumulate_grad_hook on each parameter
+  for the first window, then on the first and HOOKS_KEPT others spread
+  over the model) and counts backward passes between steps by the
+  parameter whose gradient comes first. Once a window reaches the count of the window
   before it, the backward running is the last before a step, and each
   gradient hook of it prefetches buckets in stepping order while their
   bytes stay within prefetch_bytes: backward frees memory as it goes, so
@@ -66,7 +67,10 @@ When state comes back:
   is advised offloadable only while nothing will use it before its
   bucket's step, and is advised back before that step runs.
 * During the step, `prefetch` buckets ahead of the one stepping, so that
-  the bus works while the GPU steps.
+  the bus works while the GPU steps. When all the state fits in
+  keep_bytes (the model fits without offload), there is nothing to move:
+  the step is then one call of the optimizer's own step over all the
+  parameters, as without offload (stats["whole_steps"]).
 * A bucket not back when its step comes is fetched then
   (stats["late_fetches"] counts its tensors), and the host waits for the
   copy: the only wait (stats["host_waits"] counts the tensors waited for).
@@ -109,6 +113,7 @@ from . import offload as _off
 MiB = 1 << 20
 GiB = 1 << 30
 BUCKET_BYTES = 256 * MiB
+HOOKS_KEPT = 16             # gradient hooks after the first window
 
 # Where a state storage is, as the bookkeeping knows it.
 RESIDENT = "resident"
@@ -211,6 +216,7 @@ class OptimizerOffloader:
         self.min_bytes = int(min_bytes)
         self.entries = entries
         self.library = library or _lib.enabled_library()
+        self._clib = None           # the loaded library, once resolved
         self._context = context
         self._memory = memory or _device_memory(self.library)
         self.stats = collections.Counter()
@@ -266,17 +272,11 @@ class OptimizerOffloader:
             self._reap_ready()
             self._window_ends()
             keep = self._keep_budget()
-            for i in range(len(buckets)):
-                self._throttle()
-                self._resident(i)
-                self._stepping = i
-                try:
-                    out = self._step_bucket(buckets[i], kwargs)
-                finally:
-                    self._stepping = None
-                self._collect(i, buckets[i])
-                keep = self._park(i, keep)
-                self._flush()
+            if self._recs and keep >= sum(r.nbytes for r in
+                                          self._recs.values()):
+                out = self._step_whole(buckets, kwargs, keep)
+            else:
+                out = self._step_buckets(buckets, kwargs, keep)
             self.stats["steps"] += 1
         if not self._checked:
             self._checked = True
@@ -394,6 +394,39 @@ class OptimizerOffloader:
             self._buckets, self._sig = buckets, sig
         return buckets
 
+    def _step_buckets(self, buckets, kwargs, keep):
+        out = None
+        for i in range(len(buckets)):
+            self._throttle()
+            self._resident(i)
+            self._stepping = i
+            try:
+                out = self._step_bucket(buckets[i], kwargs)
+            finally:
+                self._stepping = None
+            self._collect(i, buckets[i])
+            keep = self._park(i, keep)
+            self._flush()
+        return out
+
+    def _step_whole(self, buckets, kwargs, keep):
+        """All the state stays on the device: one step of the whole
+        optimizer, as without offload (what pressure took back comes
+        first)."""
+        for i in range(len(buckets)):
+            self._resident(i, ahead=False)
+        self._stepping = -1
+        try:
+            out = self._step_fn(**kwargs)
+        finally:
+            self._stepping = None
+        for i in range(len(buckets)):
+            self._collect(i, buckets[i])
+            keep = self._park(i, keep)
+        self._flush()
+        self.stats["whole_steps"] += 1
+        return out
+
     def _step_bucket(self, bucket, kwargs):
         """The optimizer's own step on the bucket's parameters: each
         group's params cut down (groups with none of them left out), put
@@ -471,7 +504,7 @@ class OptimizerOffloader:
                     self._want(rec, _off.PREFETCH)
         self._flush()
 
-    def _resident(self, i):
+    def _resident(self, i, ahead=True):
         """Bucket i's state on the device, and staying there: advised
         back, refetched if pressure spilled it meanwhile; the next
         `prefetch` buckets on their way."""
@@ -480,7 +513,8 @@ class OptimizerOffloader:
             if rec.state in (SPILLING, SPILLED):
                 self.stats["late_fetches"] += 1
                 self._want(rec, _off.FETCH)
-        self._ahead(i + 1, self.prefetch)
+        if ahead:
+            self._ahead(i + 1, self.prefetch)
         for rec in self._by_bucket[i]:
             self._wait(rec)
 
@@ -491,8 +525,8 @@ class OptimizerOffloader:
         if rec.state != RESIDENT:
             return              # advised when its fetch completes: not yet
         ctx = self._ring(rec.device).ctx
-        _off.advise(ctx, rec.ptr, _off.ADVISE_NOT_OFFLOADABLE, self.library)
-        if _off.state(ctx, rec.ptr, self.library) == _off.SPILLED:
+        _off.advise(ctx, rec.ptr, _off.ADVISE_NOT_OFFLOADABLE, self._lib())
+        if _off.state(ctx, rec.ptr, self._lib()) == _off.SPILLED:
             rec.state = SPILLED
             self.stats["pressure_spills"] += 1
             self._taken += rec.nbytes
@@ -529,7 +563,7 @@ class OptimizerOffloader:
     def _advise(self, rec):
         rec.advised = True
         _off.advise(self._ring(rec.device).ctx, rec.ptr,
-                    _off.ADVISE_OFFLOADABLE, self.library)
+                    _off.ADVISE_OFFLOADABLE, self._lib())
 
     def _keep_budget(self):
         """State bytes that may stay on the device through the next
@@ -613,6 +647,17 @@ class OptimizerOffloader:
                 if reg is not None and getattr(p, "requires_grad", True):
                     self._hooks.append(reg(self._grad_hook(p)))
 
+    def _prune_hooks(self):
+        params = [p for g in self.opt.param_groups for p in g["params"]
+                  if hasattr(p, "register_post_accumulate_grad_hook")]
+        stride = max(1, -(-len(params) // HOOKS_KEPT))
+        keep = [p for k, p in enumerate(params)
+                if p is self._first or k % stride == 0]
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            self._grad_hook(p)) for p in keep]
+
     def _grad_hook(self, p):
         def hook(_param):
             self._on_grad(p)
@@ -637,7 +682,13 @@ class OptimizerOffloader:
         self.prefetch_now()
 
     def _window_ends(self):
-        """At a step: the window's passes are the next window's count."""
+        """At a step: the window's passes are the next window's count.
+        After the first, hooks stay on the first parameter and on
+        HOOKS_KEPT others spread over the model: each is a Python call
+        per backward, and that many retries of the prefetch suffice."""
+        if self._passes and self._accum is None and \
+                len(self._hooks) > HOOKS_KEPT + 1:
+            self._prune_hooks()
         if self._passes:
             self._accum = self._passes
         self._passes = 0
@@ -674,12 +725,19 @@ class OptimizerOffloader:
     # ------------------------------------------------------------------
     # Rings and completions
 
+    def _lib(self):
+        """The library as a loaded object: resolving a path costs file
+        lookups, and the step makes a few calls per state tensor."""
+        if self._clib is None:
+            self._clib = _off._library(self.library)
+        return self._clib
+
     def _ring(self, dev):
         ring = self._rings.get(dev)
         if ring is None:
             ctx = self._context(dev) if self._context else \
-                _off.torch_context(dev, self.library)
-            ring = _off.Ring(ctx, self.entries, 0, self.library)
+                _off.torch_context(dev, self._lib())
+            ring = _off.Ring(ctx, self.entries, 0, self._lib())
             self._rings[dev] = ring
         return ring
 
@@ -764,7 +822,7 @@ class OptimizerOffloader:
         if rec.advised:
             # Prefetched for a later step: pressure may take it back.
             _off.advise(self._ring(rec.device).ctx, rec.ptr,
-                        _off.ADVISE_OFFLOADABLE, self.library)
+                        _off.ADVISE_OFFLOADABLE, self._lib())
 
 
 def _step(opt, closure=None, **kwargs):

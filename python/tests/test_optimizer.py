@@ -299,6 +299,47 @@ class TestOptimizer(EmuCase):
         opt.step()                  # FakeAdam checks every byte
         self.assertEqual(off.stats["pressure_spills"], taken)
 
+    def test_whole_step_when_all_fits(self):
+        opt, off, params = self.offloaded(keep_bytes="auto")
+        opt.step()
+        off.synchronize()
+        self.set_room(10 * STATE)       # all of it fits
+        self.backward(params)
+        opt.step()
+        self.assertEqual(opt.calls[-1], [(0.1, ["p0", "p1", "p2", "p3",
+                                                "p4"])])
+        self.assertEqual(off.stats["whole_steps"], 1)
+        off.synchronize()
+        self.assertEqual(self.states(opt), [offload.RESIDENT] * 5)
+        # Still a safety net: pressure takes kept state, the whole step
+        # fetches it first (FakeAdam checks every byte).
+        self.squeeze(90 * MiB)
+        self.assertIn(offload.SPILLED, self.states(opt))
+        self.backward(params)
+        opt.step()
+        self.assertEqual(off.stats["whole_steps"], 2)
+
+    def test_hooks_pruned_after_first_window(self):
+        params = [FakeParam("h%d" % i) for i in range(40)]
+        opt = types.SimpleNamespace(param_groups=[{"params": params}],
+                                    state={}, step=lambda: None,
+                                    state_dict=dict, load_state_dict=print)
+        off = optimizer.OptimizerOffloader(opt, library=self.lib,
+                                           memory=self.memory)
+        self.offs.append(off)
+        self.assertEqual(sum(len(p.hooks) for p in params), 40)
+        self.backward(params)
+        self.backward(params)
+        opt.step()
+        kept = [p for p in params if p.hooks]
+        self.assertLessEqual(len(kept), optimizer.HOOKS_KEPT + 1)
+        self.assertIn(params[-1], kept)     # the first gradient's
+        self.backward(params)
+        self.backward(params)               # the count still works
+        self.assertEqual(off._passes, 2)
+        opt.step()
+        self.assertEqual(off._accum, 2)
+
     def test_pressure_takes_prefetched_back(self):
         opt, off, params = self.offloaded()
         opt.step()
