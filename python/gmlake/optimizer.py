@@ -714,7 +714,9 @@ class OptimizerOffloader:
     def _budget(self):
         if self.prefetch_bytes != "auto":
             return self.prefetch_bytes
-        dev = next(iter(self._recs.values())).device if self._recs else 0
+        if not self._recs:
+            return 0                # nothing to fetch
+        dev = next(iter(self._recs.values())).device
         resident, capacity = self._memory(dev)
         reserve = self._reserve(capacity)
         # Fetches in flight may not be in the resident bytes yet.
