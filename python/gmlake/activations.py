@@ -125,23 +125,20 @@ one ring per device context, created at the first spill on that device.
 """
 
 import collections
-import errno
-import itertools
 import threading
 
 from . import _lib
 from . import offload as _off
+from ._mover import FETCHING, RESIDENT, SPILLED, SPILLING, Mover
 
 MiB = 1 << 20
 # Bytes of spills in flight before pack waits for some to complete.
 MAX_INFLIGHT = 1024 * MiB
 
-# Where a storage is, as the bookkeeping knows it.
+# Where a storage is, as the bookkeeping knows it: RESIDENT (on the
+# device and staying there, for now), SPILLING (spill submitted, its
+# completion not reaped), SPILLED (on the host), FETCHING, and:
 PENDING = "pending"      # packed; spills after `lag` more packs
-RESIDENT = "resident"    # on the device and staying there (for now)
-SPILLING = "spilling"    # spill submitted, completion not reaped
-SPILLED = "spilled"      # on the host
-FETCHING = "fetching"    # fetch submitted, completion not reaped
 DROPPED = "dropped"      # no handle left; the record let the tensor go
 MOVING = (SPILLING, SPILLED, FETCHING)
 
@@ -211,7 +208,7 @@ class Handle:
             owner._release(rec)
 
 
-class Offloader:
+class Offloader(Mover):
     """The pack/unpack pair and its bookkeeping (see the module docstring).
 
     lag: packs after a storage's last pack before it is spilled (0 spills
@@ -230,27 +227,18 @@ class Offloader:
     def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
                  leaves=False, entries=256, context=None, library=None,
                  users="torch", max_inflight=MAX_INFLIGHT):
+        super().__init__(entries, context, library)
         self.configure(lag, prefetch, inplace, min_bytes, leaves,
                        max_inflight)
         self.users = users
-        self.entries = entries
-        self.library = library
-        self._context = context
-        self.stats = collections.Counter()
-        self.unknown = {}        # completions of nobody's request
         self._lock = threading.RLock()
         self._depth = 0
         self._deferred = collections.deque()
         self._storages = {}      # (device, ptr) -> _Storage
         self._lagq = collections.OrderedDict()   # pending, oldest first
         self._stack = []         # spilled records, in spill order
-        self._inflight = {}      # user_data -> (_Storage, op)
-        self._spilling = 0       # bytes of spills not yet completed
         self._ahead = []         # records prefetched, not yet unpacked
         self._ahead_bytes = 0
-        self._rings = {}         # device -> offload.Ring
-        self._dirty = set()      # devices with entries not submitted
-        self._ids = itertools.count(1)
         self._seq = 0            # packs so far
 
     def configure(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
@@ -423,46 +411,11 @@ class Offloader:
             self._depth -= 1
             self._lock.release()
 
-    def _ring(self, dev):
-        ring = self._rings.get(dev)
-        if ring is None:
-            ctx = self._context(dev) if self._context else \
-                _off.torch_context(dev, self.library)
-            ring = _off.Ring(ctx, self.entries, 0, self.library)
-            self._rings[dev] = ring
-        return ring
-
-    def _queue(self, rec, op):
-        ring = self._ring(rec.device)
-        sqe = ring.get_sqe()
-        while sqe is None:          # queue full: hand in, make room
-            ring.submit()
-            sqe = ring.get_sqe()
-            if sqe is None:
-                self._complete(*ring.reap())
-                sqe = ring.get_sqe()
-        uid = next(self._ids)
+    def _queue(self, rec, op, inplace=False):
         if op == _off.SPILL:
             self._claim(rec)    # saved again after its prefetch
-            ring.prep_spill(sqe, rec.ptr, self.inplace)
-            rec.state = SPILLING
-            self._spilling += rec.nbytes
             self._stack.append(rec)
-        elif op == _off.FETCH:
-            ring.prep_fetch(sqe, rec.ptr)
-            rec.state = FETCHING
-        else:
-            ring.prep_prefetch(sqe, rec.ptr)
-            rec.state = FETCHING
-        ring.set_data(sqe, uid)
-        self._inflight[uid] = (rec, op)
-        self._dirty.add(rec.device)
-        self.stats[{_off.SPILL: "spills", _off.FETCH: "fetches",
-                    _off.PREFETCH: "prefetches"}[op]] += 1
-
-    def _flush(self):
-        while self._dirty:
-            self._rings[self._dirty.pop()].submit()
+        super()._queue(rec, op, self.inplace)
 
     def _counting(self):
         """Whether tensors on a storage can be counted (users="torch" is
@@ -501,10 +454,8 @@ class Offloader:
             if not waited:
                 self.stats["waits_for_bus"] += 1
                 waited = True
-            self._flush()
-            dev = next(r.device for r, op in self._inflight.values()
-                       if op == _off.SPILL)
-            self._complete(*self._rings[dev].reap())
+            self._reap_one(next(r.device for r, op in self._inflight.values()
+                                if op == _off.SPILL))
 
     def _in_use(self, rec):
         """Whether a tensor other than the offloader's aliases (the
@@ -512,14 +463,6 @@ class Offloader:
         if self.users is None:
             return False
         return self.users(rec.tensor) > rec.refs + 1
-
-    def _want(self, rec, op):
-        """Make sure a fetch of rec is (or will be) submitted."""
-        if rec.state == SPILLED:
-            rec.error = None
-            self._queue(rec, op)
-        elif rec.state == SPILLING and rec.want != _off.FETCH:
-            rec.want = op
 
     def _prefetch(self, current):
         """Fetch ahead until `prefetch` storages are on their way back or
@@ -566,50 +509,17 @@ class Offloader:
                 raise _off.OffloadError(msg, err)
             if rec.state == SPILLED:
                 self._want(rec, _off.FETCH)
-            ring = self._rings[rec.device]
-            self._flush()
-            ring.submit()
-            self._complete(*ring.reap())
+            self._reap_one(rec.device)
 
-    def _reap_ready(self):
-        for ring in list(self._rings.values()):
-            while True:
-                got = ring.reap(wait=False)
-                if got is None:
-                    break
-                self._complete(*got)
-
-    def _complete(self, uid, res):
-        rec, op = self._inflight.pop(uid, (None, None))
-        if rec is None:
-            self.unknown[uid] = res
-            return
-        if op == _off.SPILL:
-            self._spilling -= rec.nbytes
-            if res == 0:
-                rec.state = SPILLED
-                self.stats["spilled_bytes"] += rec.nbytes
-                if rec.want is not None:
-                    want, rec.want = rec.want, None
-                    self._queue(rec, want)
-            else:
-                rec.state = RESIDENT
-                rec.want = None
-                self.stats["spill_failures"] += 1
-                self.stats["spill_" + _off.errno_name(res)] += 1
-                if res in (-errno.EOPNOTSUPP, -errno.EINVAL):
-                    rec.movable = False
-        elif res == 0:
-            rec.state = RESIDENT
-            rec.error = None
-        else:
-            rec.state = SPILLED
-            self.stats["fetch_failures"] += 1
+    def _fetched(self, rec, res):
+        if res is not None:
             rec.error = ("gmlake offload: fetching the saved tensor block "
                          "%#x (%d bytes, device %d) back failed: %s; it "
                          "stays on the host" % (rec.ptr, rec.nbytes,
                                                 rec.device,
                                                 _off.describe(res)), -res)
+
+    def _completed(self, rec):
         if rec.refs == 0:
             self._let_go(rec)
 
@@ -669,9 +579,7 @@ class Offloader:
             if not self._inflight:
                 return
             rec, _ = next(iter(self._inflight.values()))
-            ring = self._rings[rec.device]
-            ring.submit()
-            self._complete(*ring.reap())
+            self._reap_one(rec.device)
 
 
 _default = None

@@ -47,6 +47,8 @@ SPILLED = 2
 FETCHING = 3
 STATE_NAMES = {RESIDENT: "resident", SPILLING: "spilling",
                SPILLED: "spilled", FETCHING: "fetching"}
+# What the Python offloaders count each operation as.
+OP_STATS = {SPILL: "spills", FETCH: "fetches", PREFETCH: "prefetches"}
 MAX_ENTRIES = 4096
 
 
@@ -229,8 +231,38 @@ class Ring:
     def prep_prefetch(self, sqe, ptr):
         self.lib.gmlake_offload_prep_prefetch(sqe, ctypes.c_void_p(ptr))
 
+    def prep(self, sqe, op, ptr, inplace=False):
+        """prep_spill, prep_fetch or prep_prefetch, by op."""
+        if op == SPILL:
+            self.prep_spill(sqe, ptr, inplace)
+        elif op == FETCH:
+            self.prep_fetch(sqe, ptr)
+        else:
+            self.prep_prefetch(sqe, ptr)
+
     def set_data(self, sqe, user_data):
         self.lib.gmlake_offload_sqe_set_data(sqe, user_data)
+
+    def sqe_or_reap(self, complete):
+        """A free entry. When the queue is full, the prepared entries are
+        handed in first, and if that frees none, one completion is reaped
+        into complete(user_data, res)."""
+        sqe = self.get_sqe()
+        while sqe is None:
+            self.submit()
+            sqe = self.get_sqe()
+            if sqe is None:
+                complete(*self.reap())
+                sqe = self.get_sqe()
+        return sqe
+
+    def reap_ready(self, complete):
+        """complete(user_data, res) for every completion waiting now."""
+        while True:
+            got = self.reap(wait=False)
+            if got is None:
+                return
+            complete(*got)
 
     def submit(self):
         """Hand the prepared entries in; how many went."""

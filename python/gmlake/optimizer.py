@@ -109,17 +109,12 @@ import types
 
 from . import _lib
 from . import offload as _off
+from ._mover import FETCHING, RESIDENT, SPILLED, SPILLING, Mover
 
 MiB = 1 << 20
 GiB = 1 << 30
 BUCKET_BYTES = 256 * MiB
 HOOKS_KEPT = 16             # gradient hooks after the first window
-
-# Where a state storage is, as the bookkeeping knows it.
-RESIDENT = "resident"
-SPILLING = "spilling"
-SPILLED = "spilled"
-FETCHING = "fetching"
 
 
 class _Rec:
@@ -166,7 +161,7 @@ def _device_memory(library):
     return memory
 
 
-class OptimizerOffloader:
+class OptimizerOffloader(Mover):
     """The bucketed step, its bookkeeping and hooks (module docstring).
 
     optimizer: a torch.optim.Optimizer; bucket_bytes: parameter bytes per
@@ -204,6 +199,8 @@ class OptimizerOffloader:
         if getattr(optimizer, "_gmlake_offloader", None) is not None:
             raise RuntimeError("this optimizer is offloaded already; close() "
                                "its OptimizerOffloader first")
+        super().__init__(entries, context,
+                         library or _lib.enabled_library())
         self.opt = optimizer
         self.bucket_bytes = int(bucket_bytes)
         self.prefetch = int(prefetch)
@@ -214,21 +211,10 @@ class OptimizerOffloader:
         self.max_inflight = max_inflight
         self.reserve_bytes = reserve_bytes
         self.min_bytes = int(min_bytes)
-        self.entries = entries
-        self.library = library or _lib.enabled_library()
-        self._clib = None           # the loaded library, once resolved
-        self._context = context
         self._memory = memory or _device_memory(self.library)
-        self.stats = collections.Counter()
-        self.unknown = {}           # completions of nobody's request
         self._lock = threading.RLock()
         self._recs = {}             # (device, ptr) -> _Rec
         self._by_bucket = collections.defaultdict(list)
-        self._inflight = {}         # user_data -> (_Rec, op)
-        self._spilling = 0          # bytes of spills not completed
-        self._rings = {}
-        self._dirty = set()
-        self._ids = itertools.count(1)
         self._stepping = None       # the bucket whose step runs
         self._buckets = None
         self._sig = None
@@ -330,8 +316,7 @@ class OptimizerOffloader:
         with self._lock:
             while self._inflight:
                 rec, _ = next(iter(self._inflight.values()))
-                self._flush()
-                self._complete(*self._rings[rec.device].reap())
+                self._reap_one(rec.device)
 
     def close(self):
         """fetch_all(), then give the optimizer its methods back, remove
@@ -555,10 +540,8 @@ class OptimizerOffloader:
         cap = self.max_inflight
         while cap is not None and self._spilling > cap:
             self.stats["waits_for_bus"] += 1
-            rec = next(r for r, op in self._inflight.values()
-                       if op == _off.SPILL)
-            self._flush()
-            self._complete(*self._rings[rec.device].reap())
+            self._reap_one(next(r.device for r, op in self._inflight.values()
+                                if op == _off.SPILL))
 
     def _advise(self, rec):
         rec.advised = True
@@ -582,14 +565,6 @@ class OptimizerOffloader:
             return self.reserve_bytes
         return max(capacity // 10, 2 * GiB)
 
-    def _want(self, rec, op):
-        """Make sure a fetch of rec is (or will be) submitted."""
-        if rec.state == SPILLED:
-            rec.error = None
-            self._queue(rec, op)
-        elif rec.state == SPILLING and rec.want != _off.FETCH:
-            rec.want = op
-
     def _wait(self, rec):
         """Reap completions until rec is on the device; raise if its
         fetch failed (the state stays on the host, intact)."""
@@ -603,8 +578,7 @@ class OptimizerOffloader:
                     continue        # their memory is back: try again
                 raise _off.OffloadError(msg, err)
             self._want(rec, _off.FETCH)
-            self._flush()
-            self._complete(*self._rings[rec.device].reap())
+            self._reap_one(rec.device)
 
     def _spills_done(self):
         """Wait for the spills in flight; whether there were any."""
@@ -615,8 +589,7 @@ class OptimizerOffloader:
             if spill is None:
                 return waited
             waited = True
-            self._flush()
-            self._complete(*self._rings[spill.device].reap())
+            self._reap_one(spill.device)
 
     def _drop(self, rec):
         """Forget rec (its tensor was replaced); a spilled block is freed
@@ -627,8 +600,7 @@ class OptimizerOffloader:
 
     def _wait_idle(self, rec):
         while rec.state in (SPILLING, FETCHING):
-            self._flush()
-            self._complete(*self._rings[rec.device].reap())
+            self._reap_one(rec.device)
 
     def _forget(self):
         for rec in list(self._recs.values()):
@@ -727,104 +699,28 @@ class OptimizerOffloader:
     # ------------------------------------------------------------------
     # Rings and completions
 
-    def _lib(self):
-        """The library as a loaded object: resolving a path costs file
-        lookups, and the step makes a few calls per state tensor."""
-        if self._clib is None:
-            self._clib = _off._library(self.library)
-        return self._clib
+    def _spill_failed(self, rec, res):
+        if res == -errno.ENOMEM and not self.stats["warned_host"]:
+            self.stats["warned_host"] = 1
+            import warnings
+            warnings.warn(
+                "gmlake offload_optimizer: a spill found no host memory "
+                "(the pinned arena is at GMLAKE_HOST_LIMIT, 16 GiB by "
+                "default): that state stays on the device; raise "
+                "GMLAKE_HOST_LIMIT to park more", RuntimeWarning)
 
-    def _ring(self, dev):
-        ring = self._rings.get(dev)
-        if ring is None:
-            ctx = self._context(dev) if self._context else \
-                _off.torch_context(dev, self._lib())
-            ring = _off.Ring(ctx, self.entries, 0, self._lib())
-            self._rings[dev] = ring
-        return ring
-
-    def _queue(self, rec, op):
-        ring = self._ring(rec.device)
-        sqe = ring.get_sqe()
-        while sqe is None:          # queue full: hand in, make room
-            ring.submit()
-            sqe = ring.get_sqe()
-            if sqe is None:
-                self._complete(*ring.reap())
-                sqe = ring.get_sqe()
-        uid = next(self._ids)
-        if op == _off.SPILL:
-            ring.prep_spill(sqe, rec.ptr)
-            rec.state = SPILLING
-            self._spilling += rec.nbytes
-        elif op == _off.FETCH:
-            ring.prep_fetch(sqe, rec.ptr)
-            rec.state = FETCHING
-        else:
-            ring.prep_prefetch(sqe, rec.ptr)
-            rec.state = FETCHING
-        ring.set_data(sqe, uid)
-        self._inflight[uid] = (rec, op)
-        self._dirty.add(rec.device)
-        self.stats[{_off.SPILL: "spills", _off.FETCH: "fetches",
-                    _off.PREFETCH: "prefetches"}[op]] += 1
-
-    def _flush(self):
-        while self._dirty:
-            self._rings[self._dirty.pop()].submit()
-
-    def _reap_ready(self):
-        for ring in list(self._rings.values()):
-            while True:
-                got = ring.reap(wait=False)
-                if got is None:
-                    break
-                self._complete(*got)
-
-    def _complete(self, uid, res):
-        rec, op = self._inflight.pop(uid, (None, None))
-        if rec is None:
-            self.unknown[uid] = res
+    def _fetched(self, rec, res):
+        if res is None:
+            if rec.advised:
+                # Prefetched for a later step: pressure may take it back.
+                _off.advise(self._ring(rec.device).ctx, rec.ptr,
+                            _off.ADVISE_OFFLOADABLE, self._lib())
             return
-        if op == _off.SPILL:
-            self._spilling -= rec.nbytes
-            if res == 0:
-                rec.state = SPILLED
-                self.stats["spilled_bytes"] += rec.nbytes
-                if rec.want is not None:
-                    want, rec.want = rec.want, None
-                    self._queue(rec, want)
-                return
-            rec.state = RESIDENT
-            rec.want = None
-            self.stats["spill_" + _off.errno_name(res)] += 1
-            if res == -errno.ENOMEM and not self.stats["warned_host"]:
-                self.stats["warned_host"] = 1
-                import warnings
-                warnings.warn(
-                    "gmlake offload_optimizer: a spill found no host memory "
-                    "(the pinned arena is at GMLAKE_HOST_LIMIT, 16 GiB by "
-                    "default): that state stays on the device; raise "
-                    "GMLAKE_HOST_LIMIT to park more", RuntimeWarning)
-            if res in (-errno.EOPNOTSUPP, -errno.EINVAL):
-                rec.movable = False
-            return
-        if res != 0:
-            rec.state = SPILLED
-            rec.advised = False
-            self.stats["fetch_failures"] += 1
-            rec.error = ("gmlake offload_optimizer: fetching optimizer "
-                         "state block %#x (%d bytes, device %d) back "
-                         "failed: %s; it stays on the host" %
-                         (rec.ptr, rec.nbytes, rec.device,
-                          _off.describe(res)), -res)
-            return
-        rec.state = RESIDENT
-        self.stats["fetched_bytes"] += rec.nbytes
-        if rec.advised:
-            # Prefetched for a later step: pressure may take it back.
-            _off.advise(self._ring(rec.device).ctx, rec.ptr,
-                        _off.ADVISE_OFFLOADABLE, self._lib())
+        rec.advised = False
+        rec.error = ("gmlake offload_optimizer: fetching optimizer state "
+                     "block %#x (%d bytes, device %d) back failed: %s; it "
+                     "stays on the host" % (rec.ptr, rec.nbytes, rec.device,
+                                            _off.describe(res)), -res)
 
 
 def _step(opt, closure=None, **kwargs):
