@@ -66,6 +66,11 @@ Design, and why:
   bytes (1 GiB) are spilling, pack waits for completions first. Without
   that wait the peak is the peak of not offloading at all; with it
   forward runs at the bus's pace.
+  A budget (budget=BYTES) bounds what stays instead of spilling
+  everything: storages waiting for their spill are spilled oldest first
+  only while their bytes pass the budget, so the newest, the first that
+  backward needs, stay on the device, and the bus carries only what the
+  budget needs. Leaving the context spills down to the budget too.
   Leaving the context (without an exception) spills what still waits for
   its lag and nothing else refers to: the code after the context (a
   loss, typically, the step's peak) saves nothing through these hooks,
@@ -221,33 +226,40 @@ class Offloader(Mover):
     users: tensor -> how many tensors refer to its storage ("torch":
     torch_users(), looked up at the first pack; None: do not count, spill
     by lag alone); max_inflight: bytes of spills in flight before pack
-    waits for some to complete (None: never).
+    waits for some to complete (None: never); budget: bytes of saved
+    storages that may stay on the device (None: no budget, everything
+    past its lag spills).
     """
 
     def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
                  leaves=False, entries=256, context=None, library=None,
-                 users="torch", max_inflight=MAX_INFLIGHT):
+                 users="torch", max_inflight=MAX_INFLIGHT, budget=None):
         super().__init__(entries, context, library)
         self.configure(lag, prefetch, inplace, min_bytes, leaves,
-                       max_inflight)
+                       max_inflight, budget)
         self.users = users
         self._lock = threading.RLock()
         self._depth = 0
         self._deferred = collections.deque()
         self._storages = {}      # (device, ptr) -> _Storage
         self._lagq = collections.OrderedDict()   # pending, oldest first
+        self._lag_bytes = 0      # bytes of the storages in _lagq
         self._stack = []         # spilled records, in spill order
         self._ahead = []         # records prefetched, not yet unpacked
         self._ahead_bytes = 0
         self._seq = 0            # packs so far
 
     def configure(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
-                  leaves=False, max_inflight=MAX_INFLIGHT):
+                  leaves=False, max_inflight=MAX_INFLIGHT, budget=None):
         if lag < 0 or (prefetch is not None and prefetch < 0):
             raise ValueError("lag and prefetch must be >= 0")
         if max_inflight is not None and max_inflight < 0:
             raise ValueError("max_inflight must be >= 0 (or None)")
+        if budget is not None and (not isinstance(budget, int) or
+                                   budget < 0):
+            raise ValueError("budget must be bytes >= 0 (or None)")
         self.max_inflight = max_inflight
+        self.budget = budget
         self.lag = int(lag)
         self.prefetch = int(lag if prefetch is None else prefetch)
         self.inplace = bool(inplace)
@@ -257,7 +269,8 @@ class Offloader(Mover):
     def options(self):
         return dict(lag=self.lag, prefetch=self.prefetch,
                     inplace=self.inplace, min_bytes=self.min_bytes,
-                    leaves=self.leaves, max_inflight=self.max_inflight)
+                    leaves=self.leaves, max_inflight=self.max_inflight,
+                    budget=self.budget)
 
     # ------------------------------------------------------------------
     # The hooks
@@ -308,6 +321,8 @@ class Offloader(Mover):
             rec.last_pack = self._seq
             if rec.movable and rec.state in (PENDING, RESIDENT):
                 rec.state = PENDING
+                if key not in self._lagq:
+                    self._lag_bytes += rec.nbytes
                 self._lagq[key] = rec
                 self._lagq.move_to_end(key)
             self._spill_lagged()
@@ -327,6 +342,7 @@ class Offloader(Mover):
                     r.state = RESIDENT
                 self.stats["kept_for_backward"] += len(self._lagq)
                 self._lagq.clear()
+                self._lag_bytes = 0
             self._reap_ready()
             self._claim(rec)
             # Fetched ahead, packed after rec, not unpacked: backward went
@@ -433,10 +449,14 @@ class Offloader(Mover):
         for rec in list(self._lagq.values()):
             if rec.last_pack > limit:
                 break
+            if self.budget is not None and self._lag_bytes <= self.budget:
+                self.stats["kept_by_budget"] = len(self._lagq)
+                break
             if self._in_use(rec):
                 self.stats["waits_for_users"] += 1
                 continue
             del self._lagq[rec.key]
+            self._lag_bytes -= rec.nbytes
             self._throttle(rec.nbytes)
             self._queue(rec, _off.SPILL)
 
@@ -534,7 +554,8 @@ class Offloader(Mover):
         if rec.state == SPILLED:
             self.stats["dropped_spilled"] += 1
         self._claim(rec)
-        self._lagq.pop(rec.key, None)
+        if self._lagq.pop(rec.key, None) is not None:
+            self._lag_bytes -= rec.nbytes
         if self._storages.get(rec.key) is rec:
             del self._storages[rec.key]
         rec.state = DROPPED
@@ -617,18 +638,22 @@ class offload_activations:
     min_bytes (1 MiB): smaller storages stay; leaves (False): spill leaf
     tensors (parameters, inputs) too; max_inflight (1 GiB): bytes of
     spills in flight before pack waits for some to complete (None: never
-    wait); offloader: an Offloader of one's own (default: one per
-    process, shared; the options above are applied to it for the time of
-    the block).
+    wait); budget (None): bytes of saved tensors that may stay on the
+    device, the newest (the ones backward needs first) staying, the
+    oldest spilled, so only what the budget needs crosses the bus (None:
+    everything spills); offloader: an Offloader of one's own (default:
+    one per process, shared; the options above are applied to it for the
+    time of the block).
 
     Needs gmlake.torch.enable() (libgmlake as PyTorch's allocator).
     """
 
     def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
-                 leaves=False, offloader=None, max_inflight=MAX_INFLIGHT):
+                 leaves=False, offloader=None, max_inflight=MAX_INFLIGHT,
+                 budget=None):
         self.opts = dict(lag=lag, prefetch=prefetch, inplace=inplace,
                          min_bytes=min_bytes, leaves=leaves,
-                         max_inflight=max_inflight)
+                         max_inflight=max_inflight, budget=budget)
         Offloader.configure(_Check(), **self.opts)   # reject bad values now
         self.offloader = offloader
         self._saved = None

@@ -453,6 +453,33 @@ class TestHooks(EmuCase):
             self.assertEqual(self.digest(self.ctx, st.data_ptr(),
                                          st.nbytes()), d)
 
+    def test_budget_keeps_the_newest(self):
+        self.off.configure(lag=0, budget=2 * 4 * MiB)
+        ts = [self.tensor(4 * MiB, 40 + i) for i in range(5)]
+        hs = [self.off.pack(t) for t in ts]
+        # The oldest three spill; the newest two fit in the budget.
+        self.assertEqual(self.off.stats["spills"], 3)
+        self.off.spill_waiting()        # leaving: down to the budget only
+        self.assertEqual(self.off.stats["spills"], 3)
+        self.off.synchronize()
+        self.assertEqual([self.state(t) for t in ts],
+                         [offload.SPILLED] * 3 + [offload.RESIDENT] * 2)
+        for h, t in reversed(list(zip(hs, ts))):
+            self.assertIs(self.off.unpack(h), t)
+            self.intact(t)
+        self.assertEqual(self.off.stats["fetches"] +
+                         self.off.stats["prefetches"], 3)
+        # A larger saved tensor pushes more out: what stays is bytes.
+        self.off.configure(lag=0, budget=6 * MiB)
+        big = self.tensor(8 * MiB, 50)
+        small = self.tensor(4 * MiB, 51)
+        h1, h2 = self.off.pack(small), self.off.pack(big)
+        self.assertIn(self.off.where(small), (activations.SPILLING,
+                                              activations.SPILLED))
+        del h1, h2
+        with self.assertRaises(ValueError):
+            self.off.configure(budget=-1)
+
     def test_spill_waiting(self):
         """Leaving the context spills what waits for its lag unless a
         tensor of the program still holds it, and nothing when users
