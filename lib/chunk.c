@@ -184,13 +184,8 @@ static void seg_extend_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 
 		/* A position the driver will not unmap stays mapped with
 		 * no chunk, as after a failed release: trim tries again. */
-		if (v->mapped[i] && gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)i *
-						  ctx->chunk, ctx->chunk))
+		if (v->mapped[i] && gml_view_unmap_run(ctx, v, i, 1))
 			v->n = i + 1;
-		else if (v->mapped[i]) {
-			v->mapped[i] = 0;
-			gml_count_mapping(ctx, -1);
-		}
 		if (!c)
 			continue;
 		gml_chunk_handle_release(ctx, c->handle);
@@ -291,11 +286,7 @@ int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 	gml_gauge_add(&ctx->st.chunks, -1);
 	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
 	ctx->st.releases++;
-	if (!gml_dev_mem_unmap(&ctx->dev, seg->va + (gml_va)i * ctx->chunk,
-			   ctx->chunk)) {
-		seg->mapped[i] = 0;
-		gml_count_mapping(ctx, -1);
-	}
+	gml_view_unmap_run(ctx, seg, i, 1);	/* else trim tries again */
 	return 0;
 }
 

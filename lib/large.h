@@ -31,6 +31,8 @@ void gml_count_mapping(gmlake_ctx *ctx, int64_t positions);
 int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v);
 int gml_view_map_pos(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 		     gml_handle h);
+int gml_view_unmap_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		       uint32_t n);
 int gml_view_map(gmlake_ctx *ctx, struct gml_view *v);
 void gml_view_discard(gmlake_ctx *ctx, struct gml_view *v);
 void gml_seg_drop_if_empty(gmlake_ctx *ctx, struct gml_view *s);

@@ -59,12 +59,8 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 		for (uint32_t i = 0; i < v->n; i++) {
 			/* A position whose unmap failed earlier: again. */
 			if (!v->chunks[i] && v->mapped[i] &&
-			    !gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)i *
-					   ctx->chunk, ctx->chunk)) {
-				v->mapped[i] = 0;
+			    !gml_view_unmap_run(ctx, v, i, 1))
 				v->maxfree = GML_RUN_UNKNOWN;
-				gml_count_mapping(ctx, -1);
-			}
 			if (!gml_chunk_releasable(v->chunks[i]))
 				continue;
 			err = gml_chunk_release(ctx, v, i);

@@ -88,14 +88,11 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	for (i = 0; i < b->n; i++) {
 		uint32_t p = b->pos + i;
 
-		ret = gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
-				    ctx->chunk);
+		ret = gml_view_unmap_run(ctx, v, p, 1);
 		if (ret) {
 			detach_undo(ctx, b, i);
 			return ret;
 		}
-		v->mapped[p] = 0;
-		gml_count_mapping(ctx, -1);
 	}
 	for (i = 0; i < b->n; i++) {
 		struct gml_chunk *c = v->chunks[b->pos + i];
@@ -144,16 +141,11 @@ static void attach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t k)
 
 	for (uint32_t i = 0; i < k; i++) {
 		uint32_t p = b->pos + i;
-		gml_va va = v->va + (gml_va)p * ctx->chunk;
 
 		/* Twice: a spilled run must stay holes, and the caller
 		 * gives the chunks back. */
-		if (v->mapped[p] &&
-		    (!gml_dev_mem_unmap(&ctx->dev, va, ctx->chunk) ||
-		     !gml_dev_mem_unmap(&ctx->dev, va, ctx->chunk))) {
-			v->mapped[p] = 0;
-			gml_count_mapping(ctx, -1);
-		}
+		if (v->mapped[p] && gml_view_unmap_run(ctx, v, p, 1))
+			gml_view_unmap_run(ctx, v, p, 1);
 	}
 }
 
@@ -229,14 +221,10 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
 				continue;
 			}
 		/* Unmapped already: by gml_release_cached's retry. */
-		} else if (s->mapped[e->pos] && !s->chunks[e->pos]) {
-			if (gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)e->pos *
-					  ctx->chunk, ctx->chunk)) {
-				ctx->stale[k++] = *e;	/* again later */
-				continue;
-			}
-			s->mapped[e->pos] = 0;
-			gml_count_mapping(ctx, -1);
+		} else if (s->mapped[e->pos] && !s->chunks[e->pos] &&
+			   gml_view_unmap_run(ctx, s, e->pos, 1)) {
+			ctx->stale[k++] = *e;	/* again later */
+			continue;
 		}
 		/* s stays while other entries name it (nstale). */
 		s->nstale--;
@@ -279,12 +267,9 @@ static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
 		if (ret)
 			return ret;
 	} else {
-		ret = gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)c->seg_pos *
-				    ctx->chunk, ctx->chunk);
+		ret = gml_view_unmap_run(ctx, s, c->seg_pos, 1);
 		if (ret)
 			return ret;
-		s->mapped[c->seg_pos] = 0;
-		gml_count_mapping(ctx, -1);
 	}
 	s->maxfree = GML_RUN_UNKNOWN;
 	s->chunks[c->seg_pos] = NULL;

@@ -199,12 +199,9 @@ int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b)
 	gml_handle h = v->chunks[b->pos]->handle;
 	int ret;
 
-	ret = gml_dev_mem_unmap(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	ret = gml_view_unmap_run(ctx, v, b->pos, b->n);
 	if (ret)
 		return ret;
-	for (uint32_t i = 0; i < b->n; i++)
-		v->mapped[b->pos + i] = 0;
-	gml_count_mapping(ctx, -(int64_t)b->n);
 	span_forget(v, b->pos);
 	if (v->stitched)
 		v->holes += b->n;
@@ -217,12 +214,8 @@ int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b)
 static bool span_unmap(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 		       uint32_t n, gml_handle h)
 {
-	if (gml_dev_mem_unmap(&ctx->dev, s->va + (gml_va)pos * ctx->chunk,
-			      (size_t)n * ctx->chunk))
+	if (gml_view_unmap_run(ctx, s, pos, n))
 		return false;
-	for (uint32_t i = 0; i < n; i++)
-		s->mapped[pos + i] = 0;
-	gml_count_mapping(ctx, -(int64_t)n);
 	gml_span_put(ctx, h, n);
 	return true;
 }

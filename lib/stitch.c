@@ -224,15 +224,12 @@ static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
 static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
 			  struct gml_chunk *c)
 {
-	gml_va va = v->va + (gml_va)i * ctx->chunk;
 	int ret;
 
 	v->maxfree = GML_RUN_UNKNOWN;
-	ret = gml_dev_mem_unmap(&ctx->dev, va, ctx->chunk);
+	ret = gml_view_unmap_run(ctx, v, i, 1);
 	if (ret)
 		return ret;
-	v->mapped[i] = 0;
-	gml_count_mapping(ctx, -1);
 	gml_del_view_ref(v->chunks[i], v);
 	v->chunks[i] = NULL;
 	ret = gml_add_view_ref(c, v);

@@ -121,14 +121,9 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 	for (uint32_t i = 0; i < v->n; i++) {
 		struct gml_chunk *c = v->chunks[i];
 
-		if (v->mapped[i]) {
-			if (gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)i * ctx->chunk,
-					  ctx->chunk)) {
-				done = false;
-				continue;
-			}
-			v->mapped[i] = 0;
-			gml_count_mapping(ctx, -1);
+		if (v->mapped[i] && gml_view_unmap_run(ctx, v, i, 1)) {
+			done = false;
+			continue;
 		}
 		if (!c)
 			continue;
@@ -156,6 +151,22 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 	free(v->chunks);
 	free(v->mapped);
 	free(v);
+	return 0;
+}
+
+/* Unmap n positions of v from p that one mapping covers (a chunk: n 1; a
+ * span: its length), their mapped bits and count in step. 0, or -errno
+ * with nothing changed. */
+int gml_view_unmap_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		       uint32_t n)
+{
+	int ret = gml_dev_mem_unmap(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				    (size_t)n * ctx->chunk);
+
+	if (ret)
+		return ret;
+	memset(v->mapped + p, 0, n);
+	gml_count_mapping(ctx, -(int64_t)n);
 	return 0;
 }
 
