@@ -880,14 +880,35 @@ static void mover_fini(struct mover *m)
 	th_destroy(m->ctx);
 }
 
-static void fault_round(int call, uint64_t nth, bool stitched)
+/*
+ * One failing driver call (the nth of its kind) in a spill and then in a
+ * fetch: each completes or fails cleanly, the block keeps its bytes, and
+ * the next spill and fetch work. With span, a 32 MiB block that cycled
+ * once already, so the fetch goes into a span (lib/span.c) and the spill
+ * takes a span away.
+ */
+static void fault_round(int call, uint64_t nth, bool stitched, bool span)
 {
+	size_t size = span ? 32 * TH_MiB : 6 * TH_MiB;
 	struct mover m;
 	struct gml_dev *dev;
 	int res;
 
-	mover_init(&m, off_ctx(32 * TH_MiB, 32 * TH_MiB, 0), 6 * TH_MiB,
+	mover_init(&m, off_ctx(span ? 112 * TH_MiB : 32 * TH_MiB,
+			       span ? 96 * TH_MiB : 32 * TH_MiB, 0), size,
 		   stitched, 31, NULL, 0);
+	if (span) {
+		struct gmlake_stats a, b;
+
+		ck_assert_int_eq(spill(&m.ring, m.p), 0);
+		ck_assert_int_eq(fetch(&m.ring, m.p), 0);
+		ck_assert_int_eq(spill(&m.ring, m.p), 0);
+		th_stats(m.ctx, &a);
+		ck_assert_int_eq(fetch(&m.ring, m.p), 0);
+		th_stats(m.ctx, &b);
+		ck_assert_uint_eq(b.calls[GMLAKE_CALL_mem_map] -
+				  a.calls[GMLAKE_CALL_mem_map], 1); /* a span */
+	}
 	dev = th_dev(m.ctx);
 	gml_dev_fail_nth(dev, call, nth, call == GMLAKE_CALL_mem_create ?
 			 ENOMEM : EIO);
@@ -927,7 +948,19 @@ START_TEST(test_faults)
 				    sizeof(fault_calls[0]));
 
 	for (uint64_t nth = 1; nth <= 3; nth++)
-		fault_round(call, nth, stitched);
+		fault_round(call, nth, stitched, false);
+}
+END_TEST
+
+START_TEST(test_faults_span)
+{
+	int call = fault_calls[_i % (sizeof(fault_calls) /
+				     sizeof(fault_calls[0]))];
+	bool stitched = _i >= (int)(sizeof(fault_calls) /
+				    sizeof(fault_calls[0]));
+
+	for (uint64_t nth = 1; nth <= 3; nth++)
+		fault_round(call, nth, stitched, true);
 }
 END_TEST
 
@@ -2022,6 +2055,9 @@ static Suite *offload_suite(void)
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
 	tcase_add_test(tc, test_query_fails_stream_drains);
 	tcase_add_loop_test(tc, test_faults, 0,
+			    2 * (int)(sizeof(fault_calls) /
+				      sizeof(fault_calls[0])));
+	tcase_add_loop_test(tc, test_faults_span, 0,
 			    2 * (int)(sizeof(fault_calls) /
 				      sizeof(fault_calls[0])));
 
