@@ -291,6 +291,7 @@ void gml_views_fini(gmlake_ctx *ctx)
 		gml_log(GMLAKE_LOG_WARN, "leaking a range the driver would "
 			"not unmap at %#llx", (unsigned long long)v->va);
 	}
+	gml_span_spares_fini(ctx);
 }
 
 /*

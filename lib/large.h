@@ -66,7 +66,7 @@ int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 
 /* span.c: one handle under a cycling segment block's run */
 #define GML_SPAN_MIN 16		/* chunks: 32 MiB at the default size */
-bool gml_span_wanted(const gmlake_ctx *ctx, const struct gml_block *b);
+bool gml_span_wanted(const struct gml_block *b);
 int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b);
 int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b);
 void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
@@ -74,6 +74,7 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 bool gml_span_stale_unmap(gmlake_ctx *ctx, const struct gml_stale *e);
 void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n);
 void gml_span_spares_release(gmlake_ctx *ctx);
+void gml_span_spares_fini(gmlake_ctx *ctx);
 
 /* stitch.c */
 int gml_view_evict(gmlake_ctx *ctx, struct gml_view *v, bool wait);

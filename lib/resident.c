@@ -469,7 +469,7 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 	if (ctx->nstale)
 		gml_stale_reap(ctx, false);
 	b->view->maxfree = GML_RUN_UNKNOWN;
-	if (gml_span_wanted(ctx, b) && gml_span_attach(ctx, b) == 0) {
+	if (gml_span_wanted(b) && gml_span_attach(ctx, b) == 0) {
 		b->fetches++;
 		free(got);
 		return 0;

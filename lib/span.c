@@ -37,25 +37,25 @@
 #include "types.h"
 
 /* Whether b's next fetch should be into a span (ctx lock held). */
-bool gml_span_wanted(const gmlake_ctx *ctx, const struct gml_block *b)
+bool gml_span_wanted(const struct gml_block *b)
 {
-	(void)ctx;
 	return b->n >= GML_SPAN_MIN && b->fetches > 0;
 }
 
-static void span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n)
+/* Give a span back to the driver; false if it refused (the handle is
+ * still the caller's, and still counted). */
+static bool span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 {
-	if (gml_dev_mem_release(&ctx->dev, h)) {
-		gml_log(GMLAKE_LOG_WARN, "leaking a span of %u chunks the "
-			"driver would not release", n);
-		return;
-	}
+	if (gml_dev_mem_release(&ctx->dev, h))
+		return false;
 	gml_gauge_add(&ctx->st.chunks, -(int64_t)n);
 	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)n * (int64_t)ctx->chunk);
 	ctx->st.releases += n;
+	return true;
 }
 
-/* Keep an unmapped span for the next fetch of its size. */
+/* Keep an unmapped span for the next fetch of its size; with no memory
+ * for the list, give it back (or, refused, lose it, said in the log). */
 void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 {
 	if (ctx->nspan_spares == ctx->cap_span_spares) {
@@ -64,7 +64,10 @@ void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 						       cap * sizeof(*grown));
 
 		if (!grown) {
-			span_release(ctx, h, n);
+			if (!span_release(ctx, h, n))
+				gml_log(GMLAKE_LOG_WARN, "leaking a span of %u "
+					"chunks the driver would not release",
+					n);
 			return;
 		}
 		ctx->span_spares = grown;
@@ -74,16 +77,34 @@ void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 	ctx->spare_ns = gml_now_ns();
 }
 
+/* Release the spare spans; one the driver refuses stays a spare, for the
+ * next release (destroy: gml_span_spares_fini). */
 void gml_span_spares_release(gmlake_ctx *ctx)
 {
-	while (ctx->nspan_spares) {
-		struct gml_span_spare *s = &ctx->span_spares[--ctx->nspan_spares];
+	uint32_t k = 0;
 
-		span_release(ctx, s->h, s->n);
+	for (uint32_t i = 0; i < ctx->nspan_spares; i++)
+		if (!span_release(ctx, ctx->span_spares[i].h,
+				  ctx->span_spares[i].n))
+			ctx->span_spares[k++] = ctx->span_spares[i];
+	ctx->nspan_spares = k;
+	if (!k) {
+		free(ctx->span_spares);
+		ctx->span_spares = NULL;
+		ctx->cap_span_spares = 0;
 	}
+}
+
+/* Destroy: what the driver still refuses is lost (said in the log). */
+void gml_span_spares_fini(gmlake_ctx *ctx)
+{
+	gml_span_spares_release(ctx);
+	if (ctx->nspan_spares)
+		gml_log(GMLAKE_LOG_WARN, "leaking %u spans the driver would "
+			"not release", ctx->nspan_spares);
 	free(ctx->span_spares);
 	ctx->span_spares = NULL;
-	ctx->cap_span_spares = 0;
+	ctx->nspan_spares = ctx->cap_span_spares = 0;
 }
 
 /* A handle of n chunks: a spare span of that size, or a new one. */
@@ -144,10 +165,12 @@ int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
 	ret = gml_dev_set_access(&ctx->dev, b->ptr, size);
 	if (ret) {
 		if (gml_dev_mem_unmap(&ctx->dev, b->ptr, size)) {
-			/* Still mapped: the handle lives while it is. */
+			/* Still mapped: released, the memory lives while it
+			 * is, and the count goes with the handle. */
 			gml_log(GMLAKE_LOG_ERROR, "cannot unmap a span at %#lx "
 				"after a failed fetch", (unsigned long)b->ptr);
-			span_release(ctx, h, b->n);
+			if (!span_release(ctx, h, b->n))
+				gml_span_put(ctx, h, b->n);
 			goto out_free;
 		}
 		goto out_put;
