@@ -213,13 +213,17 @@ def child_env(mode, lib):
 
 
 def plan(args):
+    runs = []
+    for item in args.runs:
+        mode, _, layers = item.partition(":")
+        if mode not in MODES or not layers.isdigit():
+            sys.exit("bad run %r: MODE:LAYERS, MODE one of %s" %
+                     (item, ", ".join(MODES)))
+        runs.append((mode, layers))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "results.json")
     results = load(path)
-    for item in args.runs:
-        mode, layers = item.split(":")
-        if mode not in MODES:
-            sys.exit("unknown mode %r (one of %s)" % (mode, ", ".join(MODES)))
+    for mode, layers in runs:
         cmd = [sys.executable, os.path.abspath(__file__), "run", "--mode",
                mode, "--layers", layers, "--steps", str(args.steps),
                "--accum", str(args.accum), "--seed", str(args.seed)]
