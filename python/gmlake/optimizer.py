@@ -169,9 +169,9 @@ class OptimizerOffloader(Mover):
     state bytes fetched in the last backward ("auto", an int, or 0 for
     none); keep_bytes: state bytes that stay on the device after a step
     ("auto", an int, or 0: spill all of it); reserve_bytes: room "auto"
-    leaves free; max_inflight: bytes of spills copying before the step
-    waits for some (None: never) (None: 10% of the
-    device, at least 2 GiB); min_bytes: smaller state stays; hooks: count
+    leaves free (None: 10% of the device, at least 2 GiB); max_inflight:
+    bytes of spills copying before the step waits for some (None: never);
+    min_bytes: smaller state stays; hooks: count
     backward passes through the parameters' gradient hooks (False: only
     prefetch_now() and the step fetch); entries: submission entries of
     each ring; context: device -> gmlake context (default:
@@ -215,7 +215,6 @@ class OptimizerOffloader(Mover):
         self._lock = threading.RLock()
         self._recs = {}             # (device, ptr) -> _Rec
         self._by_bucket = collections.defaultdict(list)
-        self._stepping = None       # the bucket whose step runs
         self._buckets = None
         self._sig = None
         self._checked = False
@@ -384,11 +383,7 @@ class OptimizerOffloader(Mover):
         for i in range(len(buckets)):
             self._throttle()
             self._resident(i)
-            self._stepping = i
-            try:
-                out = self._step_bucket(buckets[i], kwargs)
-            finally:
-                self._stepping = None
+            out = self._step_bucket(buckets[i], kwargs)
             self._collect(i, buckets[i])
             keep = self._park(i, keep)
             self._flush()
@@ -400,11 +395,7 @@ class OptimizerOffloader(Mover):
         first)."""
         for i in range(len(buckets)):
             self._resident(i, ahead=False)
-        self._stepping = -1
-        try:
-            out = self._step_fn(**kwargs)
-        finally:
-            self._stepping = None
+        out = self._step_fn(**kwargs)
         for i in range(len(buckets)):
             self._collect(i, buckets[i])
             keep = self._park(i, keep)
