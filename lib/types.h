@@ -22,6 +22,9 @@
  *           as live on its view, so the view and its range stay reserved
  *           and nobody else is handed that range. Fetching fills the holes
  *           with chunks again, at the same address.
+ *   span    one driver handle under a whole block's run, made when a block
+ *           that cycles is fetched again (lib/span.c): its positions have
+ *           chunk structs (spanned) that never leave the block.
  *
  * Invariants (lib/check.c verifies them): a live resident large block
  * owns every chunk under its run; a spilled one owns none and its run is
