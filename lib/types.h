@@ -29,7 +29,9 @@
  * Invariants (lib/check.c verifies them): a live resident large block
  * owns every chunk under its run; a spilled one owns none and its run is
  * all holes; no chunk has two owners; a free chunk has no owner; a cached
- * stitched view has no hole except under a spilled block.
+ * stitched view has holes only while it has live blocks (under a spilled
+ * block, or left by a freed spilled or span block; it leaves the cache
+ * with its last live block).
  */
 #ifndef GML_TYPES_H
 #define GML_TYPES_H
