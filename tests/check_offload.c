@@ -41,6 +41,33 @@ static gmlake_ctx *off_ctx(size_t capacity, size_t host_limit,
 	return th_ctx_cfg(&cfg);
 }
 
+/*
+ * A context for the span tests, sized in chunks: spans are for blocks of
+ * 16 chunks and more, so on the emulated device the chunks are 64 KiB
+ * (the sanitizer builds copy and check every byte); where the backend
+ * refuses that (a GPU's granularity is 2 MiB), the default chunk.
+ * *chunk: the chunk size it has.
+ */
+static gmlake_ctx *span_ctx(uint32_t chunks, uint32_t host_chunks,
+			    size_t *chunk)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx = NULL;
+
+	th_config(&cfg, 0);
+	cfg.chunk_size = cfg.emu_granularity = 64 << 10;
+	cfg.small_size = 16 << 10;
+	cfg.emu_capacity = (size_t)chunks * cfg.chunk_size;
+	cfg.host_limit = (size_t)host_chunks * cfg.chunk_size;
+	if (gmlake_ctx_init(&ctx, &cfg)) {
+		th_config(&cfg, 0);
+		cfg.host_limit = (size_t)host_chunks * (2 * TH_MiB);
+		ctx = th_ctx_cfg(&cfg);
+	}
+	*chunk = ctx->chunk;
+	return ctx;
+}
+
 static void ring_init(struct gmlake_offload *ring, gmlake_ctx *ctx,
 		      unsigned entries)
 {
@@ -883,20 +910,25 @@ static void mover_fini(struct mover *m)
 /*
  * One failing driver call (the nth of its kind) in a spill and then in a
  * fetch: each completes or fails cleanly, the block keeps its bytes, and
- * the next spill and fetch work. With span, a 32 MiB block that cycled
- * once already, so the fetch goes into a span (lib/span.c) and the spill
- * takes a span away.
+ * the next spill and fetch work. With span, a block of 16 chunks that
+ * cycled once already, so the fetch goes into a span (lib/span.c) and the
+ * spill takes a span away.
  */
 static void fault_round(int call, uint64_t nth, bool stitched, bool span)
 {
-	size_t size = span ? 32 * TH_MiB : 6 * TH_MiB;
+	size_t size = 6 * TH_MiB, chunk;
 	struct mover m;
 	struct gml_dev *dev;
+	gmlake_ctx *ctx;
 	int res;
 
-	mover_init(&m, off_ctx(span ? 112 * TH_MiB : 32 * TH_MiB,
-			       span ? 96 * TH_MiB : 32 * TH_MiB, 0), size,
-		   stitched, 31, NULL, 0);
+	if (span) {
+		ctx = span_ctx(128, 96, &chunk);
+		size = 16 * chunk;
+	} else {
+		ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
+	}
+	mover_init(&m, ctx, size, stitched, 31, NULL, 0);
 	if (span) {
 		struct gmlake_stats a, b;
 
@@ -1318,8 +1350,9 @@ static uint64_t calls_since(gmlake_ctx *ctx, struct gmlake_stats *mark,
  */
 START_TEST(test_span_cycle)
 {
-	gmlake_ctx *ctx = off_ctx(256 * TH_MiB, 256 * TH_MiB, 0);
-	const size_t size = 64 * TH_MiB, n = size / (2 * TH_MiB);
+	size_t chunk;
+	gmlake_ctx *ctx = span_ctx(128, 128, &chunk);
+	const size_t n = 32, size = n * chunk;
 	struct gmlake_offload ring;
 	struct gmlake_stats m;
 	void *p, *q, *s;
@@ -1365,20 +1398,20 @@ START_TEST(test_span_cycle)
 	ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_mem_map), 1);
 	th_verify_ok(ctx, q, size, 81, NULL);
 	/* Below GML_SPAN_MIN chunks: chunks, each fetch. */
-	s = th_alloc_filled(ctx, 8 * TH_MiB, 91, NULL);
+	s = th_alloc_filled(ctx, 4 * chunk, 91, NULL);
 	for (int round = 0; round < 2; round++) {
 		ck_assert_int_eq(spill(&ring, s), 0);
 		th_stats(ctx, &m);
 		ck_assert_int_eq(fetch(&ring, s), 0);
 		ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_mem_map), 4);
 	}
-	th_verify_ok(ctx, s, 8 * TH_MiB, 91, NULL);
+	th_verify_ok(ctx, s, 4 * chunk, 91, NULL);
 	th_free(ctx, s);
 	/* The spare span and the chunk cache give way to a request that
 	 * needs their room. */
 	ck_assert_int_eq(spill(&ring, q), 0);
-	p = th_alloc_filled(ctx, 240 * TH_MiB, 95, NULL);
-	th_verify_ok(ctx, p, 240 * TH_MiB, 95, NULL);
+	p = th_alloc_filled(ctx, 120 * chunk, 95, NULL);
+	th_verify_ok(ctx, p, 120 * chunk, 95, NULL);
 	th_free(ctx, p);
 	ck_assert_int_eq(fetch(&ring, q), 0);
 	th_verify_ok(ctx, q, size, 81, NULL);
@@ -1397,25 +1430,27 @@ END_TEST
  */
 START_TEST(test_span_stitched)
 {
-	gmlake_ctx *ctx = off_ctx(256 * TH_MiB, 256 * TH_MiB, 0);
+	size_t u;	/* the chunk size */
+	gmlake_ctx *ctx = span_ctx(128, 128, &u);
 	struct gmlake_offload ring;
 	struct gmlake_stats st, m;
 	void *a, *b, *c, *d, *s;
 
-	a = th_alloc(ctx, 32 * TH_MiB, NULL);
-	b = th_alloc(ctx, 32 * TH_MiB, NULL);
-	c = th_alloc(ctx, 32 * TH_MiB, NULL);
-	d = th_alloc(ctx, 32 * TH_MiB, NULL);
-	th_fill_ok(ctx, b, 32 * TH_MiB, 2, NULL);
-	th_fill_ok(ctx, d, 32 * TH_MiB, 4, NULL);
+	a = th_alloc(ctx, 16 * u, NULL);
+	b = th_alloc(ctx, 16 * u, NULL);
+	c = th_alloc(ctx, 16 * u, NULL);
+	d = th_alloc(ctx, 16 * u, NULL);
+	th_fill_ok(ctx, b, 16 * u, 2, NULL);
+	th_fill_ok(ctx, d, 16 * u, 4, NULL);
 	th_free(ctx, a);
 	th_free(ctx, c);
-	/* Room for a new 64 MiB handle stays: a span is made only where
-	 * the device has the room (else the fetch takes cached chunks). */
-	s = th_alloc(ctx, 64 * TH_MiB, NULL);		/* a's and c's chunks */
+	/* Room for a new handle of s's size stays: a span is made only
+	 * where the device has the room (else the fetch takes cached
+	 * chunks). */
+	s = th_alloc(ctx, 32 * u, NULL);		/* a's and c's chunks */
 	th_stats(ctx, &st);
 	ck_assert_int_eq(st.stitched_live.current, 1);
-	th_fill_ok(ctx, s, 64 * TH_MiB, 7, NULL);
+	th_fill_ok(ctx, s, 32 * u, 7, NULL);
 	ring_init(&ring, ctx, 4);
 	ck_assert_int_eq(spill(&ring, s), 0);
 	ck_assert_int_eq(fetch(&ring, s), 0);		/* chunks */
@@ -1426,10 +1461,10 @@ START_TEST(test_span_stitched)
 		ck_assert_int_eq(fetch(&ring, s), 0);	/* a span */
 		ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_mem_map), 1);
 		th_check(ctx);
-		th_verify_ok(ctx, s, 64 * TH_MiB, 7, NULL);
+		th_verify_ok(ctx, s, 32 * u, 7, NULL);
 	}
-	th_verify_ok(ctx, b, 32 * TH_MiB, 2, NULL);
-	th_verify_ok(ctx, d, 32 * TH_MiB, 4, NULL);
+	th_verify_ok(ctx, b, 16 * u, 2, NULL);
+	th_verify_ok(ctx, d, 16 * u, 4, NULL);
 	th_free(ctx, s);
 	th_check(ctx);
 	th_stats(ctx, &st);
