@@ -215,15 +215,16 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
 			ctx->stale[k++] = *e;
 			continue;
 		}
+		/* A position unmapped already (by gml_release_cached's
+		 * retry) needs nothing; one that fails is tried later. */
 		if (e->n) {		/* a freed span */
 			if (s->mapped[e->pos] && !gml_span_stale_unmap(ctx, e)) {
 				ctx->stale[k++] = *e;
 				continue;
 			}
-		/* Unmapped already: by gml_release_cached's retry. */
 		} else if (s->mapped[e->pos] && !s->chunks[e->pos] &&
 			   gml_view_unmap_run(ctx, s, e->pos, 1)) {
-			ctx->stale[k++] = *e;	/* again later */
+			ctx->stale[k++] = *e;
 			continue;
 		}
 		/* s stays while other entries name it (nstale). */
@@ -233,12 +234,7 @@ void gml_stale_reap(gmlake_ctx *ctx, bool all)
 	ctx->nstale = k;
 }
 
-/*
- * Take free chunk c out of its segment, to live elsewhere. Its home
- * position is unmapped now if the work that used it there completed;
- * otherwise later (gml_stale_reap): the caller orders its own use after
- * all work queued so far, and until then nothing reads the old address.
- */
+/* Queue a stale entry (large.h). */
 int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 		  uint32_t n, gml_handle h, const struct gml_guard *g)
 {
@@ -257,6 +253,12 @@ int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 	return 0;
 }
 
+/*
+ * Take free chunk c out of its segment, to live elsewhere. Its home
+ * position is unmapped now if the work that used it there completed;
+ * otherwise later (gml_stale_reap): the caller orders its own use after
+ * all work queued so far, and until then nothing reads the old address.
+ */
 static int chunk_unhome(gmlake_ctx *ctx, struct gml_chunk *c)
 {
 	struct gml_view *s = c->seg;
