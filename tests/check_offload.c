@@ -907,6 +907,16 @@ static void mover_fini(struct mover *m)
 	th_destroy(m->ctx);
 }
 
+/* Driver calls of kind k since the statistics in *mark. */
+static uint64_t calls_since(gmlake_ctx *ctx, const struct gmlake_stats *mark,
+			    int k)
+{
+	struct gmlake_stats st;
+
+	th_stats(ctx, &st);
+	return st.calls[k] - mark->calls[k];
+}
+
 /*
  * One failing driver call (the nth of its kind) in a spill and then in a
  * fetch: each completes or fails cleanly, the block keeps its bytes, and
@@ -930,16 +940,15 @@ static void fault_round(int call, uint64_t nth, bool stitched, bool span)
 	}
 	mover_init(&m, ctx, size, stitched, 31, NULL, 0);
 	if (span) {
-		struct gmlake_stats a, b;
+		struct gmlake_stats mark;
 
 		ck_assert_int_eq(spill(&m.ring, m.p), 0);
 		ck_assert_int_eq(fetch(&m.ring, m.p), 0);
 		ck_assert_int_eq(spill(&m.ring, m.p), 0);
-		th_stats(m.ctx, &a);
+		th_stats(m.ctx, &mark);
 		ck_assert_int_eq(fetch(&m.ring, m.p), 0);
-		th_stats(m.ctx, &b);
-		ck_assert_uint_eq(b.calls[GMLAKE_CALL_mem_map] -
-				  a.calls[GMLAKE_CALL_mem_map], 1); /* a span */
+		ck_assert_uint_eq(calls_since(m.ctx, &mark,
+					      GMLAKE_CALL_mem_map), 1);
 	}
 	dev = th_dev(m.ctx);
 	gml_dev_fail_nth(dev, call, nth, call == GMLAKE_CALL_mem_create ?
@@ -972,27 +981,17 @@ static void fault_round(int call, uint64_t nth, bool stitched, bool span)
 	mover_fini(&m);
 }
 
+#define NFAULT_CALLS ((int)(sizeof(fault_calls) / sizeof(fault_calls[0])))
+
+/* _i: the call kind, then chunks or stitched, then chunks or a span. */
 START_TEST(test_faults)
 {
-	int call = fault_calls[_i % (sizeof(fault_calls) /
-				     sizeof(fault_calls[0]))];
-	bool stitched = _i >= (int)(sizeof(fault_calls) /
-				    sizeof(fault_calls[0]));
+	int call = fault_calls[_i % NFAULT_CALLS];
+	bool stitched = _i / NFAULT_CALLS % 2;
+	bool span = _i >= 2 * NFAULT_CALLS;
 
 	for (uint64_t nth = 1; nth <= 3; nth++)
-		fault_round(call, nth, stitched, false);
-}
-END_TEST
-
-START_TEST(test_faults_span)
-{
-	int call = fault_calls[_i % (sizeof(fault_calls) /
-				     sizeof(fault_calls[0]))];
-	bool stitched = _i >= (int)(sizeof(fault_calls) /
-				    sizeof(fault_calls[0]));
-
-	for (uint64_t nth = 1; nth <= 3; nth++)
-		fault_round(call, nth, stitched, true);
+		fault_round(call, nth, stitched, span);
 }
 END_TEST
 
@@ -1328,19 +1327,6 @@ START_TEST(test_auto_device_limit)
 }
 END_TEST
 
-/* An allocation that would fail on a full device spills instead. */
-/* Driver calls of kind k since the statistics in *mark. */
-static uint64_t calls_since(gmlake_ctx *ctx, struct gmlake_stats *mark,
-			    int k)
-{
-	struct gmlake_stats st;
-	uint64_t d;
-
-	th_stats(ctx, &st);
-	d = st.calls[k] - mark->calls[k];
-	return d;
-}
-
 /*
  * A block that cycles (its second fetch and on) comes back into one span:
  * one map and one set-access per fetch, one unmap per spill, and after the
@@ -1480,6 +1466,7 @@ START_TEST(test_span_stitched)
 }
 END_TEST
 
+/* An allocation that would fail on a full device spills instead. */
 START_TEST(test_auto_oom)
 {
 	gmlake_ctx *ctx = off_ctx(24 * TH_MiB, 64 * TH_MiB, 0);
@@ -2089,12 +2076,7 @@ static Suite *offload_suite(void)
 	tcase_add_loop_test(tc, test_sticky_spill, 0, 4);
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
 	tcase_add_test(tc, test_query_fails_stream_drains);
-	tcase_add_loop_test(tc, test_faults, 0,
-			    2 * (int)(sizeof(fault_calls) /
-				      sizeof(fault_calls[0])));
-	tcase_add_loop_test(tc, test_faults_span, 0,
-			    2 * (int)(sizeof(fault_calls) /
-				      sizeof(fault_calls[0])));
+	tcase_add_loop_test(tc, test_faults, 0, 4 * NFAULT_CALLS);
 
 	tc = th_tcase(s, "Auto");
 	tcase_add_test(tc, test_auto_device_limit);
