@@ -64,7 +64,7 @@ int gml_over_device_limit(gmlake_ctx *ctx, uint32_t n);
 int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 		  uint32_t n, gml_handle h, const struct gml_guard *g);
 
-/* span.c: one handle under a cycling segment block's run */
+/* span.c: one handle under the run of a block that cycles */
 #define GML_SPAN_MIN 16		/* chunks: 32 MiB at the default size */
 bool gml_span_wanted(const struct gml_block *b);
 int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b);

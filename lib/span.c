@@ -212,6 +212,18 @@ static void span_forget(struct gml_view *v, uint32_t p)
 	free(first);
 }
 
+/* Unmap a span's run now and keep its handle; 0, or -errno with the run
+ * still mapped. */
+static int span_unmap(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
+		      uint32_t n, gml_handle h)
+{
+	int ret = gml_view_unmap_run(ctx, s, pos, n);
+
+	if (!ret)
+		gml_span_put(ctx, h, n);
+	return ret;
+}
+
 /*
  * Spill: unmap resident span block b's run (its work complete, its bytes
  * elsewhere) and keep the handle. 0, or -errno with b intact.
@@ -219,28 +231,15 @@ static void span_forget(struct gml_view *v, uint32_t p)
 int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b)
 {
 	struct gml_view *v = b->view;
-	gml_handle h = v->chunks[b->pos]->handle;
 	int ret;
 
-	ret = gml_view_unmap_run(ctx, v, b->pos, b->n);
+	ret = span_unmap(ctx, v, b->pos, b->n, v->chunks[b->pos]->handle);
 	if (ret)
 		return ret;
 	span_forget(v, b->pos);
 	if (v->stitched)
 		v->holes += b->n;
-	gml_span_put(ctx, h, b->n);
 	return 0;
-}
-
-/* Unmap a span's run now and keep its handle; false if the driver
- * refused (the run stays mapped). */
-static bool span_unmap(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
-		       uint32_t n, gml_handle h)
-{
-	if (gml_view_unmap_run(ctx, s, pos, n))
-		return false;
-	gml_span_put(ctx, h, n);
-	return true;
 }
 
 /*
@@ -262,14 +261,14 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 	v->maxfree = GML_RUN_UNKNOWN;
 	if (v->stitched)
 		v->holes += n;
-	if (gml_guard_ready(ctx, g, -1) && span_unmap(ctx, v, pos, n, h))
+	if (gml_guard_ready(ctx, g, -1) && !span_unmap(ctx, v, pos, n, h))
 		return;
 	if (!v->stitched && gml_stale_add(ctx, v, pos, n, h, g) == 0)
 		return;
 	if (g->stream >= 0 && gml_stream_wait(ctx, g->stream, g->seq))
 		gml_log(GMLAKE_LOG_ERROR, "cannot wait for the work on a freed "
 			"span at %#lx", (unsigned long)b->ptr);
-	if (!span_unmap(ctx, v, pos, n, h))
+	if (span_unmap(ctx, v, pos, n, h))
 		gml_log(GMLAKE_LOG_ERROR, "leaking a span at %#lx the driver "
 			"would not unmap", (unsigned long)b->ptr);
 }
@@ -277,5 +276,5 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 /* A stale span's work is done: unmap it (the stale reap). */
 bool gml_span_stale_unmap(gmlake_ctx *ctx, const struct gml_stale *e)
 {
-	return span_unmap(ctx, e->seg, e->pos, e->n, e->span_h);
+	return !span_unmap(ctx, e->seg, e->pos, e->n, e->span_h);
 }
