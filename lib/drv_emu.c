@@ -38,6 +38,7 @@
 #define _GNU_SOURCE
 #endif
 
+#include <stdatomic.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -58,6 +59,26 @@
 /* Device                                                              */
 
 /*
+ * Forks seen by this process and its ancestors: a child's count is one
+ * higher than its parent's was, so a device opened before the fork shows
+ * an older count. A getpid() per entry point would be a system call on
+ * every allocation.
+ */
+static atomic_uint emu_forks;
+static pthread_once_t emu_atfork_once = PTHREAD_ONCE_INIT;
+
+static void emu_forked(void)
+{
+	atomic_fetch_add_explicit(&emu_forks, 1, memory_order_relaxed);
+}
+
+static void emu_atfork_init(void)
+{
+	/* Failing (ENOMEM) leaves children unchecked, nothing worse. */
+	(void)pthread_atfork(NULL, NULL, emu_forked);
+}
+
+/*
  * Every entry point of a context enters first. A child made by fork() has
  * a copy of the device without its stream workers (threads do not survive
  * fork), so a stream of the parent would never finish there, and the
@@ -68,7 +89,8 @@ static int emu_enter(void *priv)
 {
 	struct emu_dev *dev = priv;
 
-	if (dev->pid != getpid())
+	if (dev->forks != atomic_load_explicit(&emu_forks,
+					       memory_order_relaxed))
 		return gml_set_error(-EIO, "emu: the device was opened by process "
 				     "%ld; a child made by fork() cannot use it "
 				     "(open a context in the child instead)",
@@ -198,7 +220,9 @@ static int emu_open(const struct gmlake_config *cfg, void **priv)
 	if (!dev)
 		return gml_set_error(-ENOMEM, "emu: open: out of host memory");
 	dev->magic = EMU_MAGIC;
+	pthread_once(&emu_atfork_once, emu_atfork_init);
 	dev->pid = getpid();
+	dev->forks = atomic_load_explicit(&emu_forks, memory_order_relaxed);
 	dev->host_fd = -1;
 	dev->host_numa = -1;
 	dev->gran = gran;

@@ -124,6 +124,7 @@ struct emu_stream {
 struct emu_dev {
 	uint64_t magic;
 	pid_t pid;		/* the process that opened it */
+	unsigned forks;		/* emu_forks when it opened */
 	pthread_mutex_t lock;
 	int fd;
 	size_t capacity;
