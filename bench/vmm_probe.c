@@ -22,6 +22,12 @@
  *  - enqueue: how long a stream call (cuMemsetD8Async, standing in for a
  *    kernel launch) takes while another thread maps and unmaps: whether
  *    the offload engine's driver calls hold up the training thread.
+ *  - runs: may one cuMemUnmap take a run of separately mapped handles
+ *    (the whole range, or a run inside it), and what does it cost per
+ *    2 MiB against one call per handle?
+ *  - busy: does a mapping call wait for work queued on a stream? Each
+ *    call kind is timed on a range of its own with about 50 ms of
+ *    memsets queued, and the stream asked whether it is still busy.
  */
 #include <cuda.h>
 #include <pthread.h>
@@ -316,6 +322,144 @@ static int enqueue(void)
 	return 0;
 }
 
+/* One cuMemUnmap over handles mapped one by one: a run inside, the whole. */
+static int runs(void)
+{
+	CUmemAllocationProp prop = {
+		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+	};
+	CUmemAccessDesc acc = {
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+	};
+	enum { N = 64, SUB = 16, REPS = 16 };
+	CUmemGenericAllocationHandle h[N];
+	CUdeviceptr va;
+	CUresult r, whole;
+	double t, one = 0, each = 0;
+
+	CK(cuMemAddressReserve(&va, N * gran, 0, 0, 0));
+	for (int i = 0; i < N; i++)
+		CK(cuMemCreate(&h[i], gran, &prop, 0));
+	for (int i = 0; i < N; i++)
+		CK(cuMemMap(va + i * gran, gran, 0, h[i], 0));
+	CK(cuMemSetAccess(va, N * gran, &acc, 1));
+	r = cuMemUnmap(va + 8 * gran, SUB * gran);
+	printf("runs: one unmap of %d handles inside %d mapped one by one: "
+	       "%s\n", SUB, N, errname(r));
+	if (r == CUDA_SUCCESS) {
+		for (int i = 8; i < 8 + SUB; i++)
+			CK(cuMemMap(va + i * gran, gran, 0, h[i], 0));
+		CK(cuMemSetAccess(va + 8 * gran, SUB * gran, &acc, 1));
+	}
+	whole = cuMemUnmap(va, N * gran);
+	printf("runs: one unmap of all %d: %s\n", N, errname(whole));
+	if (whole != CUDA_SUCCESS)
+		for (int i = 0; i < N; i++)
+			CK(cuMemUnmap(va + i * gran, gran));
+	for (int k = 0; k < REPS; k++) {
+		for (int i = 0; i < N; i++)
+			CK(cuMemMap(va + i * gran, gran, 0, h[i], 0));
+		CK(cuMemSetAccess(va, N * gran, &acc, 1));
+		t = now();
+		if (whole == CUDA_SUCCESS && k % 2) {
+			CK(cuMemUnmap(va, N * gran));
+			one += now() - t;
+		} else {
+			for (int i = 0; i < N; i++)
+				CK(cuMemUnmap(va + i * gran, gran));
+			each += now() - t;
+		}
+	}
+	printf("runs: unmap us per 2 MiB: one call per handle %.1f, one call "
+	       "for all %.1f\n", each / (REPS - REPS / 2 * (whole == 0)) / N *
+	       1e6 * (2 << 20) / gran,
+	       whole == CUDA_SUCCESS ? one / (REPS / 2) / N * 1e6 *
+	       (2 << 20) / gran : -1.0);
+	for (int i = 0; i < N; i++)
+		CK(cuMemRelease(h[i]));
+	CK(cuMemAddressFree(va, N * gran));
+	return 0;
+}
+
+/* Queue about ms milliseconds of 1 GiB memsets on s (per: one's time). */
+static int queue_ms(CUstream s, CUdeviceptr buf, size_t n, double per,
+		    double ms)
+{
+	for (int i = 0; i < (int)(ms / per) + 1; i++)
+		CK(cuMemsetD8Async(buf, (unsigned char)i, n, s));
+	return 0;
+}
+
+static int busy(void)
+{
+	CUmemAllocationProp prop = {
+		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+	};
+	CUmemAccessDesc acc = {
+		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+	};
+	static const char *const kind[] = { "cuMemCreate", "cuMemMap",
+		"cuMemSetAccess", "cuMemUnmap", "cuMemRelease" };
+	enum { K = 5, N = 16 };
+	size_t n = (size_t)1 << 30;
+	CUmemGenericAllocationHandle h[N];
+	CUdeviceptr buf, va;
+	CUstream s;
+	double t, per, us[K], idle[K];
+
+	CK(cuCtxSetCurrent(cuctx));
+	CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+	CK(cuMemAlloc(&buf, n));
+	CK(cuMemAddressReserve(&va, N * gran, 0, 0, 0));
+	CK(cuMemsetD8Async(buf, 0, n, s));
+	CK(cuStreamSynchronize(s));
+	t = now();
+	for (int i = 0; i < 10; i++)
+		CK(cuMemsetD8Async(buf, 1, n, s));
+	CK(cuStreamSynchronize(s));
+	per = (now() - t) / 10 * 1e3;
+	for (int pass = 0; pass < 2; pass++) {
+		for (int k = 0; k < K; k++) {
+			CUresult q;
+
+			if (pass && queue_ms(s, buf, n, per, 50.0))
+				return 1;
+			t = now();
+			for (int i = 0; i < N; i++) {
+				CUdeviceptr p = va + i * gran;
+
+				if (k == 0)
+					CK(cuMemCreate(&h[i], gran, &prop, 0));
+				else if (k == 1)
+					CK(cuMemMap(p, gran, 0, h[i], 0));
+				else if (k == 2)
+					CK(cuMemSetAccess(p, gran, &acc, 1));
+				else if (k == 3)
+					CK(cuMemUnmap(p, gran));
+				else
+					CK(cuMemRelease(h[i]));
+			}
+			(pass ? us : idle)[k] = (now() - t) / N * 1e6;
+			q = cuStreamQuery(s);
+			if (pass)
+				printf("busy: %-14s %8.1f us a call with 50 ms "
+				       "queued (%.1f idle); the stream %s "
+				       "after %d calls\n", kind[k], us[k],
+				       idle[k], q == CUDA_SUCCESS ?
+				       "had drained" : "was still busy", N);
+			CK(cuStreamSynchronize(s));
+		}
+	}
+	CK(cuMemAddressFree(va, N * gran));
+	CK(cuMemFree(buf));
+	CK(cuStreamDestroy(s));
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	CUmemAllocationProp prop = {
@@ -348,5 +492,5 @@ int main(int argc, char **argv)
 				if (measure(threads[i]))
 					return 1;
 	}
-	return pieces() || enqueue();
+	return pieces() || enqueue() || runs() || busy();
 }
