@@ -645,21 +645,51 @@ class offload_activations:
     one per process, shared; the options above are applied to it for the
     time of the block).
 
-    Needs gmlake.torch.enable() (libgmlake as PyTorch's allocator).
+    same_address (True): False copies saved tensors to pinned host memory
+    on a side stream and back into new tensors instead
+    (gmlake.copy_offload.CopyOffloader: no driver mapping work, any
+    allocator); then lag, prefetch and inplace do not apply, and
+    prefetch_bytes (1 GiB) bounds what backward fetches ahead.
+
+    Needs gmlake.torch.enable() (libgmlake as PyTorch's allocator), except
+    with same_address=False.
     """
 
     def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
                  leaves=False, offloader=None, max_inflight=MAX_INFLIGHT,
-                 budget=None):
-        self.opts = dict(lag=lag, prefetch=prefetch, inplace=inplace,
-                         min_bytes=min_bytes, leaves=leaves,
-                         max_inflight=max_inflight, budget=budget)
-        Offloader.configure(_Check(), **self.opts)   # reject bad values now
+                 budget=None, same_address=True, prefetch_bytes=None):
+        self.same_address = bool(same_address)
+        if self.same_address:
+            if prefetch_bytes is not None:
+                raise ValueError("prefetch_bytes is for same_address="
+                                 "False; the same-address offloader's "
+                                 "prefetch counts storages")
+            self.opts = dict(lag=lag, prefetch=prefetch, inplace=inplace,
+                             min_bytes=min_bytes, leaves=leaves,
+                             max_inflight=max_inflight, budget=budget)
+            Offloader.configure(_Check(), **self.opts)  # bad values: now
+        else:
+            if lag != 4 or prefetch is not None or inplace:
+                raise ValueError("lag, prefetch and inplace are the "
+                                 "same-address offloader's; with "
+                                 "same_address=False use prefetch_bytes")
+            from .copy_offload import CopyOffloader
+            self.opts = dict(min_bytes=min_bytes, leaves=leaves,
+                             budget=budget, max_inflight=max_inflight,
+                             prefetch=(1024 * MiB if prefetch_bytes is None
+                                       else prefetch_bytes))
+            CopyOffloader.configure(_Check(), **self.opts)
+            if offloader is not None and \
+                    not isinstance(offloader, CopyOffloader):
+                raise ValueError("same_address=False needs a "
+                                 "CopyOffloader as offloader")
         self.offloader = offloader
         self._saved = None
         self._hooks = None
 
     def __enter__(self):
+        if not self.same_address:
+            return self._enter_copy()
         if not _lib.enabled_library():
             raise RuntimeError(
                 "gmlake.torch.offload_activations() needs libgmlake as "
@@ -683,8 +713,30 @@ class offload_activations:
             raise
         return off
 
+    def _enter_copy(self):
+        import torch
+        from .copy_offload import default_copy_offloader
+        off = self.offloader or default_copy_offloader()
+        self.offloader = off
+        self._saved = off.options()
+        off.configure(**self.opts)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(off.pack,
+                                                               off.unpack)
+        try:
+            self._hooks.__enter__()
+        except BaseException:
+            off.configure(**self._saved)
+            raise
+        return off
+
     def __exit__(self, *exc):
         off = self.offloader
+        if not self.same_address:
+            try:
+                self._hooks.__exit__(*exc)
+            finally:
+                off.configure(**self._saved)
+            return False
         try:
             self._hooks.__exit__(*exc)
         finally:

@@ -3,7 +3,9 @@
 """On a GPU with PyTorch: gmlake.torch.offload_activations() must give the
 same loss and gradients as a plain run, bit for bit, on a model whose
 forward reads a saved tensor again many saves later (a gated skip
-connection over several layers), and it must actually spill.
+connection over several layers), and it must actually spill; both the
+same-address offloader and same_address=False (copies into new tensors,
+with and without a budget that keeps some on the device).
 
     GMLAKE_LIBRARY=.../libgmlake.so python3 python/tests/gpu_offload_check.py
 
@@ -56,11 +58,11 @@ def main():
     net = Net().cuda()
     x = torch.randn(16, 512, 1024, device="cuda", requires_grad=True)
 
-    def run(offload):
+    def run(offload, **opts):
         net.zero_grad(set_to_none=True)
         x.grad = None
         if offload:
-            with gmlake.torch.offload_activations() as off:
+            with gmlake.torch.offload_activations(**opts) as off:
                 loss = net(x)
         else:
             off = None
@@ -108,6 +110,25 @@ def main():
         print("gpu_offload_check: no saved tensor waited for forward to "
               "let go of it; the check did not test that")
         failures += 1
+    for opts in (dict(same_address=False),
+                 dict(same_address=False, budget=256 << 20)):
+        for rnd in range(2):
+            loss, grads, off = run(True, **opts)
+            off.synchronize()
+            stats = dict(off.stats)
+            same = same_as_plain(loss, grads)
+            print("%s round %d: loss %r, gradients %s; copied out %d, "
+                  "fetched %d on demand, %d ahead" % (
+                      opts, rnd, loss, "identical" if same else "DIFFER",
+                      stats.get("copied_out", 0),
+                      stats.get("fetches_on_demand", 0),
+                      stats.get("prefetches", 0)))
+            if not same:
+                failures += 1
+        if not stats.get("copied_out") or not stats.get("prefetches"):
+            print("gpu_offload_check: %s copied nothing out or fetched "
+                  "nothing ahead" % opts)
+            failures += 1
     print("gpu_offload_check: %s" % ("FAIL" if failures else "PASS"))
     return 1 if failures else 0
 

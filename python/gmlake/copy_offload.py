@@ -1,0 +1,372 @@
+# SPDX-License-Identifier: MIT
+"""Saved activations copied to pinned host memory and back into new
+tensors: offload_activations(same_address=False).
+
+The same-address offloader (gmlake.activations) moves libgmlake blocks:
+a spill unmaps a block's chunks and a fetch maps chunks at the same
+address again, and the driver charges that per 2 MiB chunk (on the H200,
+an unmap about 20 us, a set-access 30-50 us, more while kernels run), so
+on the bench's GPT those calls took more time than the copies. Saved
+activations do not need their address: autograd only needs a tensor with
+the same values back. This offloader therefore does what save_on_cpu
+does, without its stalls:
+
+* pack copies the tensor to pinned host memory on a side stream of its
+  own, ordered after the work queued so far (the kernel that made the
+  tensor), and lets the device tensor go: the allocator takes its memory
+  back once the copy is done (record_stream), with no driver call and no
+  host wait. save_on_cpu copies on the compute stream and waits for it.
+* Copies in flight hold device memory, so when more than max_inflight
+  bytes are still copying out, pack waits for the oldest first: forward
+  then runs at the bus's pace instead of keeping everything.
+* budget=BYTES: saved tensors stay on the device, the newest first,
+  while their bytes fit in the budget; the oldest are copied out when a
+  newer one needs the room. Backward needs the newest first, so only what
+  the budget cannot hold crosses the bus. A tensor kept on the device is
+  returned as it is; one modified in place since it was saved raises
+  autograd's error, as without hooks.
+* unpack of a copied tensor allocates a new one on the compute stream and
+  copies it back on the side stream, then copies back the next saved
+  tensors in backward order (the reverse of pack order) until `prefetch`
+  bytes are fetched ahead and not yet unpacked, so the bus works while
+  backward computes. The compute stream waits for each copy on the device
+  (an event), never the host.
+
+Tensors that stay as they are: not on a CUDA device, smaller than
+min_bytes, or leaves (parameters, inputs, buffers, and views of them)
+unless leaves=True. The host copy is contiguous, so a strided tensor
+comes back contiguous, as with save_on_cpu.
+
+The CUDA work goes through a small table of operations (_TorchOps) so
+that the tests can run the bookkeeping on the CPU.
+"""
+
+import collections
+import threading
+import weakref
+
+MiB = 1 << 20
+
+
+class _TorchOps:
+    """The CUDA operations the offloader makes, through PyTorch."""
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+
+    def on_device(self, t):
+        dev = getattr(t, "device", None)
+        return dev is not None and dev.type == "cuda"
+
+    def device_of(self, t):
+        return t.device.index if t.device.index is not None else 0
+
+    def side_stream(self, device):
+        return self.torch.cuda.Stream(device)
+
+    def current(self, device):
+        return self.torch.cuda.current_stream(device)
+
+    def after(self, stream, other):
+        """stream's later work waits for what other has queued so far."""
+        stream.wait_stream(other)
+
+    def to_host(self, t, stream):
+        """A pinned copy of t made on stream; (copy, event)."""
+        torch = self.torch
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return host, ev
+
+    def to_device(self, host, device, stream):
+        """A new device tensor allocated on the current stream, filled
+        from host on stream after the current stream's queued work (its
+        memory may have been freed by that work); (tensor, event)."""
+        torch = self.torch
+        t = torch.empty(host.shape, dtype=host.dtype,
+                        device=torch.device("cuda", device))
+        stream.wait_stream(self.current(device))
+        with torch.cuda.stream(stream):
+            t.copy_(host, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return t, ev
+
+    def wait(self, stream, ev):
+        stream.wait_event(ev)
+
+    def done(self, ev):
+        return ev.query()
+
+    def synchronize(self, ev):
+        ev.synchronize()
+
+
+class _Saved:
+    """One saved tensor: on the device (kept), on the host, or fetched."""
+
+    __slots__ = ("index", "device", "nbytes", "dev", "version", "host",
+                 "fetched", "in_ev", "unpacked", "__weakref__")
+
+    def __init__(self, index, device, nbytes, dev, version):
+        self.index = index
+        self.device = device
+        self.nbytes = nbytes
+        self.dev = dev              # the tensor itself while kept
+        self.version = version
+        self.host = None            # pinned copy, once copied out
+        self.fetched = None         # device copy fetched ahead
+        self.in_ev = None
+        self.unpacked = False
+
+
+class _WeakBytes:
+    """Records by index, oldest first, and their bytes; weak references,
+    so a record autograd lets go of (a graph freed without backward)
+    leaves with its bytes."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self._items = collections.OrderedDict()     # index -> (ref, n)
+        self.bytes = 0
+
+    def __len__(self):
+        return len(self._items)
+
+    def add(self, rec):
+        self._items[rec.index] = (weakref.ref(rec, self._gone(rec.index)),
+                                  rec.nbytes)
+        self.bytes += rec.nbytes
+
+    def pop(self, rec):
+        item = self._items.pop(rec.index, None)
+        if item is not None:
+            self.bytes -= item[1]
+        return item is not None
+
+    def oldest(self):
+        while self._items:
+            index, (ref, n) = next(iter(self._items.items()))
+            rec = ref()
+            if rec is not None:
+                return rec
+            del self._items[index]      # its callback has not run yet
+            self.bytes -= n
+        return None
+
+    def _gone(self, index):
+        def gone(_ref, self_ref=weakref.ref(self)):
+            wb = self_ref()
+            if wb is None:
+                return
+            with wb._lock:
+                item = wb._items.pop(index, None)
+                if item is not None:
+                    wb.bytes -= item[1]
+        return gone
+
+
+class CopyOffloader:
+    """pack and unpack for torch.autograd.graph.saved_tensors_hooks (see
+    the module's docstring). One per process is shared by
+    offload_activations(same_address=False); the options apply to it."""
+
+    def __init__(self, min_bytes=MiB, leaves=False, budget=None,
+                 prefetch=1024 * MiB, max_inflight=1024 * MiB, ops=None):
+        self.configure(min_bytes=min_bytes, leaves=leaves, budget=budget,
+                       prefetch=prefetch, max_inflight=max_inflight)
+        self._ops = ops
+        self._lock = threading.RLock()
+        self._side = {}
+        # Records are autograd's: weak references here, so a graph freed
+        # without backward takes its saved tensors with it.
+        self._kept = _WeakBytes(self._lock)     # on the device
+        self._ahead = _WeakBytes(self._lock)    # fetched, not unpacked
+        self._outflight = collections.deque()   # (event, bytes) going out
+        self._out_bytes = 0
+        self._copied = []       # refs in pack order, for the prefetch
+        self._compact_at = 64
+        self._index = 0
+        self.stats = collections.Counter()
+
+    def configure(self, min_bytes=MiB, leaves=False, budget=None,
+                  prefetch=1024 * MiB, max_inflight=1024 * MiB):
+        for name, v in (("min_bytes", min_bytes), ("prefetch", prefetch)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError("%s must be a byte count >= 0, not %r" %
+                                 (name, v))
+        for name, v in (("budget", budget), ("max_inflight", max_inflight)):
+            if v is not None and (not isinstance(v, int) or
+                                  isinstance(v, bool) or v < 0):
+                raise ValueError("%s must be None or a byte count >= 0, "
+                                 "not %r" % (name, v))
+        self.min_bytes = min_bytes
+        self.leaves = bool(leaves)
+        self.budget = budget
+        self.prefetch = prefetch
+        self.max_inflight = max_inflight
+
+    def options(self):
+        return dict(min_bytes=self.min_bytes, leaves=self.leaves,
+                    budget=self.budget, prefetch=self.prefetch,
+                    max_inflight=self.max_inflight)
+
+    @property
+    def ops(self):
+        if self._ops is None:
+            self._ops = _TorchOps()
+        return self._ops
+
+    def eligible(self, t):
+        if not self.ops.on_device(t):
+            return False
+        if not self.leaves:
+            base = getattr(t, "_base", None)
+            if getattr(base if base is not None else t, "is_leaf", True):
+                return False
+        return t.numel() * t.element_size() >= max(self.min_bytes, 1)
+
+    def side(self, device):
+        s = self._side.get(device)
+        if s is None:
+            s = self._side[device] = self.ops.side_stream(device)
+        return s
+
+    def pack(self, t):
+        self.stats["packs"] += 1
+        if not self.eligible(t):
+            self.stats["kept_as_is"] += 1
+            return t
+        t = t.detach()
+        with self._lock:
+            self._index += 1
+            rec = _Saved(self._index, self.ops.device_of(t),
+                         t.numel() * t.element_size(), t, t._version)
+            self._kept.add(rec)
+            budget = self.budget or 0
+            while self._kept.bytes > budget:
+                old = self._kept.oldest()
+                if old is None:
+                    break
+                self._copy_out(old)
+            return rec
+
+    def unpack(self, rec):
+        if not isinstance(rec, _Saved):
+            return rec
+        with self._lock:
+            self.stats["unpacks"] += 1
+            if rec.dev is not None:         # kept on the device
+                t = rec.dev
+                self._kept.pop(rec)
+                if t._version != rec.version:
+                    raise RuntimeError(
+                        "one of the variables needed for gradient "
+                        "computation has been modified by an inplace "
+                        "operation (a saved tensor kept on the device by "
+                        "gmlake's offload_activations: version %d, saved "
+                        "at %d)" % (t._version, rec.version))
+                return t
+            cur = self.ops.current(rec.device)
+            if rec.fetched is None:
+                self._fetch(rec)
+                self.stats["fetches_on_demand"] += 1
+            t, ev = rec.fetched, rec.in_ev
+            self._ahead.pop(rec)
+            rec.unpacked = True
+            # A second unpack (retain_graph) fetches again from the host.
+            rec.fetched = rec.in_ev = None
+            self._prefetch(rec)
+            self.ops.wait(cur, ev)
+            return t
+
+    def synchronize(self):
+        """Wait for every copy to the host in flight."""
+        with self._lock:
+            while self._outflight:
+                self._reap_out(True)
+
+    def _copy_out(self, rec):
+        """rec's tensor to the host now; the device tensor let go."""
+        self._kept.pop(rec)
+        t = rec.dev
+        if t._version != rec.version:
+            # Modified in place while kept: the saved values are gone.
+            # Stay on the device; unpack raises autograd's error.
+            self.stats["modified"] += 1
+            return
+        self._throttle(rec.nbytes)
+        side = self.side(rec.device)
+        self.ops.after(side, self.ops.current(rec.device))
+        rec.host, ev = self.ops.to_host(t, side)
+        rec.dev = None
+        self._outflight.append((ev, rec.nbytes))
+        self._out_bytes += rec.nbytes
+        self._copied.append(weakref.ref(rec))
+        if len(self._copied) >= self._compact_at:
+            self._copied = [r for r in self._copied
+                            if r() is not None and not r().unpacked]
+            self._compact_at = max(64, 2 * len(self._copied))
+        self.stats["copied_out"] += 1
+        self.stats["bytes_out"] += rec.nbytes
+
+    def _reap_out(self, wait):
+        ev, nbytes = self._outflight[0]
+        if not self.ops.done(ev):
+            if not wait:
+                return False
+            self.ops.synchronize(ev)
+            self.stats["out_waits"] += 1
+        self._outflight.popleft()
+        self._out_bytes -= nbytes
+        return True
+
+    def _throttle(self, nbytes):
+        while self._outflight and self._reap_out(False):
+            pass
+        limit = self.max_inflight
+        while limit is not None and self._outflight and \
+                self._out_bytes + nbytes > limit:
+            self._reap_out(True)
+
+    def _fetch(self, rec):
+        side = self.side(rec.device)
+        rec.fetched, rec.in_ev = self.ops.to_device(rec.host, rec.device,
+                                                    side)
+        self._ahead.add(rec)
+        self.stats["bytes_in"] += rec.nbytes
+
+    def _prefetch(self, rec):
+        """Fetch the saved tensors packed before rec, newest first, while
+        fewer than `prefetch` bytes are fetched ahead."""
+        copied = self._copied
+        # Drop what backward has passed or autograd let go, from the end.
+        while copied and (copied[-1]() is None or copied[-1]().unpacked):
+            copied.pop()
+        i = len(copied) - 1
+        while i >= 0 and self._ahead.bytes < self.prefetch:
+            r = copied[i]()
+            i -= 1
+            if r is None or r.index >= rec.index or r.unpacked or \
+                    r.fetched is not None or r.host is None:
+                continue
+            self._fetch(r)
+            self.stats["prefetches"] += 1
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def default_copy_offloader():
+    """The process's CopyOffloader, shared."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = CopyOffloader()
+        return _default

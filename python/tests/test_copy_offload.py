@@ -1,0 +1,265 @@
+# SPDX-License-Identifier: MIT
+"""Tests of gmlake.copy_offload (offload_activations(same_address=False))
+without torch or a GPU: fake tensors and a fake table of CUDA operations
+that keeps each stream's queue, so the tests see what was copied, on
+which stream, after what, and when the host waited.
+"""
+
+import gc
+import os
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from gmlake import copy_offload  # noqa: E402
+
+MiB = 1 << 20
+
+
+class Dev:
+    type = "cuda"
+    index = 0
+
+
+class Tensor:
+    """A fake tensor: nbytes of data (a bytearray), a version counter."""
+
+    def __init__(self, nbytes, fill=0, device=True, leaf=False):
+        self.data = bytearray([fill % 256]) * nbytes
+        self.device = Dev() if device else None
+        self.is_leaf = leaf
+        self._base = None
+        self._version = 0
+
+    def numel(self):
+        return len(self.data)
+
+    def element_size(self):
+        return 1
+
+    def detach(self):
+        return self            # the same storage, as PyTorch's alias is
+
+    def write(self, fill):
+        self.data[:] = bytearray([fill % 256]) * len(self.data)
+        self._version += 1
+
+
+class Event:
+    def __init__(self, stream, pos):
+        self.stream, self.pos = stream, pos
+
+    def done(self):
+        return self.stream.done >= self.pos
+
+
+class Stream:
+    def __init__(self, name):
+        self.name, self.queued, self.done = name, 0, 0
+        self.waits = []         # (after my op number, other stream, its op)
+
+    def push(self):
+        self.queued += 1
+        return self.queued
+
+
+class Ops:
+    """Streams whose work completes only when told (run)."""
+
+    def __init__(self):
+        self.cur = Stream("compute")
+        self.sides = []
+        self.log = []           # (what, stream name, nbytes)
+        self.host_waits = 0
+
+    def on_device(self, t):
+        return t.device is not None
+
+    def device_of(self, t):
+        return 0
+
+    def side_stream(self, device):
+        s = Stream("side")
+        self.sides.append(s)
+        return s
+
+    def current(self, device):
+        return self.cur
+
+    def after(self, stream, other):
+        stream.waits.append((stream.queued, other, other.queued))
+
+    def to_host(self, t, stream):
+        host = Tensor(0, device=False)
+        host.data = bytearray(t.data)       # the copy's values: now
+        self.log.append(("out", stream.name, len(t.data)))
+        return host, Event(stream, stream.push())
+
+    def to_device(self, host, device, stream):
+        self.after(stream, self.cur)
+        t = Tensor(0)
+        t.data = bytearray(host.data)
+        self.log.append(("in", stream.name, len(host.data)))
+        return t, Event(stream, stream.push())
+
+    def wait(self, stream, ev):
+        self.log.append(("wait", stream.name, ev.pos))
+
+    def done(self, ev):
+        return ev.done()
+
+    def synchronize(self, ev):
+        self.host_waits += 1
+        ev.stream.done = max(ev.stream.done, ev.pos)
+
+    def run(self):
+        for s in self.sides:
+            s.done = s.queued
+
+
+def offloader(**kw):
+    ops = Ops()
+    return copy_offload.CopyOffloader(ops=ops, **kw), ops
+
+
+class CopyOffloadTest(unittest.TestCase):
+    def test_round_trip_values_and_order(self):
+        off, ops = offloader(prefetch=0)
+        ts = [Tensor(2 * MiB, fill=i) for i in range(4)]
+        packed = [off.pack(t) for t in ts]
+        self.assertEqual([w for w in ops.log if w[0] == "out"],
+                         [("out", "side", 2 * MiB)] * 4)
+        # Each copy out waits for the compute stream's work so far.
+        side = ops.sides[0]
+        self.assertEqual(len(side.waits), 4)
+        self.assertTrue(all(w[1] is ops.cur for w in side.waits))
+        for t in ts:                # forward goes on writing them
+            t.write(99)
+        got = [off.unpack(p) for p in reversed(packed)]
+        for i, t in enumerate(reversed(got)):
+            self.assertEqual(bytes(t.data[:1]), bytes([i]))
+            self.assertIsNot(t, ts[i])       # a new tensor
+        # The compute stream waits on the device for each copy back.
+        self.assertEqual(sum(1 for w in ops.log if w[0] == "wait"), 4)
+        self.assertEqual(ops.host_waits, 0)
+
+    def test_small_leaf_and_host_tensors_stay(self):
+        off, ops = offloader()
+        small = Tensor(MiB - 1)
+        leaf = Tensor(4 * MiB, leaf=True)
+        host = Tensor(4 * MiB, device=False)
+        for t in (small, leaf, host):
+            self.assertIs(off.pack(t), t)
+            self.assertIs(off.unpack(t), t)
+        self.assertEqual(ops.log, [])
+        off2, ops2 = offloader(leaves=True)
+        self.assertIsNot(off2.pack(leaf), leaf)
+        self.assertEqual(len(ops2.log), 1)
+
+    def test_budget_keeps_the_newest(self):
+        off, ops = offloader(budget=5 * MiB, prefetch=0)
+        ts = [Tensor(2 * MiB, fill=i) for i in range(5)]
+        packed = [off.pack(t) for t in ts]
+        # 5 MiB hold two of 2 MiB: the oldest three went out.
+        self.assertEqual(off.stats["copied_out"], 3)
+        self.assertIs(off.unpack(packed[4]), ts[4])
+        self.assertIs(off.unpack(packed[3]), ts[3])
+        t2 = off.unpack(packed[2])
+        self.assertIsNot(t2, ts[2])
+        self.assertEqual(bytes(t2.data[:1]), b"\x02")
+
+    def test_modified_in_place_while_kept_raises(self):
+        off, ops = offloader(budget=64 * MiB)
+        t = Tensor(2 * MiB, fill=1)
+        p = off.pack(t)
+        t.write(7)
+        with self.assertRaisesRegex(RuntimeError, "inplace"):
+            off.unpack(p)
+
+    def test_modified_before_its_copy_stays_and_raises(self):
+        off, ops = offloader(budget=2 * MiB)
+        t = Tensor(2 * MiB, fill=1)
+        p = off.pack(t)                  # kept: within the budget
+        t.write(7)
+        off.pack(Tensor(2 * MiB))        # pushes t out: modified, stays
+        self.assertEqual(off.stats["modified"], 1)
+        with self.assertRaisesRegex(RuntimeError, "inplace"):
+            off.unpack(p)
+
+    def test_prefetch_in_backward_order_within_the_window(self):
+        off, ops = offloader(prefetch=4 * MiB)
+        packed = [off.pack(Tensor(2 * MiB, fill=i)) for i in range(6)]
+        ops.log.clear()
+        off.unpack(packed[5])
+        ins = [w for w in ops.log if w[0] == "in"]
+        # Its own fetch, then two ahead (4 MiB): packed[4] and packed[3].
+        self.assertEqual(len(ins), 3)
+        self.assertEqual(off.stats["prefetches"], 2)
+        self.assertIsNotNone(packed[4].fetched)
+        self.assertIsNotNone(packed[3].fetched)
+        self.assertIsNone(packed[2].fetched)
+        off.unpack(packed[4])           # was ahead: one more ahead
+        self.assertEqual(off.stats["fetches_on_demand"], 1)
+        self.assertIsNotNone(packed[2].fetched)
+        self.assertIsNone(packed[1].fetched)
+
+    def test_throttle_waits_for_the_oldest_copy(self):
+        off, ops = offloader(max_inflight=5 * MiB)
+        [off.pack(Tensor(2 * MiB)) for _ in range(2)]
+        self.assertEqual(ops.host_waits, 0)
+        off.pack(Tensor(2 * MiB))        # 6 MiB would be in flight
+        self.assertEqual(ops.host_waits, 1)
+        ops.run()                        # the bus caught up
+        off.pack(Tensor(2 * MiB))
+        self.assertEqual(ops.host_waits, 1)
+
+    def test_graph_freed_without_backward_lets_go(self):
+        off, ops = offloader(budget=64 * MiB)
+        t = Tensor(8 * MiB)
+        p = off.pack(t)
+        self.assertEqual(off._kept.bytes, 8 * MiB)
+        del p
+        gc.collect()
+        self.assertEqual(off._kept.bytes, 0)
+        off2, _ = offloader(prefetch=8 * MiB)
+        ps = [off2.pack(Tensor(2 * MiB)) for _ in range(3)]
+        off2.unpack(ps[2])
+        self.assertEqual(off2._ahead.bytes, 4 * MiB)
+        del ps
+        gc.collect()
+        self.assertEqual(off2._ahead.bytes, 0)
+
+    def test_second_unpack_fetches_again(self):
+        off, ops = offloader(prefetch=0)
+        p = off.pack(Tensor(2 * MiB, fill=5))
+        a = off.unpack(p)
+        b = off.unpack(p)
+        self.assertIsNot(a, b)
+        self.assertEqual(bytes(b.data[:1]), b"\x05")
+        self.assertEqual(off.stats["fetches_on_demand"], 2)
+
+    def test_offload_activations_options(self):
+        from gmlake import activations
+        with self.assertRaisesRegex(ValueError, "same_address=False"):
+            activations.offload_activations(same_address=False, lag=2)
+        with self.assertRaisesRegex(ValueError, "prefetch_bytes"):
+            activations.offload_activations(prefetch_bytes=MiB)
+        with self.assertRaises(ValueError):
+            activations.offload_activations(same_address=False,
+                                            prefetch_bytes=-1)
+        ctx = activations.offload_activations(same_address=False,
+                                              budget=8 * MiB)
+        self.assertEqual(ctx.opts["budget"], 8 * MiB)
+        self.assertEqual(ctx.opts["prefetch"], 1024 * MiB)
+
+    def test_bad_options(self):
+        for kw in (dict(min_bytes=-1), dict(prefetch="x"),
+                   dict(budget=-5), dict(max_inflight=True)):
+            with self.assertRaises(ValueError):
+                copy_offload.CopyOffloader(**kw)
+
+
+if __name__ == "__main__":
+    unittest.main()
