@@ -16,6 +16,9 @@ bench/out/<date-time>, never the committed bench/results.
 Workloads (--workloads, comma-separated names or groups):
   gpt  the default: GPT, LoRA, generation and activation offload
        (workloads.py);
+  offload  activation offload: GPT's save_on_cpu and offload, and the
+       same two on transformers' Llama without checkpointing
+       (llama_save_on_cpu, llama_offload; only in this group and all);
   eco  models from the ecosystem (ecosystem.py): timm ViT-L, torchvision
        Mask R-CNN, torch_geometric GraphSAGE, transformers Llama under
        FSDP2, torch.compile; one round of them takes about 5-8 minutes on
@@ -95,22 +98,28 @@ MARK = "BENCH-RESULT "
 # (ecosystem.STEPS).
 STEPS = {"full": dict({"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
                        "gpt_keep": 12, "gpt_save_on_cpu": 12,
-                       "gpt_offload": 12, "generate": 16},
+                       "gpt_offload": 12, "generate": 16,
+                       "llama_save_on_cpu": 8, "llama_offload": 8},
                       **ecosystem.STEPS["full"]),
          "quick": dict({"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4,
                         "gpt_keep": 4, "gpt_save_on_cpu": 4,
-                        "gpt_offload": 4, "generate": 4},
+                        "gpt_offload": 4, "generate": 4,
+                        "llama_save_on_cpu": 3, "llama_offload": 3},
                        **ecosystem.STEPS["quick"])}
 # gpt_offload last: a child that fails there has done the rest.
 GPT = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep", "gpt_save_on_cpu",
        "generate", "gpt_offload")
-WORKLOADS = GPT + ecosystem.WORKLOADS
-GROUPS = {"gpt": GPT, "eco": ecosystem.WORKLOADS, "all": WORKLOADS}
+# Activation offload on transformers' Llama (not in the default group).
+LLAMA = ("llama_save_on_cpu", "llama_offload")
+WORKLOADS = GPT + LLAMA + ecosystem.WORKLOADS
+GROUPS = {"gpt": GPT, "eco": ecosystem.WORKLOADS, "all": WORKLOADS,
+          "offload": ("gpt_save_on_cpu", "gpt_offload") + LLAMA}
 # Seconds a workload may take in a child, building included (the child's
 # timeout is their sum, child_timeout()).
-BUDGET = {"full": dict(dict.fromkeys(GPT, 70), eco_vit=60, eco_maskrcnn=60,
+BUDGET = {"full": dict(dict.fromkeys(GPT, 70), **dict.fromkeys(LLAMA, 90),
+                       eco_vit=60, eco_maskrcnn=60,
                        eco_sage=45, eco_llama_fsdp=75, eco_compile=150),
-          "quick": dict(dict.fromkeys(GPT, 10),
+          "quick": dict(dict.fromkeys(GPT + LLAMA, 10),
                         **dict.fromkeys(ecosystem.WORKLOADS, 40))}
 # A child's start (imports, CUDA) and the most any child may take.
 CHILD_START, CHILD_MAX = 45, 480

@@ -57,6 +57,7 @@ ONLY = {
     "gpt_offload": (("gmlake",), "gmlake.torch.offload_activations() moves "
                     "libgmlake blocks; not applicable to PyTorch's "
                     "allocators"),
+    "llama_offload": (("gmlake",), "the same, on transformers' Llama"),
 }
 
 # The activation-offload comparison: workload -> how it offloads
@@ -65,6 +66,8 @@ OFFLOAD_METHODS = (
     ("gpt_keep", "none: activations kept on the device"),
     ("gpt_save_on_cpu", "torch save_on_cpu(pin_memory=True)"),
     ("gpt_offload", "gmlake offload_activations()"),
+    ("llama_save_on_cpu", "Llama: torch save_on_cpu(pin_memory=True)"),
+    ("llama_offload", "Llama: gmlake offload_activations()"),
 )
 
 
@@ -681,10 +684,10 @@ def _ratio(a, b):
 
 
 def offload_table(results):
-    """The GPT activation-offload rows: the same shapes without offload
-    (gpt_keep, the reference), save_on_cpu under every allocator and
-    gmlake's offload_activations(), each compared with save_on_cpu under
-    the same allocator. "Blocks on device" is the peak of live blocks
+    """The activation-offload rows, GPT's then Llama's: the same shapes
+    without offload (gpt_keep, the reference), save_on_cpu under every
+    allocator and gmlake's offload_activations(), each compared with its
+    model's save_on_cpu under the same allocator. "Blocks on device" is the peak of live blocks
     holding device memory (libgmlake's resident_bytes; peak allocated
     where nothing spills). None when none of them ran."""
     names = dict(OFFLOAD_METHODS)
@@ -693,13 +696,14 @@ def offload_table(results):
             not r.get("skipped")]
     if not rows:
         return None
-    base = {r["allocator"]: r for r in rows
-            if r["workload"] == "gpt_save_on_cpu" and r.get("ok")}
+    # Each model's rows against its own save_on_cpu (gpt_, llama_).
+    base = {(r["workload"].split("_")[0], r["allocator"]): r for r in rows
+            if r["workload"].endswith("_save_on_cpu") and r.get("ok")}
     rows.sort(key=lambda r: ([w for w, _ in OFFLOAD_METHODS].index(
         r["workload"]), order.get(r["allocator"], 99)))
     out = []
     for r in rows:
-        b = base.get(r["allocator"], {})
+        b = base.get((r["workload"].split("_")[0], r["allocator"]), {})
         spilled = (r.get("offload") or {}).get("spilled_bytes")
         out.append([names[r["workload"]], _name(r["allocator"]),
                     _cell(gib(r.get("peak_reserved"))),

@@ -42,7 +42,8 @@ SHAPES = {
 SHAPE_COUNT = 4
 WORKLOADS = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep",
              "gpt_save_on_cpu",
-             "gpt_offload", "generate")
+             "gpt_offload", "generate", "llama_save_on_cpu",
+             "llama_offload")
 DTYPE = torch.bfloat16
 # BENCH_OFFLOAD='{"max_inflight": 268435456}': offload_activations()
 # options for gpt_offload (trying settings; the results name them).
@@ -251,22 +252,78 @@ def gpt_workload(size, how, rng):
                         "(gmlake.torch.offload_activations(%s))" %
                         (", ".join("%s=%s" % kv for kv in OFFLOAD_OPTS.items())
                          or "defaults: lag 4, max_inflight 1 GiB")}
-    stats = None
-    if how == "offload":
-        import gmlake.activations
-        off = gmlake.activations.default_offloader()
-        before = dict(off.stats)
-        probe = _probe_backward(off) if os.environ.get("BENCH_PROBE") \
-            else None
-
-        def stats():
-            off.synchronize()
-            d = {k: v - before.get(k, 0) for k, v in off.stats.items()}
-            if probe:
-                d["probe"] = probe
-            return d
+    stats = _offload_stats() if how == "offload" else None
     return dict(step=step, train=train, note=notes[how], keep=(model, opt),
                 warmup=len(shapes) if shapes else 1, stats=stats)
+
+
+def _offload_stats():
+    """The offloader's statistics since now, as a function (the copying
+    offloader's with BENCH_OFFLOAD's same_address false)."""
+    import gmlake.activations
+    if OFFLOAD_OPTS.get("same_address", True):
+        off = gmlake.activations.default_offloader()
+    else:
+        import gmlake.copy_offload
+        off = gmlake.copy_offload.default_copy_offloader()
+    before = dict(off.stats)
+    probe = _probe_backward(off) if os.environ.get("BENCH_PROBE") and \
+        OFFLOAD_OPTS.get("same_address", True) else None
+
+    def stats():
+        off.synchronize()
+        d = {k: v - before.get(k, 0) for k, v in off.stats.items()}
+        if probe:
+            d["probe"] = probe
+        return d
+    return stats
+
+
+def llama_workload(size, how, rng):
+    """transformers' Llama, full fine-tuning without checkpointing, its
+    whole forward's saved tensors saved on the host by save_on_cpu or
+    offloaded by libgmlake (the same scope), at the LoRA workload's
+    shapes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    m = MODEL[size]
+    cfg = LlamaConfig(hidden_size=m["d"], intermediate_size=m["ffn"],
+                      num_hidden_layers=m["layers"],
+                      num_attention_heads=m["heads"],
+                      num_key_value_heads=m["heads"],
+                      vocab_size=m["vocab"], max_position_embeddings=4096,
+                      use_cache=False)
+    model = LlamaForCausalLM(cfg).cuda().to(DTYPE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    s = SHAPES[size]
+    shapes = _cycle(rng, s["lora_b"], s["lora_t"])
+
+    def scope():
+        if how == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        import gmlake.torch
+        return gmlake.torch.offload_activations(**OFFLOAD_OPTS)
+
+    def train(b, t):
+        idx = torch.randint(0, m["vocab"], (b, t), device="cuda")
+        with scope():
+            loss = model(input_ids=idx, labels=idx).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step():
+        shape = shapes.next()
+        train(*shape)
+        return shape
+    note = ("transformers Llama, no checkpointing, variable batch and "
+            "sequence length, activations %s" %
+            ("saved on the host (save_on_cpu, pin_memory=True)"
+             if how == "save_on_cpu" else
+             "offloaded by gmlake.torch.offload_activations(%s)" %
+             ", ".join("%s=%s" % kv for kv in OFFLOAD_OPTS.items())))
+    return dict(step=step, train=train, note=note, keep=(model, opt),
+                warmup=len(shapes),
+                stats=_offload_stats() if how == "offload" else None)
 
 
 def _probe_backward(off):
@@ -420,6 +477,10 @@ def build(name, size, seed):
         return lora_workload(size, rng)
     if name == "generate":
         return generate_workload(size, rng)
+    if name == "llama_save_on_cpu":
+        return llama_workload(size, "save_on_cpu", rng)
+    if name == "llama_offload":
+        return llama_workload(size, "offload", rng)
     raise ValueError("unknown workload %r (known: %s)" %
                      (name, ", ".join(WORKLOADS)))
 

@@ -461,6 +461,18 @@ class TestOffloadRows(unittest.TestCase):
                          "0.75x | 6.00 | ok |")
         self.assertIsNone(benchlib.offload_table(self.RESULTS[-2:-1]))
 
+    def test_offload_table_each_model_against_its_save_on_cpu(self):
+        rows = self.RESULTS + [
+            dict(index=5, workload="llama_save_on_cpu", allocator="gmlake",
+                 ok=True, oom=False, peak_reserved=20 * G, step_ms=1000.0),
+            dict(index=6, workload="llama_offload", allocator="gmlake",
+                 ok=True, oom=False, peak_reserved=10 * G, step_ms=600.0)]
+        lines = benchlib.offload_table(rows).strip().split("\n")
+        self.assertTrue(lines[-2].startswith("| Llama: torch save_on_cpu"))
+        self.assertIn("| 1.00x | 1.00x |", lines[-2])
+        self.assertTrue(lines[-1].startswith("| Llama: gmlake "))
+        self.assertIn("| 0.50x | 0.60x |", lines[-1])
+
     def test_offload_section_from_rounds(self):
         text = benchlib.results_markdown(three_rounds())
         self.assertIn("## Activation offload (GPT)", text)
