@@ -736,6 +736,7 @@ class offload_activations:
                 self._hooks.__exit__(*exc)
             finally:
                 off.configure(**self._saved)
+                off.reap()
             return False
         try:
             self._hooks.__exit__(*exc)

@@ -13,9 +13,13 @@ does, without its stalls:
 
 * pack copies the tensor to pinned host memory on a side stream of its
   own, ordered after the work queued so far (the kernel that made the
-  tensor), and lets the device tensor go: the allocator takes its memory
-  back once the copy is done (record_stream), with no driver call and no
-  host wait. save_on_cpu copies on the compute stream and waits for it.
+  tensor), and holds the device tensor until the copy is done (its event,
+  looked at in every pack and unpack): then it lets go, and the memory is
+  an ordinary free on the compute stream, which the allocator reuses at
+  once. (record_stream instead would leave the block marked for the side
+  stream, and the allocator grew past those blocks: 8.6% fragmentation
+  on the bench's GPT.) No driver call, no host wait. save_on_cpu copies
+  on the compute stream and waits for it.
 * Copies in flight hold device memory, so when more than max_inflight
   bytes are still copying out, pack waits for the oldest first: forward
   then runs at the bus's pace instead of keeping everything.
@@ -78,7 +82,6 @@ class _TorchOps:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
-            t.record_stream(stream)
             ev = torch.cuda.Event()
             ev.record(stream)
         return host, ev
@@ -187,7 +190,8 @@ class CopyOffloader:
         # without backward takes its saved tensors with it.
         self._kept = _WeakBytes(self._lock)     # on the device
         self._ahead = _WeakBytes(self._lock)    # fetched, not unpacked
-        self._outflight = collections.deque()   # (event, bytes) going out
+        # (event, bytes, device tensor) of copies to the host in flight
+        self._outflight = collections.deque()
         self._out_bytes = 0
         self._copied = []       # refs in pack order, for the prefetch
         self._compact_at = 64
@@ -244,6 +248,7 @@ class CopyOffloader:
             return t
         t = t.detach()
         with self._lock:
+            self.reap()
             self._index += 1
             rec = _Saved(self._index, self.ops.device_of(t),
                          t.numel() * t.element_size(), t, t._version)
@@ -261,6 +266,7 @@ class CopyOffloader:
             return rec
         with self._lock:
             self.stats["unpacks"] += 1
+            self.reap()
             if rec.dev is not None:         # kept on the device
                 t = rec.dev
                 self._kept.pop(rec)
@@ -285,6 +291,12 @@ class CopyOffloader:
             self.ops.wait(cur, ev)
             return t
 
+    def reap(self):
+        """Let go of the device tensors whose copy to the host is done."""
+        with self._lock:
+            while self._outflight and self._reap_out(False):
+                pass
+
     def synchronize(self):
         """Wait for every copy to the host in flight."""
         with self._lock:
@@ -305,7 +317,7 @@ class CopyOffloader:
         self.ops.after(side, self.ops.current(rec.device))
         rec.host, ev = self.ops.to_host(t, side)
         rec.dev = None
-        self._outflight.append((ev, rec.nbytes))
+        self._outflight.append((ev, rec.nbytes, t))
         self._out_bytes += rec.nbytes
         self._copied.append(weakref.ref(rec))
         if len(self._copied) >= self._compact_at:
@@ -316,7 +328,7 @@ class CopyOffloader:
         self.stats["bytes_out"] += rec.nbytes
 
     def _reap_out(self, wait):
-        ev, nbytes = self._outflight[0]
+        ev, nbytes, _ = self._outflight[0]
         if not self.ops.done(ev):
             if not wait:
                 return False
@@ -327,8 +339,7 @@ class CopyOffloader:
         return True
 
     def _throttle(self, nbytes):
-        while self._outflight and self._reap_out(False):
-            pass
+        self.reap()
         limit = self.max_inflight
         while limit is not None and self._outflight and \
                 self._out_bytes + nbytes > limit:

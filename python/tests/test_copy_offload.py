@@ -231,6 +231,23 @@ class CopyOffloadTest(unittest.TestCase):
         gc.collect()
         self.assertEqual(off2._ahead.bytes, 0)
 
+    def test_device_tensor_held_until_its_copy_is_done(self):
+        import weakref
+        off, ops = offloader()
+        t = Tensor(2 * MiB)
+        ref = weakref.ref(t)
+        p = off.pack(t)
+        del t
+        gc.collect()
+        self.assertIsNotNone(ref())     # the copy still reads it
+        off.reap()
+        self.assertIsNotNone(ref())
+        ops.run()                       # the copy completed
+        off.pack(Tensor(2 * MiB))       # every pack looks
+        gc.collect()
+        self.assertIsNone(ref())
+        self.assertIsNotNone(p.host)
+
     def test_second_unpack_fetches_again(self):
         off, ops = offloader(prefetch=0)
         p = off.pack(Tensor(2 * MiB, fill=5))
