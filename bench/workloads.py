@@ -247,11 +247,10 @@ def gpt_workload(size, how, rng):
              "keep": "GPT at the offload workloads' shapes, activations "
                      "kept on the device (what offloading is measured "
                      "against)",
-             "offload": "GPT, activations spilled to the host and fetched "
-                        "back at the same address "
-                        "(gmlake.torch.offload_activations(%s))" %
+             "offload": "GPT, activations offloaded by "
+                        "gmlake.torch.offload_activations(%s)" %
                         (", ".join("%s=%s" % kv for kv in OFFLOAD_OPTS.items())
-                         or "defaults: lag 4, max_inflight 1 GiB")}
+                         or "defaults: copies into new tensors")}
     stats = _offload_stats() if how == "offload" else None
     return dict(step=step, train=train, note=notes[how], keep=(model, opt),
                 warmup=len(shapes) if shapes else 1, stats=stats)
@@ -261,14 +260,14 @@ def _offload_stats():
     """The offloader's statistics since now, as a function (the copying
     offloader's with BENCH_OFFLOAD's same_address false)."""
     import gmlake.activations
-    if OFFLOAD_OPTS.get("same_address", True):
+    if OFFLOAD_OPTS.get("same_address", False):
         off = gmlake.activations.default_offloader()
     else:
         import gmlake.copy_offload
         off = gmlake.copy_offload.default_copy_offloader()
     before = dict(off.stats)
     probe = _probe_backward(off) if os.environ.get("BENCH_PROBE") and \
-        OFFLOAD_OPTS.get("same_address", True) else None
+        OFFLOAD_OPTS.get("same_address", False) else None
 
     def stats():
         off.synchronize()

@@ -139,6 +139,8 @@ from ._mover import FETCHING, RESIDENT, SPILLED, SPILLING, Mover
 MiB = 1 << 20
 # Bytes of spills in flight before pack waits for some to complete.
 MAX_INFLIGHT = 1024 * MiB
+# An option left to its mode's default.
+_DEFAULT = object()
 
 # Where a storage is, as the bookkeeping knows it: RESIDENT (on the
 # device and staying there, for now), SPILLING (spill submitted, its
@@ -628,9 +630,11 @@ def _close_default():
 
 
 class offload_activations:
-    """Context manager: tensors autograd saves inside it are spilled to
-    host memory by libgmlake and fetched back, at the same address, when
-    backward needs them. See gmlake.activations for the design.
+    """Context manager: tensors autograd saves inside it go to host memory
+    and come back when backward needs them: copied into new tensors
+    (same_address=False, the default: gmlake.copy_offload), or spilled by
+    libgmlake and fetched back at the same address (same_address=True:
+    gmlake.activations, whose docstring is the design).
 
     lag (4): saved tensors packed after a storage before it is spilled;
     prefetch (lag): spilled storages fetched ahead in backward; inplace
@@ -645,21 +649,30 @@ class offload_activations:
     one per process, shared; the options above are applied to it for the
     time of the block).
 
-    same_address (True): False copies saved tensors to pinned host memory
-    on a side stream and back into new tensors instead
-    (gmlake.copy_offload.CopyOffloader: no driver mapping work, any
-    allocator); then lag, prefetch and inplace do not apply, and
-    prefetch_bytes (1 GiB) bounds what backward fetches ahead.
-
-    Needs gmlake.torch.enable() (libgmlake as PyTorch's allocator), except
-    with same_address=False.
+    same_address: False (the default, unless offloader is an Offloader)
+    copies saved tensors to pinned host memory on a side stream and back
+    into new tensors (gmlake.copy_offload.CopyOffloader): no driver
+    mapping work, which on the H200 made it 0.71x save_on_cpu's step on
+    the bench's GPT where the same-address spill took 1.5x. Then lag,
+    prefetch and inplace do not apply, max_inflight defaults to 256 MiB
+    and prefetch_bytes (256 MiB) bounds what backward fetches ahead.
+    True moves libgmlake's blocks and brings them back at the same
+    address (the options above; it needs gmlake.torch.enable(),
+    libgmlake as PyTorch's allocator).
     """
 
-    def __init__(self, lag=4, prefetch=None, inplace=False, min_bytes=MiB,
-                 leaves=False, offloader=None, max_inflight=MAX_INFLIGHT,
-                 budget=None, same_address=True, prefetch_bytes=None):
+    def __init__(self, lag=None, prefetch=None, inplace=None,
+                 min_bytes=MiB, leaves=False, offloader=None,
+                 max_inflight=_DEFAULT, budget=None, same_address=None,
+                 prefetch_bytes=None):
+        if same_address is None:
+            same_address = isinstance(offloader, Offloader)
         self.same_address = bool(same_address)
         if self.same_address:
+            lag = 4 if lag is None else lag
+            inplace = False if inplace is None else inplace
+            if max_inflight is _DEFAULT:
+                max_inflight = MAX_INFLIGHT
             if prefetch_bytes is not None:
                 raise ValueError("prefetch_bytes is for same_address="
                                  "False; the same-address offloader's "
@@ -669,14 +682,18 @@ class offload_activations:
                              max_inflight=max_inflight, budget=budget)
             Offloader.configure(_Check(), **self.opts)  # bad values: now
         else:
-            if lag != 4 or prefetch is not None or inplace:
+            if lag is not None or prefetch is not None or \
+                    inplace is not None:
                 raise ValueError("lag, prefetch and inplace are the "
-                                 "same-address offloader's; with "
-                                 "same_address=False use prefetch_bytes")
-            from .copy_offload import CopyOffloader
+                                 "same-address offloader's: pass "
+                                 "same_address=True (the copying one, the "
+                                 "default, takes prefetch_bytes)")
+            from .copy_offload import CopyOffloader, COPY_WINDOW
             self.opts = dict(min_bytes=min_bytes, leaves=leaves,
-                             budget=budget, max_inflight=max_inflight,
-                             prefetch=(1024 * MiB if prefetch_bytes is None
+                             budget=budget,
+                             max_inflight=(COPY_WINDOW if max_inflight is
+                                           _DEFAULT else max_inflight),
+                             prefetch=(COPY_WINDOW if prefetch_bytes is None
                                        else prefetch_bytes))
             CopyOffloader.configure(_Check(), **self.opts)
             if offloader is not None and \

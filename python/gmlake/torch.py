@@ -35,8 +35,10 @@ builds, else ctypes with a warning) chooses. PyTorch's allocator cannot
 be swapped once CUDA is initialized, so enable() refuses then.
 
 offload_activations() (gmlake.activations) is a context manager that
-spills the tensors autograd saves to host memory through libgmlake's
-offload rings and fetches them back, at the same address, in backward:
+moves the tensors autograd saves to host memory and back in backward:
+copied into new tensors on a side stream (gmlake.copy_offload, the
+default), or, with same_address=True, spilled through libgmlake's
+offload rings and fetched back at the same address:
 
     with gmlake.torch.offload_activations():
         loss = model(batch)

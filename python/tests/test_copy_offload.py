@@ -259,17 +259,56 @@ class CopyOffloadTest(unittest.TestCase):
 
     def test_offload_activations_options(self):
         from gmlake import activations
-        with self.assertRaisesRegex(ValueError, "same_address=False"):
-            activations.offload_activations(same_address=False, lag=2)
+        # The copying offloader is the default; the same-address one's
+        # options need same_address=True, or an Offloader.
+        for kw in (dict(lag=2), dict(prefetch=3), dict(inplace=True)):
+            with self.assertRaisesRegex(ValueError, "same_address=True"):
+                activations.offload_activations(**kw)
         with self.assertRaisesRegex(ValueError, "prefetch_bytes"):
-            activations.offload_activations(prefetch_bytes=MiB)
+            activations.offload_activations(same_address=True,
+                                            prefetch_bytes=MiB)
         with self.assertRaises(ValueError):
-            activations.offload_activations(same_address=False,
-                                            prefetch_bytes=-1)
-        ctx = activations.offload_activations(same_address=False,
-                                              budget=8 * MiB)
+            activations.offload_activations(prefetch_bytes=-1)
+        ctx = activations.offload_activations(budget=8 * MiB)
+        self.assertFalse(ctx.same_address)
         self.assertEqual(ctx.opts["budget"], 8 * MiB)
-        self.assertEqual(ctx.opts["prefetch"], 1024 * MiB)
+        self.assertEqual(ctx.opts["prefetch"], copy_offload.COPY_WINDOW)
+        self.assertEqual(ctx.opts["max_inflight"], copy_offload.COPY_WINDOW)
+        same = activations.offload_activations(same_address=True)
+        self.assertEqual(same.opts["lag"], 4)
+        self.assertEqual(same.opts["max_inflight"], activations.MAX_INFLIGHT)
+
+    def test_context_installs_the_hooks_and_reaps_at_exit(self):
+        import types
+        from unittest import mock
+        from gmlake import activations
+        log = []
+
+        class Hooks:
+            def __init__(self, pack, unpack):
+                log.append(("hooks", pack, unpack))
+
+            def __enter__(self):
+                log.append("enter")
+
+            def __exit__(self, *exc):
+                log.append("exit")
+        torch = types.ModuleType("torch")
+        torch.autograd = types.SimpleNamespace(graph=types.SimpleNamespace(
+            saved_tensors_hooks=Hooks))
+        off, ops = offloader()
+        with mock.patch.dict(sys.modules, {"torch": torch}):
+            with activations.offload_activations(offloader=off,
+                                                 budget=4 * MiB) as got:
+                self.assertIs(got, off)
+                self.assertEqual(off.budget, 4 * MiB)
+                off.pack(Tensor(2 * MiB))
+                off.pack(Tensor(4 * MiB))    # the 2 MiB one goes out
+                ops.run()
+            self.assertEqual(log[0], ("hooks", off.pack, off.unpack))
+            self.assertEqual(log[1:], ["enter", "exit"])
+            self.assertIsNone(off.budget)     # restored
+            self.assertFalse(off._outflight)  # reaped at exit
 
     def test_bad_options(self):
         for kw in (dict(min_bytes=-1), dict(prefetch="x"),
