@@ -76,7 +76,10 @@ struct gmlake_config {
 					   for memory other streams' work
 					   still covers; true */
 	uint8_t reserved8[3];
-	uint64_t reserved[6];
+	size_t top_fit;			/* requests of at least this many
+					   bytes take the highest free run,
+					   its top end; 0 (default): off */
+	uint64_t reserved[5];
 };
 
 int gmlake_config_init(struct gmlake_config *cfg);

@@ -321,12 +321,64 @@ static void view_first_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 }
 
 /*
+ * The usable window of n positions highest in segment v, at the top end
+ * of its free run, into *found.
+ */
+static void view_top_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+			 int stream, struct run *found)
+{
+	memset(found, 0, sizeof(*found));
+	if (!view_may_fit(v, n))
+		return;
+	for (uint32_t k = v->nruns; k-- > 0;) {
+		const struct gml_free_run *r = &v->runs[k];
+		uint32_t len = 0;
+
+		if (r->len < n)
+			continue;
+		if (ctx->nstreams == 1) {
+			*found = (struct run){ v, r->pos + r->len - n, r->len };
+			return;
+		}
+		for (uint32_t i = r->pos + r->len; i-- > r->pos;) {
+			if (!gml_usable(ctx, v->chunks[i], stream)) {
+				len = 0;
+				continue;
+			}
+			if (++len == n) {
+				*found = (struct run){ v, i, r->len };
+				return;
+			}
+		}
+	}
+}
+
+/*
  * Step 1: the oldest segment with a usable run of n, its lowest one
- * (ctx->segs is in creation order).
+ * (ctx->segs is in creation order). With cfg.top_fit, a request of at
+ * least that size takes the newest segment's highest run instead, its
+ * top end: large and small blocks then fill memory from opposite ends,
+ * so the small ones of one step do not land where a large one of the
+ * next step was, which it would have to stitch (an option, off by
+ * default: on the replayed traces at 48 MiB it took the steady driver
+ * time of eco_sage from 12.3% to 7.9% and of the others down or the
+ * same, but 32 and 16 MiB were each worse on some trace).
  */
 bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
 		   struct run *first)
 {
+	if (ctx->cfg.top_fit &&
+	    (uint64_t)n * ctx->chunk >= (uint64_t)ctx->cfg.top_fit) {
+		for (struct gml_view *v = gml_list_last(ctx->segs); v;
+		     v = v->prev) {
+			if (v->n < n)
+				continue;
+			view_top_fit(ctx, v, n, stream, first);
+			if (first->view)
+				return true;
+		}
+		return false;
+	}
 	for (struct gml_view *v = ctx->segs; v; v = v->next) {
 		if (v->n < n)
 			continue;

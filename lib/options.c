@@ -55,6 +55,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_HOST_PIN", OPT_SIZE, FIELD(host_pin) },
 	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms) },
 	{ "GMLAKE_STREAM_ORDER", OPT_BOOL, FIELD(stream_order) },
+	{ "GMLAKE_TOP_FIT", OPT_SIZE, FIELD(top_fit) },
 	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
 };
 

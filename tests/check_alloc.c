@@ -428,6 +428,55 @@ START_TEST(test_first_fit)
 }
 END_TEST
 
+/*
+ * With top_fit, a request of at least that size takes the top end of the
+ * newest segment's highest free run, smaller ones still the lowest
+ * position: large and small blocks fill memory from opposite ends.
+ */
+START_TEST(test_top_fit)
+{
+	struct gmlake_config cfg;
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *ctx;
+	char *base, *small, *small2, *big, *big2, *mid;
+	size_t ch;
+
+	th_config(&cfg, CAP_CHUNKS(32));
+	cfg.top_fit = 16 * TH_MiB;
+	ctx = th_ctx_cfg(&cfg);
+	ch = th_chunk_size(ctx);
+	ck_assert_uint_eq(ch, 2 * TH_MiB);
+	base = th_alloc(ctx, 32 * ch, NULL);	/* one segment, then free */
+	th_free(ctx, base);
+	th_stats(ctx, &s0);
+	small = th_alloc(ctx, 2 * ch, NULL);
+	ck_assert_ptr_eq(small, base);
+	big = th_alloc(ctx, 8 * ch, NULL);
+	ck_assert_ptr_eq(big, base + 24 * ch);
+	small2 = th_alloc(ctx, ch, NULL);
+	ck_assert_ptr_eq(small2, base + 2 * ch);
+	/* Below the threshold: the lowest free position, as ever. */
+	mid = th_alloc(ctx, 7 * ch, NULL);
+	ck_assert_ptr_eq(mid, base + 3 * ch);
+	th_fill_ok(ctx, big, 8 * ch, 61, NULL);
+	th_fill_ok(ctx, mid, 7 * ch, 62, NULL);
+	/* The highest run is now [10, 24): a larger one takes its top. */
+	big2 = th_alloc(ctx, 9 * ch, NULL);
+	ck_assert_ptr_eq(big2, base + 15 * ch);
+	th_stats(ctx, &s1);
+	expect_no_driver_work(&s0, &s1);
+	th_fill_ok(ctx, big2, 9 * ch, 63, NULL);
+	th_verify_ok(ctx, big, 8 * ch, 61, NULL);
+	th_verify_ok(ctx, mid, 7 * ch, 62, NULL);
+	th_free(ctx, big);
+	th_free(ctx, big2);
+	th_free(ctx, mid);
+	th_free(ctx, small);
+	th_free(ctx, small2);
+	th_destroy(ctx);
+}
+END_TEST
+
 START_TEST(test_split_coalesce)
 {
 	static const int order[] = { 1, 3, 0, 2 };
@@ -1555,6 +1604,7 @@ static Suite *alloc_suite(bool emu)
 
 	tc = th_tcase(s, "Fit");
 	tcase_add_test(tc, test_first_fit);
+	tcase_add_test(tc, test_top_fit);
 	tcase_add_test(tc, test_split_coalesce);
 	tcase_add_test(tc, test_rounding);
 

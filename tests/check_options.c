@@ -117,7 +117,8 @@ START_TEST(test_defaults)
 	ck_assert(cfg.stream_order);
 	for (i = 0; i < 3; i++)
 		ck_assert_uint_eq(cfg.reserved8[i], 0);
-	for (i = 0; i < 6; i++)
+	ck_assert_uint_eq(cfg.top_fit, 0);
+	for (i = 0; i < 5; i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
 	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
 }
@@ -226,6 +227,7 @@ static const struct opt size_opts[] = {
 	OPT("GMLAKE_DEVICE_LIMIT", device_limit, size_at),
 	OPT("GMLAKE_HOST_LIMIT", host_limit, size_at),
 	OPT("GMLAKE_HOST_PIN", host_pin, size_at),
+	OPT("GMLAKE_TOP_FIT", top_fit, size_at),
 };
 #define N_SIZE_OPTS ((int)ARRAY_SIZE(size_opts))
 
