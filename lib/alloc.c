@@ -57,10 +57,9 @@
 static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 		 uint32_t n)
 {
-	for (uint32_t i = 0; i < n; i++) {
+	for (uint32_t i = 0; i < n; i++)
 		r->view->chunks[r->pos + i]->owner = b;
-		gml_chunk_touch(r->view->chunks[r->pos + i]);
-	}
+	gml_run_touch(r->view, r->pos, n, true);
 	r->view->live++;
 	if (r->view->stitched) {
 		r->view->last_use = ++ctx->clock;
@@ -243,8 +242,8 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 	for (uint32_t i = 0; i < b->n; i++) {
 		v->chunks[b->pos + i]->owner = NULL;
 		v->chunks[b->pos + i]->guard = *g;
-		gml_chunk_touch(v->chunks[b->pos + i]);
 	}
+	gml_run_touch(v, b->pos, b->n, false);
 	gml_view_guard(v, g);
 	v->live--;
 	free(b);

@@ -115,6 +115,22 @@ static void runs_remove(struct gml_view *v, uint32_t k)
 	v->nruns--;
 }
 
+/* The first run of v ending at or after position i. */
+static uint32_t run_at(const struct gml_view *v, uint32_t i)
+{
+	uint32_t lo = 0, hi = v->nruns;
+
+	while (lo < hi) {
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (v->runs[mid].pos + v->runs[mid].len < i)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
 /*
  * Position i of segment v may have become free or taken: update its runs
  * (by position) in place, without the whole scan view_runs makes: a
@@ -125,21 +141,13 @@ static void runs_remove(struct gml_view *v, uint32_t k)
  */
 static void seg_position_changed(struct gml_view *v, uint32_t i)
 {
-	uint32_t lo = 0, hi = v->nruns, k;
+	uint32_t k;
 	struct gml_free_run *r;
 	bool inside, left, right;
 
 	if (v->maxfree == GML_RUN_UNKNOWN)
 		return;
-	while (lo < hi) {		/* first run ending at or after i */
-		uint32_t mid = lo + (hi - lo) / 2;
-
-		if (v->runs[mid].pos + v->runs[mid].len < i)
-			lo = mid + 1;
-		else
-			hi = mid;
-	}
-	k = lo;
+	k = run_at(v, i);
 	r = k < v->nruns ? &v->runs[k] : NULL;
 	inside = r && r->pos <= i && i < r->pos + r->len;
 	if (!position_free(v, i)) {
@@ -202,6 +210,92 @@ void gml_chunk_touch(struct gml_chunk *c)
 	seg_position_changed(c->seg, c->seg_pos);
 	for (uint32_t i = 0; i < c->nviews; i++)
 		c->views[i]->maxfree = GML_RUN_UNKNOWN;
+}
+
+/*
+ * Positions [p, p + n) of segment v, each its own chunk's home, all
+ * became taken (inside one free run) or all free (next to no run): one
+ * update of the runs for the whole block instead of one per chunk.
+ * False when the change is not of that shape; the caller then goes
+ * position by position.
+ */
+static bool seg_run_changed(struct gml_view *v, uint32_t p, uint32_t n,
+			    bool taken)
+{
+	uint32_t k = run_at(v, p), end;
+	struct gml_free_run *r = k < v->nruns ? &v->runs[k] : NULL;
+	bool left, right;
+
+	if (taken) {
+		if (!r || r->pos > p || r->pos + r->len < p + n)
+			return false;
+		end = r->pos + r->len;
+		if (r->pos < p && p + n < end) {
+			if (!runs_reserve(v)) {
+				v->maxfree = GML_RUN_UNKNOWN;
+				return true;
+			}
+			r = &v->runs[k];
+			r->len = p - r->pos;
+			runs_insert(v, k + 1, p + n, end - p - n);
+		} else if (r->pos < p) {
+			r->len = p - r->pos;
+		} else if (p + n < end) {
+			r->pos = p + n;
+			r->len = end - p - n;
+		} else {
+			runs_remove(v, k);
+		}
+		return true;
+	}
+	for (uint32_t i = p; i < p + n; i++)
+		if (!position_free(v, i))
+			return false;
+	left = r && r->pos + r->len == p;
+	if (r && !left && r->pos < p + n)
+		return false;		/* a run overlaps: not of that shape */
+	right = k + left < v->nruns && v->runs[k + left].pos == p + n;
+	if (left && right) {
+		r->len += n + v->runs[k + 1].len;
+		runs_remove(v, k + 1);
+	} else if (left) {
+		r->len += n;
+	} else if (right) {
+		v->runs[k].pos = p;
+		v->runs[k].len += n;
+	} else {
+		if (!runs_reserve(v)) {
+			v->maxfree = GML_RUN_UNKNOWN;
+			return true;
+		}
+		runs_insert(v, k, p, n);
+	}
+	r = &v->runs[k];
+	if (r->len > v->maxfree)
+		v->maxfree = r->len;
+	return true;
+}
+
+void gml_run_touch(struct gml_view *v, uint32_t p, uint32_t n, bool taken)
+{
+	bool home = !v->stitched && v->maxfree != GML_RUN_UNKNOWN;
+
+	for (uint32_t i = 0; home && i < n; i++) {
+		const struct gml_chunk *c = v->chunks[p + i];
+
+		home = c->seg == v && c->seg_pos == p + i;
+	}
+	if (home && seg_run_changed(v, p, n, taken)) {
+		for (uint32_t i = 0; i < n; i++) {
+			const struct gml_chunk *c = v->chunks[p + i];
+
+			for (uint32_t j = 0; j < c->nviews; j++)
+				c->views[j]->maxfree = GML_RUN_UNKNOWN;
+		}
+		return;
+	}
+	for (uint32_t i = 0; i < n; i++)
+		gml_chunk_touch(v->chunks[p + i]);
 }
 
 /*

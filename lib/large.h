@@ -43,6 +43,7 @@ void gml_view_guard(struct gml_view *v, const struct gml_guard *g);
 /* fit.c */
 bool gml_usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream);
 void gml_chunk_touch(struct gml_chunk *c);
+void gml_run_touch(struct gml_view *v, uint32_t p, uint32_t n, bool taken);
 bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
 		   struct run *first);
 bool gml_best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
