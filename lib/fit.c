@@ -131,93 +131,16 @@ static uint32_t run_at(const struct gml_view *v, uint32_t i)
 	return lo;
 }
 
-/*
- * Position i of segment v may have become free or taken: update its runs
- * (by position) in place, without the whole scan view_runs makes: a
- * segment grown to the size of the device has tens of thousands of
- * positions, and every allocation and free changes some. maxfree stays
- * an upper bound when a run shrinks (the fit that finds no run that long
- * sets it right).
- */
-static void seg_position_changed(struct gml_view *v, uint32_t i)
-{
-	uint32_t k;
-	struct gml_free_run *r;
-	bool inside, left, right;
-
-	if (v->maxfree == GML_RUN_UNKNOWN)
-		return;
-	k = run_at(v, i);
-	r = k < v->nruns ? &v->runs[k] : NULL;
-	inside = r && r->pos <= i && i < r->pos + r->len;
-	if (!position_free(v, i)) {
-		uint32_t end;
-
-		if (!inside)
-			return;
-		end = r->pos + r->len;
-		if (r->pos < i && i + 1 < end) {
-			if (!runs_reserve(v)) {
-				v->maxfree = GML_RUN_UNKNOWN;
-				return;
-			}
-			r = &v->runs[k];
-			r->len = i - r->pos;
-			runs_insert(v, k + 1, i + 1, end - i - 1);
-		} else if (r->pos < i) {
-			r->len = i - r->pos;
-		} else if (i + 1 < end) {
-			r->pos = i + 1;
-			r->len = end - i - 1;
-		} else {
-			runs_remove(v, k);
-		}
-		return;
-	}
-	if (inside)
-		return;
-	left = r && r->pos + r->len == i;
-	right = k + left < v->nruns && v->runs[k + left].pos == i + 1;
-	if (left && right) {
-		r->len += 1 + v->runs[k + 1].len;
-		runs_remove(v, k + 1);
-	} else if (left) {
-		r->len++;
-	} else if (right) {
-		r->pos--;
-		r->len++;
-	} else {
-		if (!runs_reserve(v)) {
-			v->maxfree = GML_RUN_UNKNOWN;
-			return;
-		}
-		runs_insert(v, k, i, 1);
-	}
-	r = &v->runs[k];
-	if (r->len > v->maxfree)
-		v->maxfree = r->len;
-}
-
-/*
- * A chunk changed owner or mapping (called after the change): its
- * segment's runs follow at once; a stitched view mapping it finds its
- * runs again when next asked. The fits skip views whose known longest
- * run is too short, which keeps allocation from scanning every chunk of
- * every segment.
- */
-void gml_chunk_touch(struct gml_chunk *c)
-{
-	seg_position_changed(c->seg, c->seg_pos);
-	for (uint32_t i = 0; i < c->nviews; i++)
-		c->views[i]->maxfree = GML_RUN_UNKNOWN;
-}
 
 /*
  * Positions [p, p + n) of segment v, each its own chunk's home, all
- * became taken (inside one free run) or all free (next to no run): one
- * update of the runs for the whole block instead of one per chunk.
- * False when the change is not of that shape; the caller then goes
- * position by position.
+ * became taken (inside one free run) or all free (next to no run): update
+ * its runs (by position) in place, without the whole scan view_runs
+ * makes: a segment grown to the size of the device has tens of thousands
+ * of positions, and every allocation and free changes some. maxfree
+ * stays an upper bound when a run shrinks (the fit that finds no run
+ * that long sets it right). False when the change is not of that shape
+ * (nothing changed; for one position: its runs were right already).
  */
 static bool seg_run_changed(struct gml_view *v, uint32_t p, uint32_t n,
 			    bool taken)
@@ -274,6 +197,27 @@ static bool seg_run_changed(struct gml_view *v, uint32_t p, uint32_t n,
 	if (r->len > v->maxfree)
 		v->maxfree = r->len;
 	return true;
+}
+
+/* Position i of segment v may have become free or taken. */
+static void seg_position_changed(struct gml_view *v, uint32_t i)
+{
+	if (v->maxfree != GML_RUN_UNKNOWN)
+		seg_run_changed(v, i, 1, !position_free(v, i));
+}
+
+/*
+ * A chunk changed owner or mapping (called after the change): its
+ * segment's runs follow at once; a stitched view mapping it finds its
+ * runs again when next asked. The fits skip views whose known longest
+ * run is too short, which keeps allocation from scanning every chunk of
+ * every segment.
+ */
+void gml_chunk_touch(struct gml_chunk *c)
+{
+	seg_position_changed(c->seg, c->seg_pos);
+	for (uint32_t i = 0; i < c->nviews; i++)
+		c->views[i]->maxfree = GML_RUN_UNKNOWN;
 }
 
 void gml_run_touch(struct gml_view *v, uint32_t p, uint32_t n, bool taken)
