@@ -709,31 +709,24 @@ class offload_activations:
             return self._enter_copy()
         if not _lib.enabled_library():
             raise RuntimeError(
-                "gmlake.torch.offload_activations() needs libgmlake as "
-                "PyTorch's CUDA allocator: call gmlake.torch.enable() at the "
-                "start of the program, before any CUDA tensor is made. Only "
-                "libgmlake blocks can be spilled and fetched back at the "
-                "same address.")
-        import torch
+                "gmlake.torch.offload_activations(same_address=True) needs "
+                "libgmlake as PyTorch's CUDA allocator: call "
+                "gmlake.torch.enable() at the start of the program, before "
+                "any CUDA tensor is made. Only libgmlake blocks can be "
+                "spilled and fetched back at the same address (the default, "
+                "same_address=False, copies and needs no enable()).")
         off = self.offloader or default_offloader()
         if off.library is None:
             off.library = _lib.enabled_library()
-        self.offloader = off
-        self._saved = off.options()
-        off.configure(**self.opts)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(off.pack,
-                                                               off.unpack)
-        try:
-            self._hooks.__enter__()
-        except BaseException:
-            off.configure(**self._saved)
-            raise
-        return off
+        return self._install(off)
 
     def _enter_copy(self):
-        import torch
         from .copy_offload import default_copy_offloader
-        off = self.offloader or default_copy_offloader()
+        return self._install(self.offloader or default_copy_offloader())
+
+    def _install(self, off):
+        """off's options for the block, and its hooks installed."""
+        import torch
         self.offloader = off
         self._saved = off.options()
         off.configure(**self.opts)
