@@ -37,8 +37,8 @@ does, without its stalls:
   backward computes. The compute stream waits for each copy on the device
   (an event), never the host.
 
-Tensors that stay as they are: not on a CUDA device, smaller than
-min_bytes, or leaves (parameters, inputs, buffers, and views of them)
+Tensors that stay as they are: not dense or not on a CUDA device,
+smaller than min_bytes, or leaves (parameters, inputs, buffers, and views of them)
 unless leaves=True. The host copy is contiguous, so a strided tensor
 comes back contiguous, as with save_on_cpu.
 
@@ -65,8 +65,11 @@ class _TorchOps:
         self.torch = torch
 
     def on_device(self, t):
+        """A dense CUDA tensor (sparse and nested ones stay as they are:
+        a plain copy of their shape would not hold them)."""
         dev = getattr(t, "device", None)
-        return dev is not None and dev.type == "cuda"
+        return dev is not None and dev.type == "cuda" and \
+            t.layout == self.torch.strided and not t.is_nested
 
     def device_of(self, t):
         return t.device.index if t.device.index is not None else 0
