@@ -131,7 +131,6 @@ static uint32_t run_at(const struct gml_view *v, uint32_t i)
 	return lo;
 }
 
-
 /*
  * Positions [p, p + n) of segment v, each its own chunk's home, all
  * became taken (inside one free run) or all free (next to no run): update
@@ -220,6 +219,11 @@ void gml_chunk_touch(struct gml_chunk *c)
 		c->views[i]->maxfree = GML_RUN_UNKNOWN;
 }
 
+/*
+ * Positions [p, p + n) of v (a block's run) all changed owner, to taken
+ * or to free: gml_chunk_touch for each, in one update of the segment's
+ * runs where v is their segment.
+ */
 void gml_run_touch(struct gml_view *v, uint32_t p, uint32_t n, bool taken)
 {
 	bool home = !v->stitched && v->maxfree != GML_RUN_UNKNOWN;
