@@ -226,6 +226,46 @@ START_TEST(test_cross_stream_pending)
 END_TEST
 
 /*
+ * Top fit (cfg.top_fit) with several streams: the top of a free run that
+ * another stream's queued work still covers is passed over, and the
+ * highest usable window below it is taken.
+ */
+START_TEST(test_top_fit_pending)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx;
+	gmlake_stream_t a, b;
+	struct pending pd;
+	char *base, *x, *y;
+
+	th_config(&cfg, CAP_CHUNKS(16));
+	cfg.stream_order = false;
+	cfg.top_fit = 4 * TH_CHUNK;
+	ctx = th_ctx_cfg(&cfg);
+	a = th_stream(ctx);
+	b = th_stream(ctx);
+	base = th_alloc(ctx, 16 * TH_CHUNK, a);	/* one segment */
+	/* Used on b too: its free records both streams' work, which the
+	 * syncs below complete, so b may take its chunks. */
+	TH_OK(ctx, gmlake_record_stream(ctx, base, b));
+	th_free(ctx, base);
+	th_sync(ctx, b);
+	x = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, a);
+	ck_assert_ptr_eq(x, base + 12 * TH_CHUNK);	/* the top */
+	th_sync(ctx, a);
+	th_hold(ctx, a, true);
+	read_then_free(ctx, &pd, x, 4 * TH_CHUNK, 1, a);
+	y = th_alloc(ctx, 4 * TH_CHUNK, b);
+	ck_assert_ptr_eq(y, base + 8 * TH_CHUNK);	/* below x's */
+	th_fill_ok(ctx, y, 4 * TH_CHUNK, 2, b);
+	release_and_check(ctx, a, &pd, 1, "top fit on another stream");
+	th_verify_ok(ctx, y, 4 * TH_CHUNK, 2, b);
+	th_free(ctx, y);
+	destroy_all(ctx, a, b);
+}
+END_TEST
+
+/*
  * A small chunk emptied by a deferred free (a block another stream used)
  * leaves its stream only after the work queued there: another piece of it,
  * freed on that stream, may still be read by a held copy.
@@ -868,6 +908,7 @@ static Suite *stream_suite(bool emu)
 
 	tc = th_tcase(s, "CrossStream");
 	tcase_add_test(tc, test_cross_stream_pending);
+	tcase_add_test(tc, test_top_fit_pending);
 	tcase_add_test(tc, test_peak_slack_logged);
 	tcase_add_test(tc, test_small_deferred_empty);
 	tcase_add_test(tc, test_cross_stream_small);
