@@ -37,6 +37,16 @@
 
 #define ROUNDS 4
 
+/* Every handle: pinned memory of device 0, read-write for it. */
+static const CUmemAllocationProp prop = {
+	.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+	.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+};
+static const CUmemAccessDesc acc = {
+	.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
+	.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+};
+
 static CUdevice dev;
 static CUcontext cuctx;
 static size_t gran, csize;
@@ -66,11 +76,6 @@ static double now(void)
 
 static int setup(struct worker *w)
 {
-	CUmemAllocationProp prop = {
-		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-	};
-
 	CK(cuCtxSetCurrent(cuctx));
 	w->h = calloc((size_t)nchunks, sizeof(*w->h));
 	if (!w->h)
@@ -83,10 +88,6 @@ static int setup(struct worker *w)
 
 static int rounds(struct worker *w)
 {
-	CUmemAccessDesc acc = {
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-	};
 	double t;
 
 	CK(cuCtxSetCurrent(cuctx));
@@ -170,14 +171,6 @@ static const char *errname(CUresult r)
 /* One handle of 16 granules mapped whole, or as 16 pieces at offsets. */
 static int pieces(void)
 {
-	CUmemAllocationProp prop = {
-		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-	};
-	CUmemAccessDesc acc = {
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-	};
 	enum { N = 16, REPS = 32 };
 	size_t size = N * gran;
 	CUmemGenericAllocationHandle h;
@@ -241,10 +234,6 @@ static volatile int churn_stop;
 static void *churn(void *arg)
 {
 	struct worker *w = arg;
-	CUmemAccessDesc acc = {
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-	};
 
 	w->err = 1;
 	if (cuCtxSetCurrent(cuctx) != CUDA_SUCCESS)
@@ -325,14 +314,6 @@ static int enqueue(void)
 /* One cuMemUnmap over handles mapped one by one: a run inside, the whole. */
 static int runs(void)
 {
-	CUmemAllocationProp prop = {
-		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-	};
-	CUmemAccessDesc acc = {
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-	};
 	enum { N = 64, SUB = 16, REPS = 16 };
 	CUmemGenericAllocationHandle h[N];
 	CUdeviceptr va;
@@ -394,14 +375,6 @@ static int queue_ms(CUstream s, CUdeviceptr buf, size_t n, double per,
 
 static int busy(void)
 {
-	CUmemAllocationProp prop = {
-		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-	};
-	CUmemAccessDesc acc = {
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-	};
 	static const char *const kind[] = { "cuMemCreate", "cuMemMap",
 		"cuMemSetAccess", "cuMemUnmap", "cuMemRelease" };
 	enum { K = 5, N = 16 };
@@ -462,10 +435,6 @@ static int busy(void)
 
 int main(int argc, char **argv)
 {
-	CUmemAllocationProp prop = {
-		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
-		.location = { .type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0 },
-	};
 	static const int threads[] = { 1, 2, 4 };
 	static const int mult[] = { 1, 4, 16 };
 	size_t total = (size_t)256 << 20;
