@@ -214,6 +214,15 @@ def _gpt(size):
     return GPT(**m).cuda().to(DTYPE), m["vocab"]
 
 
+def _cycling_step(shapes, train):
+    """A step that trains at the next shape of the cycle and returns it."""
+    def step():
+        shape = shapes.next()
+        train(*shape)
+        return shape
+    return step
+
+
 def _cycle(rng, *ranges):
     """SHAPE_COUNT shapes drawn from ranges, visited round after round."""
     return benchlib.ShapeCycle(
@@ -310,10 +319,7 @@ def llama_workload(size, how, rng):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def step():
-        shape = shapes.next()
-        train(*shape)
-        return shape
+    step = _cycling_step(shapes, train)
     note = ("transformers Llama, no checkpointing, variable batch and "
             "sequence length, activations %s" %
             ("saved on the host (save_on_cpu, pin_memory=True)"
@@ -426,10 +432,7 @@ def lora_workload(size, rng):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def step():
-        shape = shapes.next()
-        train(*shape)
-        return shape
+    step = _cycling_step(shapes, train)
     return dict(step=step, train=train, note="LoRA fine-tuning, gradient "
                 "checkpointing, variable shapes: " + how, keep=(model, opt),
                 warmup=len(shapes))
