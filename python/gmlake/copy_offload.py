@@ -36,6 +36,13 @@ does, without its stalls:
   bytes are fetched ahead and not yet unpacked, so the bus works while
   backward computes. The compute stream waits for each copy on the device
   (an event), never the host.
+* Backward starts with forward's newest tensors, whose copies out may
+  still be in flight: unpack then returns the device tensor itself, and
+  when such copies finish during backward, the newest of them that fit
+  in the prefetch window stay on the device as fetched. Copies going out
+  count in that window, and the prefetch passes them over, so the device
+  never holds a tensor and its copy back at once, and less crosses the
+  bus.
 
 Tensors that stay as they are: not dense or not on a CUDA device,
 smaller than min_bytes, or leaves (parameters, inputs, buffers, and views of them)
@@ -122,7 +129,7 @@ class _Saved:
     """One saved tensor: on the device (kept), on the host, or fetched."""
 
     __slots__ = ("index", "device", "nbytes", "dev", "version", "host",
-                 "fetched", "in_ev", "unpacked", "__weakref__")
+                 "out", "fetched", "in_ev", "unpacked", "__weakref__")
 
     def __init__(self, index, device, nbytes, dev, version):
         self.index = index
@@ -131,6 +138,7 @@ class _Saved:
         self.dev = dev              # the tensor itself while kept
         self.version = version
         self.host = None            # pinned copy, once copied out
+        self.out = None             # the device tensor, while copying out
         self.fetched = None         # device copy fetched ahead
         self.in_ev = None
         self.unpacked = False
@@ -199,9 +207,11 @@ class CopyOffloader:
         # without backward takes its saved tensors with it.
         self._kept = _WeakBytes(self._lock)     # on the device
         self._ahead = _WeakBytes(self._lock)    # fetched, not unpacked
-        # (event, bytes, device tensor) of copies to the host in flight
+        # (event, bytes, device tensor, record ref) of copies to the host
+        # in flight
         self._outflight = collections.deque()
         self._out_bytes = 0
+        self._backward = False  # an unpack came after the last pack
         self._copied = []       # refs in pack order, for the prefetch
         self._compact_at = 64
         self._index = 0
@@ -257,6 +267,7 @@ class CopyOffloader:
             return t
         t = t.detach()
         with self._lock:
+            self._backward = False
             self.reap()
             self._index += 1
             rec = _Saved(self._index, self.ops.device_of(t),
@@ -276,6 +287,7 @@ class CopyOffloader:
         with self._lock:
             self.stats["unpacks"] += 1
             self.reap()
+            self._backward = True
             if rec.dev is not None:         # kept on the device
                 t = rec.dev
                 self._kept.pop(rec)
@@ -286,6 +298,16 @@ class CopyOffloader:
                         "operation (a saved tensor kept on the device by "
                         "gmlake's offload_activations: version %d, saved "
                         "at %d)" % (t._version, rec.version))
+                return t
+            if rec.out is not None and rec.out._version == rec.version \
+                    and rec.fetched is None:
+                # Its copy out is still in flight: the device tensor
+                # itself, no copy back (backward meets forward's newest
+                # first, while they are still going out).
+                t = rec.out
+                rec.unpacked = True
+                self.stats["unpacked_in_flight"] += 1
+                self._prefetch(rec)
                 return t
             cur = self.ops.current(rec.device)
             if rec.fetched is None:
@@ -303,14 +325,19 @@ class CopyOffloader:
     def reap(self):
         """Let go of the device tensors whose copy to the host is done."""
         with self._lock:
-            while self._outflight and self._reap_out(False):
-                pass
+            done = []
+            while self._outflight:
+                entry = self._reap_out(False)
+                if entry is None:
+                    break
+                done.append(entry)
+            self._settle(done)
 
     def synchronize(self):
         """Wait for every copy to the host in flight."""
         with self._lock:
             while self._outflight:
-                self._reap_out(True)
+                self._settle([self._reap_out(True)])
 
     def _copy_out(self, rec):
         """rec's tensor to the host now; the device tensor let go."""
@@ -326,7 +353,8 @@ class CopyOffloader:
         self.ops.after(side, self.ops.current(rec.device))
         rec.host, ev = self.ops.to_host(t, side)
         rec.dev = None
-        self._outflight.append((ev, rec.nbytes, t))
+        rec.out = t
+        self._outflight.append((ev, rec.nbytes, t, weakref.ref(rec)))
         self._out_bytes += rec.nbytes
         self._copied.append(weakref.ref(rec))
         if len(self._copied) >= self._compact_at:
@@ -337,22 +365,42 @@ class CopyOffloader:
         self.stats["bytes_out"] += rec.nbytes
 
     def _reap_out(self, wait):
-        ev, nbytes, _ = self._outflight[0]
+        """The oldest copy out, taken off the list once done (waiting for
+        it if wait), or None."""
+        ev, nbytes, t, ref = self._outflight[0]
         if not self.ops.done(ev):
             if not wait:
-                return False
+                return None
             self.ops.synchronize(ev)
             self.stats["out_waits"] += 1
         self._outflight.popleft()
         self._out_bytes -= nbytes
-        return True
+        return ev, nbytes, t, ref
+
+    def _settle(self, done):
+        """Finished copies out: their device tensors go, except, in
+        backward, the newest of them within the prefetch window, which
+        stay as fetched: backward needs them next, and this way they never
+        cross the bus back."""
+        for ev, nbytes, t, ref in reversed(done):
+            rec = ref()
+            if rec is None or rec.out is not t:
+                continue
+            rec.out = None
+            if self._backward and not rec.unpacked and \
+                    rec.fetched is None and t._version == rec.version and \
+                    self._ahead.bytes + self._out_bytes + nbytes <= \
+                    self.prefetch:
+                rec.fetched, rec.in_ev = t, ev
+                self._ahead.add(rec)
+                self.stats["kept_for_backward"] += 1
 
     def _throttle(self, nbytes):
         self.reap()
         limit = self.max_inflight
         while limit is not None and self._outflight and \
                 self._out_bytes + nbytes > limit:
-            self._reap_out(True)
+            self._settle([self._reap_out(True)])
 
     def _fetch(self, rec):
         side = self.side(rec.device)
@@ -369,11 +417,14 @@ class CopyOffloader:
         while copied and (copied[-1]() is None or copied[-1]().unpacked):
             copied.pop()
         i = len(copied) - 1
-        while i >= 0 and self._ahead.bytes < self.prefetch:
+        # Copies still going out hold their tensors: they count in the
+        # window, so the device never holds a tensor and its copy back.
+        while i >= 0 and self._ahead.bytes + self._out_bytes < self.prefetch:
             r = copied[i]()
             i -= 1
             if r is None or r.index >= rec.index or r.unpacked or \
-                    r.fetched is not None or r.host is None:
+                    r.fetched is not None or r.host is None or \
+                    r.out is not None:
                 continue
             self._fetch(r)
             self.stats["prefetches"] += 1

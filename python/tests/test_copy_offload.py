@@ -164,6 +164,7 @@ class CopyOffloadTest(unittest.TestCase):
         packed = [off.pack(t) for t in ts]
         # 5 MiB hold two of 2 MiB: the oldest three went out.
         self.assertEqual(off.stats["copied_out"], 3)
+        ops.run()
         self.assertIs(off.unpack(packed[4]), ts[4])
         self.assertIs(off.unpack(packed[3]), ts[3])
         t2 = off.unpack(packed[2])
@@ -191,6 +192,7 @@ class CopyOffloadTest(unittest.TestCase):
     def test_prefetch_in_backward_order_within_the_window(self):
         off, ops = offloader(prefetch=4 * MiB)
         packed = [off.pack(Tensor(2 * MiB, fill=i)) for i in range(6)]
+        ops.run()                       # every copy out is done
         ops.log.clear()
         off.unpack(packed[5])
         ins = [w for w in ops.log if w[0] == "in"]
@@ -204,6 +206,50 @@ class CopyOffloadTest(unittest.TestCase):
         self.assertEqual(off.stats["fetches_on_demand"], 1)
         self.assertIsNotNone(packed[2].fetched)
         self.assertIsNone(packed[1].fetched)
+
+    def test_unpack_while_its_copy_is_in_flight(self):
+        off, ops = offloader(prefetch=4 * MiB)
+        ts = [Tensor(2 * MiB, fill=i) for i in range(6)]
+        packed = [off.pack(t) for t in ts]
+        ops.log.clear()
+        # Backward meets the newest while they are still going out: the
+        # tensor itself, nothing copied back, no wait; and with 12 MiB
+        # still going out, nothing fetched ahead in a 4 MiB window.
+        self.assertIs(off.unpack(packed[5]), ts[5])
+        self.assertEqual(ops.log, [])
+        self.assertEqual(off.stats["unpacked_in_flight"], 1)
+        self.assertTrue(all(p.fetched is None for p in packed))
+        # Every copy finishes: the newest that backward needs next stay
+        # as fetched, within the window; the older ones go.
+        ops.run()
+        self.assertIs(off.unpack(packed[4]), ts[4])
+        self.assertEqual(off.stats["kept_for_backward"], 2)
+        self.assertIs(packed[3].fetched, ts[3])
+        # Then the window moves on as before, with copies from the host.
+        self.assertEqual(off.stats["prefetches"], 1)
+        self.assertEqual([w[0] for w in ops.log if w[0] == "in"], ["in"])
+        self.assertIsNot(packed[2].fetched, ts[2])
+        self.assertIsNone(packed[1].fetched)
+        self.assertIs(off.unpack(packed[3]), ts[3])
+        self.assertEqual(bytes(off.unpack(packed[2]).data[:1]), b"\x02")
+        self.assertEqual(bytes(off.unpack(packed[1]).data[:1]), b"\x01")
+        self.assertEqual(off.stats["fetches_on_demand"], 0)
+        # However wide the window, what is still going out is never
+        # fetched back beside itself.
+        off2, ops2 = offloader(prefetch=64 * MiB)
+        ps = [off2.pack(Tensor(2 * MiB)) for _ in range(3)]
+        off2.unpack(ps[2])
+        self.assertEqual([w for w in ops2.log if w[0] == "in"], [])
+
+    def test_in_flight_and_modified_comes_from_the_host(self):
+        off, ops = offloader(prefetch=0)
+        t = Tensor(2 * MiB, fill=3)
+        p = off.pack(t)
+        t.write(9)                      # after the copy was taken
+        got = off.unpack(p)
+        self.assertIsNot(got, t)
+        self.assertEqual(bytes(got.data[:1]), b"\x03")
+        self.assertEqual(off.stats["unpacked_in_flight"], 0)
 
     def test_throttle_waits_for_the_oldest_copy(self):
         off, ops = offloader(max_inflight=5 * MiB)
@@ -223,8 +269,9 @@ class CopyOffloadTest(unittest.TestCase):
         del p
         gc.collect()
         self.assertEqual(off._kept.bytes, 0)
-        off2, _ = offloader(prefetch=8 * MiB)
+        off2, ops2 = offloader(prefetch=8 * MiB)
         ps = [off2.pack(Tensor(2 * MiB)) for _ in range(3)]
+        ops2.run()
         off2.unpack(ps[2])
         self.assertEqual(off2._ahead.bytes, 4 * MiB)
         del ps
@@ -251,6 +298,7 @@ class CopyOffloadTest(unittest.TestCase):
     def test_second_unpack_fetches_again(self):
         off, ops = offloader(prefetch=0)
         p = off.pack(Tensor(2 * MiB, fill=5))
+        ops.run()
         a = off.unpack(p)
         b = off.unpack(p)
         self.assertIsNot(a, b)
