@@ -402,9 +402,10 @@ static void view_top_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
  * top end: large and small blocks then fill memory from opposite ends,
  * so the small ones of one step do not land where a large one of the
  * next step was, which it would have to stitch (an option, off by
- * default: on the replayed traces at 48 MiB it took the steady driver
- * time of eco_sage from 12.3% to 7.9% and of the others down or the
- * same, but 32 and 16 MiB were each worse on some trace).
+ * default: on the replayed traces at 48 MiB it took the second-half
+ * driver time of eco_sage from 12.3% to 7.9%, but 32 and 16 MiB were
+ * each worse on some trace, and on the H200 48 MiB made GraphSAGE's mean
+ * step 15% slower, its early steady steps remapping more).
  */
 bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
 		   struct run *first)
