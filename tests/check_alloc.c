@@ -374,18 +374,14 @@ static void expect_no_driver_work(const struct gmlake_stats *s0,
 START_TEST(test_first_fit)
 {
 	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	static const size_t sizes[4] = { 6 * TH_MiB, 2 * TH_MiB, 4 * TH_MiB,
+					 2 * TH_MiB };
 	struct gmlake_stats s0, s1;
-	void *a, *b, *c, *d, *w, *x, *y, *z;
+	void *blk[4], *a, *b, *c, *d, *w, *x, *y, *z;
 
 	/* Each grows a segment of its own, in this order. */
-	a = th_alloc(ctx, 6 * TH_MiB, NULL);
-	b = th_alloc(ctx, 2 * TH_MiB, NULL);
-	c = th_alloc(ctx, 4 * TH_MiB, NULL);
-	d = th_alloc(ctx, 2 * TH_MiB, NULL);
-	th_fill_ok(ctx, b, 2 * TH_MiB, 2, NULL);
-	th_fill_ok(ctx, d, 2 * TH_MiB, 4, NULL);
-	th_free(ctx, a);
-	th_free(ctx, c);
+	th_two_holes(ctx, sizes, blk);
+	a = blk[0], b = blk[1], c = blk[2], d = blk[3];
 
 	/* Free: a (6 MiB) and c (4 MiB). 4 MiB goes to the oldest: a. */
 	th_stats(ctx, &s0);

@@ -501,18 +501,14 @@ END_TEST
 START_TEST(test_spill_fetch_stitched)
 {
 	gmlake_ctx *ctx = off_ctx(20 * TH_MiB, 64 * TH_MiB, 0);
+	static const size_t sizes[4] = { 4 * TH_MiB, 2 * TH_MiB, 4 * TH_MiB,
+					 2 * TH_MiB };
 	struct gmlake_offload ring;
 	struct gmlake_stats st;
-	void *a, *b, *c, *d, *s, *x, *y;
+	void *blk[4], *b, *d, *s, *x, *y;
 
-	a = th_alloc(ctx, 4 * TH_MiB, NULL);
-	b = th_alloc(ctx, 2 * TH_MiB, NULL);
-	c = th_alloc(ctx, 4 * TH_MiB, NULL);
-	d = th_alloc(ctx, 2 * TH_MiB, NULL);
-	th_fill_ok(ctx, b, 2 * TH_MiB, 2, NULL);
-	th_fill_ok(ctx, d, 2 * TH_MiB, 4, NULL);
-	th_free(ctx, a);
-	th_free(ctx, c);
+	th_two_holes(ctx, sizes, blk);
+	b = blk[1], d = blk[3];
 	th_stats(ctx, &st);
 	s = th_alloc(ctx, 14 * TH_MiB, NULL);	/* 4 + 4 free + 6 new */
 	th_stats(ctx, &st);
@@ -1418,18 +1414,13 @@ START_TEST(test_span_stitched)
 {
 	size_t u;	/* the chunk size */
 	gmlake_ctx *ctx = span_ctx(128, 128, &u);
+	const size_t sizes[4] = { 16 * u, 16 * u, 16 * u, 16 * u };
 	struct gmlake_offload ring;
 	struct gmlake_stats st, m;
-	void *a, *b, *c, *d, *s;
+	void *blk[4], *b, *d, *s;
 
-	a = th_alloc(ctx, 16 * u, NULL);
-	b = th_alloc(ctx, 16 * u, NULL);
-	c = th_alloc(ctx, 16 * u, NULL);
-	d = th_alloc(ctx, 16 * u, NULL);
-	th_fill_ok(ctx, b, 16 * u, 2, NULL);
-	th_fill_ok(ctx, d, 16 * u, 4, NULL);
-	th_free(ctx, a);
-	th_free(ctx, c);
+	th_two_holes(ctx, sizes, blk);
+	b = blk[1], d = blk[3];
 	/* Room for a new handle of s's size stays: a span is made only
 	 * where the device has the room (else the fetch takes cached
 	 * chunks). */

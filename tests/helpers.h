@@ -448,6 +448,23 @@ static TH_UNUSED void *th_alloc_filled(gmlake_ctx *ctx, size_t size,
 	return p;
 }
 
+/*
+ * Free memory in two holes: blocks of sizes[0..3] in turn, the second and
+ * fourth filled (patterns 2 and 4) and kept, the first and third freed.
+ * out[0..3] are the four addresses; what a test then allocates decides
+ * whether it fits a hole, stitches both or grows.
+ */
+static TH_UNUSED void th_two_holes(gmlake_ctx *ctx, const size_t sizes[4],
+				   void *out[4])
+{
+	for (int i = 0; i < 4; i++)
+		out[i] = th_alloc(ctx, sizes[i], NULL);
+	th_fill_ok(ctx, out[1], sizes[1], 2, NULL);
+	th_fill_ok(ctx, out[3], sizes[3], 4, NULL);
+	th_free(ctx, out[0]);
+	th_free(ctx, out[2]);
+}
+
 /* th_verify_ok() then th_free(): a block is checked one last time. */
 static TH_UNUSED void th_verify_free(gmlake_ctx *ctx, void *p, size_t size,
 				     uint64_t seed, gmlake_stream_t s)
