@@ -521,6 +521,18 @@ int gml_emu_stream_wait(void *priv, gmlake_stream_t sh, gml_event h)
 		return ret;
 	pthread_mutex_lock(&dev->ev_lock);
 	it->gen = it->ev->rec_gen;
+	/*
+	 * A wait for work already done orders nothing, as on a GPU: queued,
+	 * it would keep the stream busy until its worker got to it, and a
+	 * record meanwhile would complete on the worker's time instead of at
+	 * once, which made replays differ from run to run.
+	 */
+	if (it->ev->done_gen >= it->gen) {
+		pthread_mutex_unlock(&dev->ev_lock);
+		pthread_mutex_unlock(&dev->lock);
+		free(it);
+		return 0;
+	}
 	it->ev->refs++;
 	pthread_mutex_unlock(&dev->ev_lock);
 	ret = emu_enqueue(s, it);
