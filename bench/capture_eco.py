@@ -9,7 +9,10 @@ steps) runs in a child process under PyTorch's default allocator with
 torch.cuda.memory._record_memory_history() on; its trace goes to
 OUTDIR/NAME.trace.gz (the format of tools/trace.h, through
 gmlake.snapshot_to_trace) with NAME.trace.json beside it (steps, mean
-step, PyTorch's peaks). With --expandable a second child runs the same
+step, mean steady step, PyTorch's peaks). Each step is marked in the
+trace by a step line ("step K S 0", S 1 for a settling step: the first
+at its shape), so that gmlake-replay prices the steady steps wherever
+they fall. With --expandable a second child runs the same
 steps under expandable_segments:True, unrecorded, for
 NAME.expandable.json: the figure gmlake-replay compares against.
 
@@ -29,11 +32,32 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
+import benchlib  # noqa: E402
 import ecosystem  # noqa: E402
+
+# The step marker: one block of this size, allocated and freed right
+# before each step, becomes the step's line in the trace
+# (snapshot_to_trace.convert(step_mark=...)). The trace records the size
+# asked for, and 977 bytes (a prime) is one no workload asks for: no
+# allocation of the traces in tests/data has it. A workload's block of
+# that size would be taken for a marker, and convert() would then refuse
+# the count of markers rather than write wrong steps.
+STEP_MARK = 977
 
 
 def short(name):
     return name[4:] if name.startswith("eco_") else name
+
+
+def settle_flags(name, size, seed, steps):
+    """For each step, whether it settles: its shape (the bench's seeded
+    sequence, as build() runs it) did not occur in an earlier step."""
+    seen, flags = set(), []
+    for shape in ecosystem.sequence(name, size, seed, steps):
+        key = benchlib.shape_key(shape)
+        flags.append(key not in seen)
+        seen.add(key)
+    return flags
 
 
 def child(ns):
@@ -51,19 +75,27 @@ def child(ns):
             enabled="all", context=None, stacks="python",
             max_entries=8_000_000)
     state = ecosystem.build(ns.child, ns.size, ns.seed, steps)
+    settle = settle_flags(ns.child, ns.size, ns.seed, steps)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
+        # The step's line in the trace; the expandable run makes it too,
+        # so that both runs allocate alike.
+        mark = torch.empty(STEP_MARK, dtype=torch.uint8, device="cuda")
+        del mark
         t0 = time.perf_counter()
         state["step"]()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     st = torch.cuda.memory_stats()
     base = os.path.join(ns.out, short(ns.child))
+    steady = [t for t, s in zip(times, settle) if not s]
     side = dict(workload=short(ns.child), mode=ns.mode, steps=steps,
                 step_ms=round(1000 * sum(times) / len(times), 1),
+                steady_step_ms=(round(1000 * sum(steady) / len(steady), 1)
+                                if steady else None),
                 peak_alloc=st["allocated_bytes.all.peak"],
                 peak_reserved=st["reserved_bytes.all.peak"],
                 num_alloc_retries=st["num_alloc_retries"],
@@ -75,7 +107,7 @@ def child(ns):
         torch.cuda.memory._record_memory_history(enabled=None)
         dev = torch.cuda.current_device()
         events, peak_alloc, peak_reserved = s2t.convert(
-            snap["device_traces"][dev])
+            snap["device_traces"][dev], step_mark=STEP_MARK, settle=settle)
         s2t.write(base + ".trace.gz", events,
                   ["pytorch %s" % torch.__version__,
                    "workload=%s" % short(ns.child), "steps=%d" % steps,

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Check suite "trace": the allocation-trace reader in tools/trace.c. Line
- * parsing (good and every malformed form), header comments, plain and
- * gzip files, long lines, truncated files and the JSON sidecars.
+ * parsing (good and every malformed form), step lines, header comments,
+ * plain and gzip files, long lines, truncated files and the JSON sidecars.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -97,8 +97,9 @@ START_TEST(test_line_kinds)
 	char line[64];
 	int k;
 
+	/* Size 1: a step line's settle flag is 0 or 1. */
 	for (k = 0; k < GML_TRACE_OTHER; k++) {
-		snprintf(line, sizeof(line), "%s 1 2 3",
+		snprintf(line, sizeof(line), "%s 1 1 3",
 			 gml_trace_kind_name(k));
 		ck_assert_int_eq(parse(line, &ev, NULL), 1);
 		ck_assert_int_eq(ev.kind, k);
@@ -142,6 +143,88 @@ START_TEST(test_line_blanks)
 	ck_assert_int_eq(parse("alloc 007 0010 00", &ev, NULL), 1);
 	ck_assert_uint_eq(ev.addr, 7);
 	ck_assert_uint_eq(ev.size, 10);
+}
+END_TEST
+
+/* step K S 0: K the step's index, S 1 when settling, 0 when steady. */
+START_TEST(test_line_step)
+{
+	struct gml_trace_event ev;
+	const char *why;
+
+	ck_assert_str_eq(gml_trace_kind_name(GML_TRACE_STEP), "step");
+	ck_assert_int_eq(parse("step 0 1 0", &ev, &why), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_STEP);
+	ck_assert_uint_eq(ev.addr, 0);
+	ck_assert_uint_eq(ev.size, 1);
+	ck_assert_uint_eq(ev.stream, 0);
+	ck_assert_str_eq(why, "");
+	ck_assert_int_eq(parse("step 27 0 0", &ev, &why), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_STEP);
+	ck_assert_uint_eq(ev.addr, 27);
+	ck_assert_uint_eq(ev.size, 0);
+	ck_assert_int_eq(parse(" step\t18446744073709551615 0 0\r", &ev, NULL),
+			 1);
+	ck_assert_uint_eq(ev.addr, UINT64_MAX);
+	/* Only "step" itself is a step line. */
+	ck_assert_int_eq(parse("steps 1 7 0", &ev, NULL), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_OTHER);
+	ck_assert_int_eq(parse("Step 1 7 0", &ev, NULL), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_OTHER);
+
+	expect_bad("step 3 2 0", 10, "settle flag");
+	expect_bad("step 3 18446744073709551615 0", 29, "settle flag");
+	expect_bad("step 3 1", 8, "too few fields");
+	expect_bad("step 3 1 0 0", 12, "too many fields");
+	expect_bad("step x 1 0", 10, "not an unsigned decimal");
+}
+END_TEST
+
+/* Step lines in a file: each a STEP event; a bad flag names its line. */
+START_TEST(test_file_steps)
+{
+	static const char text[] = "# pytorch 2.11.0 workload=steps steps=2\n"
+				   "alloc 4096 1024 0\n"
+				   "step 0 1 0\n"
+				   "alloc 8192 2048 0\n"
+				   "step 1 0 0\n"
+				   "free_completed 8192 2048 0\n"
+				   "step 2 2 0\n"
+				   "free_completed 4096 1024 0\n";
+	static const enum gml_trace_kind want[] = {
+		GML_TRACE_ALLOC, GML_TRACE_STEP,	   GML_TRACE_ALLOC,
+		GML_TRACE_STEP,	 GML_TRACE_FREE_COMPLETED,
+	};
+	const struct gml_trace_info *info;
+	struct gml_trace_event ev;
+	struct gml_trace *t;
+	uint64_t k = 0;
+	char *path;
+	size_t n;
+
+	path = write_temp(text, sizeof(text) - 1, true);
+	ck_assert_int_eq(gml_trace_open(path, &t), 0);
+	info = gml_trace_info(t);
+	for (n = 0; n < sizeof(want) / sizeof(want[0]); n++) {
+		ck_assert_int_eq(gml_trace_next(t, &ev), 1);
+		ck_assert_int_eq(ev.kind, want[n]);
+		if (ev.kind != GML_TRACE_STEP)
+			continue;
+		ck_assert_uint_eq(ev.addr, k);
+		ck_assert_uint_eq(ev.size, k == 0 ? 1 : 0);
+		k++;
+	}
+	ck_assert_int_eq(gml_trace_next(t, &ev), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(gml_trace_error(t), ":7: step's settle"));
+	ck_assert_ptr_nonnull(strstr(gml_trace_error(t), path));
+	ck_assert_int_eq(gml_trace_next(t, &ev), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_FREE_COMPLETED);
+	ck_assert_int_eq(gml_trace_next(t, &ev), 0);
+	ck_assert_uint_eq(info->kinds[GML_TRACE_STEP], 2);
+	ck_assert_uint_eq(info->kinds[GML_TRACE_OTHER], 0);
+	ck_assert_uint_eq(info->errors, 1);
+	gml_trace_close(t);
+	drop_temp(path);
 }
 END_TEST
 
@@ -778,7 +861,7 @@ START_TEST(test_sidecar_parse)
 		"\"trace\", \"steps\": 12, \"step_ms\": 233.3, \"peak_alloc\": "
 		"17388220416, \"peak_reserved\": 19631439872, \"nested\": "
 		"{\"a\": [1, \"}\", {}]}, \"ok\": true, \"no\": null, "
-		"\"frag_pct\": 11.4}\n";
+		"\"frag_pct\": 11.4, \"steady_step_ms\": 221.5}\n";
 	struct gml_trace_sidecar sc;
 	const char *why;
 
@@ -788,12 +871,23 @@ START_TEST(test_sidecar_parse)
 					   GML_SIDECAR_HAVE_STEP_MS |
 					   GML_SIDECAR_HAVE_PEAK_ALLOC |
 					   GML_SIDECAR_HAVE_PEAK_RESERVED |
-					   GML_SIDECAR_HAVE_FRAG_PCT);
+					   GML_SIDECAR_HAVE_FRAG_PCT |
+					   GML_SIDECAR_HAVE_STEADY_STEP_MS);
 	ck_assert_double_eq(sc.steps, 12);
 	ck_assert_double_eq_tol(sc.step_ms, 233.3, 1e-9);
 	ck_assert_double_eq(sc.peak_alloc, 17388220416.0);
 	ck_assert_double_eq(sc.peak_reserved, 19631439872.0);
 	ck_assert_double_eq_tol(sc.frag_pct, 11.4, 1e-9);
+	ck_assert_double_eq_tol(sc.steady_step_ms, 221.5, 1e-9);
+	/* steady_step_ms is optional, and alone is enough. */
+	ck_assert_int_eq(
+		gml_trace_sidecar_parse("{\"step_ms\": 9}", 14, &sc, &why), 0);
+	ck_assert_uint_eq(sc.have, GML_SIDECAR_HAVE_STEP_MS);
+	ck_assert_int_eq(gml_trace_sidecar_parse("{\"steady_step_ms\": 8}", 21,
+						 &sc, &why),
+			 0);
+	ck_assert_uint_eq(sc.have, GML_SIDECAR_HAVE_STEADY_STEP_MS);
+	ck_assert_double_eq(sc.steady_step_ms, 8);
 	ck_assert_int_eq(gml_trace_sidecar_parse("{}", 2, &sc, &why), 0);
 	ck_assert_uint_eq(sc.have, 0);
 	ck_assert_int_eq(
@@ -820,6 +914,8 @@ START_TEST(test_sidecar_malformed)
 		"{\"a\": \"x}",
 		"{\"a\": [1, 2}",
 		"{\"steps\": 1 \"step_ms\": 2}",
+		"{\"steady_step_ms\": 1e999}",
+		"{\"steady_step_ms\": 2,}",
 		"{\"a\": tru}",
 		"{\"a\\",
 		"{\"a\": \"\x01\"}",
@@ -869,6 +965,7 @@ static Suite *trace_suite(void)
 	tcase_add_test(tc, test_line_kinds);
 	tcase_add_test(tc, test_line_unknown_action);
 	tcase_add_test(tc, test_line_blanks);
+	tcase_add_test(tc, test_line_step);
 	tcase_add_test(tc, test_line_limits);
 	tcase_add_test(tc, test_line_comment_blank);
 	tcase_add_test(tc, test_line_length_bound);
@@ -895,6 +992,7 @@ static Suite *trace_suite(void)
 	tcase_add_test(tc, test_file_missing);
 	tcase_add_test(tc, test_file_malformed_line);
 	tcase_add_test(tc, test_file_malformed_header);
+	tcase_add_test(tc, test_file_steps);
 	tcase_add_test(tc, test_file_long_lines);
 	tcase_add_test(tc, test_file_long_tail);
 	tcase_add_test(tc, test_file_truncated_gzip);

@@ -10,10 +10,12 @@
  * free_completed events gmlake_free(). Memory is bounded by the blocks
  * live at once (at most --max-live) and a latency histogram, not by the
  * trace's length; the emulated capacity a trace can ask for is bounded too
- * (MAX_CHUNKS chunks). Driver work of the second half of the trace (from
- * alloc number nalloc / 2 on, the steady state) is priced at measured H200
- * costs per 2 MiB chunk and set against that half's GPU time from the
- * trace's sidecar (steps x step_ms / 2).
+ * (MAX_CHUNKS chunks). Driver work of the steady state is priced at
+ * measured H200 costs per 2 MiB chunk and set against its GPU time from
+ * the trace's sidecar. The steady state is the trace's steady steps when
+ * it has step lines (each step at a shape an earlier step had: steady
+ * steps x steady_step_ms, or step_ms), else its second half (from alloc
+ * number nalloc / 2 on: steps x step_ms / 2).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -108,6 +110,17 @@ struct blockmap {
 	size_t n;
 };
 
+/*
+ * Driver work over the priced window, as deltas of the statistics: the
+ * steady steps' spans summed, or the second half.
+ */
+struct window {
+	uint64_t calls[GMLAKE_CALL_COUNT];
+	uint64_t call_ns[GMLAKE_CALL_COUNT];
+	uint64_t access_bytes;
+	uint64_t stitches, stitch_reuses;
+};
+
 /* Trace ids of streams and the streams made for them. */
 struct streammap {
 	uint64_t *ids;
@@ -125,11 +138,15 @@ struct replay {
 	struct gml_trace *t;	      /* open for both passes */
 	uint64_t events; /* every event line of the trace */
 	uint64_t nalloc, nfree, unknown;
+	uint64_t nsteps, steady_steps; /* step lines; those with S == 0 */
 	uint64_t trace_peak_live; /* sum of live sizes, from the trace */
 
 	const char *backend;
 	size_t capacity;
 	struct gmlake_stats mid, end;
+	struct gmlake_stats step_start; /* at the last step line replayed */
+	bool in_step, step_steady; /* a step line was replayed; its S == 0 */
+	struct window steady;	   /* the steady steps' work so far */
 	struct lat_hist lat;
 	uint64_t done_allocs;
 	uint64_t skipped_frees, dup_allocs, touch_errors;
@@ -436,6 +453,26 @@ static int scan_event(struct replay *r, const struct options *o,
 }
 
 /*
+ * A step line of the first pass: K must be the count of step lines before
+ * it, so that the steps the replay prices are the ones the capture timed.
+ * -EINVAL otherwise.
+ */
+static int scan_step(struct replay *r, const struct gml_trace_event *e,
+		     uint64_t line)
+{
+	if (e->addr != r->nsteps) {
+		errmsg("%s:%" PRIu64 ": step %" PRIu64 " where step %" PRIu64
+		       " was due (steps count from 0, one line each)",
+		       r->path, line, e->addr, r->nsteps);
+		return -EINVAL;
+	}
+	r->nsteps++;
+	if (!e->size)
+		r->steady_steps++;
+	return 0;
+}
+
+/*
  * The first pass: every line checked, allocations and frees counted, the
  * peak of live bytes found; nothing kept but the live map. The trace stays
  * open in r->t for the second pass.
@@ -445,6 +482,7 @@ static int read_trace(struct replay *r, const struct options *o)
 	const struct gml_trace_info *info;
 	struct gml_trace_event e;
 	struct blockmap live = {0};
+	bool reported = false; /* by scan_event() or scan_step() */
 	uint64_t cur = 0;
 	int ret;
 
@@ -463,8 +501,11 @@ static int read_trace(struct replay *r, const struct options *o)
 		if (e.kind == GML_TRACE_ALLOC ||
 		    e.kind == GML_TRACE_FREE_COMPLETED)
 			ret = scan_event(r, o, &live, &e, &cur, info->lines);
+		else if (e.kind == GML_TRACE_STEP)
+			ret = scan_step(r, &e, info->lines);
+		reported = ret < 0;
 	}
-	if (ret < 0 && ret != -ENOMEM && ret != -E2BIG)
+	if (ret < 0 && !reported)
 		errmsg("%s", gml_trace_error(r->t));
 	r->hdr = info->header;
 	r->events = info->events;
@@ -738,6 +779,42 @@ static int run_event(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 	return do_alloc(r, ctx, bm, sm, e, o);
 }
 
+/* Add the driver work from *from to *to to the window. */
+static void window_add(struct window *w, const struct gmlake_stats *from,
+		       const struct gmlake_stats *to)
+{
+	size_t i;
+
+	for (i = 0; i < GMLAKE_CALL_COUNT; i++) {
+		w->calls[i] += to->calls[i] - from->calls[i];
+		w->call_ns[i] += to->call_ns[i] - from->call_ns[i];
+	}
+	w->access_bytes += to->access_bytes - from->access_bytes;
+	w->stitches += to->stitches - from->stitches;
+	w->stitch_reuses += to->stitch_reuses - from->stitch_reuses;
+}
+
+/*
+ * A step line: the step it ends goes into the priced window when steady,
+ * and the one it begins is measured from here.
+ */
+static int step_line(struct replay *r, gmlake_ctx *ctx,
+		     const struct gml_trace_event *ev)
+{
+	struct gmlake_stats now;
+	int ret;
+
+	ret = snapshot(r, ctx, &now);
+	if (ret)
+		return ret;
+	if (r->in_step && r->step_steady)
+		window_add(&r->steady, &r->step_start, &now);
+	r->step_start = now;
+	r->in_step = true;
+	r->step_steady = ev->size == 0;
+	return 0;
+}
+
 /*
  * The second pass: the trace from the start again, each event replayed as
  * it is read. A trace that changed since the first pass fails here.
@@ -761,6 +838,12 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 	while (!ret && (ret = gml_trace_next(r->t, &ev)) == 1) {
 		ret = 0;
 		progress(r, o, "replaying", info->events, r->events);
+		if (ev.kind == GML_TRACE_STEP) {
+			ret = step_line(r, ctx, &ev);
+			if (ret)
+				return ret;
+			continue;
+		}
 		if (ev.kind != GML_TRACE_ALLOC &&
 		    ev.kind != GML_TRACE_FREE_COMPLETED)
 			continue;
@@ -777,7 +860,13 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		errmsg("%s (second pass)", gml_trace_error(r->t));
 		return ret;
 	}
-	return snapshot(r, ctx, &r->end);
+	ret = snapshot(r, ctx, &r->end);
+	if (ret)
+		return ret;
+	/* The events after the last step line are the last step's. */
+	if (r->in_step && r->step_steady)
+		window_add(&r->steady, &r->step_start, &r->end);
+	return 0;
 }
 
 /* Free what is still live, drop the streams, destroy the context. */
@@ -862,7 +951,10 @@ static double pct_us(const struct lat_hist *h, unsigned q)
 	return (double)h->max / 1e3;
 }
 
-/* Everything reported for one trace; NAN where unknown. */
+/*
+ * Everything reported for one trace; NAN where unknown. The h_ and half_
+ * figures are the priced window's (see compute()).
+ */
 struct result {
 	double frag_pct, torch_frag_pct, exp_frag_pct;
 	double half_ms, half_pct, measured_half_ms;
@@ -873,15 +965,13 @@ struct result {
 	uint64_t h_stitches, h_reuses;
 };
 
-#define DELTA(field) (r->end.field - r->mid.field)
-
 static double frag(double used, double reserved)
 {
 	return reserved > 0 ? 100.0 * (1.0 - used / reserved) : NAN;
 }
 
 /*
- * Driver time of the second half at H200 prices, in microseconds. Each
+ * Driver time of the priced window at H200 prices, in microseconds. Each
  * call costs the same whatever the chunk size (bench/vmm_probe.c measured
  * set-access and unmap per handle, not per byte), and set-access is paid
  * once per chunk of the range it covers.
@@ -908,6 +998,9 @@ static void compute(struct replay *r, struct result *x)
 		GMLAKE_CALL_set_access,
 	};
 	const struct gmlake_stats *e = &r->end;
+	struct window half = {0};
+	const struct window *w = &half;
+	double per_step;
 	uint64_t ns = 0;
 	size_t i;
 
@@ -931,15 +1024,20 @@ static void compute(struct replay *r, struct result *x)
 	x->set_access = e->calls[GMLAKE_CALL_set_access];
 	x->unmaps = e->calls[GMLAKE_CALL_mem_unmap];
 	x->releases = e->calls[GMLAKE_CALL_mem_release];
-	x->h_creates = DELTA(calls[GMLAKE_CALL_mem_create]);
-	x->h_maps = DELTA(calls[GMLAKE_CALL_mem_map]);
-	x->h_unmaps = DELTA(calls[GMLAKE_CALL_mem_unmap]);
-	x->h_releases = DELTA(calls[GMLAKE_CALL_mem_release]);
-	x->h_access_bytes = DELTA(access_bytes);
-	x->h_stitches = DELTA(stitches);
-	x->h_reuses = DELTA(stitch_reuses);
+	/* The steady steps when the trace marks them, else the second half. */
+	if (r->nsteps)
+		w = &r->steady;
+	else
+		window_add(&half, &r->mid, e);
+	x->h_creates = w->calls[GMLAKE_CALL_mem_create];
+	x->h_maps = w->calls[GMLAKE_CALL_mem_map];
+	x->h_unmaps = w->calls[GMLAKE_CALL_mem_unmap];
+	x->h_releases = w->calls[GMLAKE_CALL_mem_release];
+	x->h_access_bytes = w->access_bytes;
+	x->h_stitches = w->stitches;
+	x->h_reuses = w->stitch_reuses;
 	for (i = 0; i < sizeof(vmm) / sizeof(vmm[0]); i++)
-		ns += DELTA(call_ns[vmm[i]]);
+		ns += w->call_ns[vmm[i]];
 	x->measured_half_ms = (double)ns / 1e6;
 	x->half_ms = price_us(r, x) / 1e3;
 
@@ -950,15 +1048,22 @@ static void compute(struct replay *r, struct result *x)
 		x->steps = (double)r->hdr.steps;
 	if (r->sc.have & GML_SIDECAR_HAVE_STEP_MS)
 		x->step_ms = r->sc.step_ms;
-	if (x->steps > 0 && x->step_ms > 0)
+	if (r->nsteps) {
+		/* The steady steps' own mean: settling steps are slower. */
+		per_step = x->step_ms;
+		if (r->sc.have & GML_SIDECAR_HAVE_STEADY_STEP_MS)
+			per_step = r->sc.steady_step_ms;
+		if (r->steady_steps && per_step > 0)
+			x->half_pct = 100.0 * x->half_ms /
+				      ((double)r->steady_steps * per_step);
+	} else if (x->steps > 0 && x->step_ms > 0) {
 		x->half_pct = 100.0 * x->half_ms / (x->steps * x->step_ms / 2);
+	}
 
 	x->p50_us = pct_us(&r->lat, 50);
 	x->p99_us = pct_us(&r->lat, 99);
 	x->max_us = pct_us(&r->lat, 100);
 }
-
-#undef DELTA
 
 static void json_str(const char *key, const char *s)
 {
@@ -1012,6 +1117,8 @@ static void print_json(const struct replay *r, const struct result *x)
 	json_num("expandable_fragmentation_pct", x->exp_frag_pct, 2);
 	json_num("steps", x->steps, 0);
 	json_num("step_ms", x->step_ms, 1);
+	json_str("priced", r->nsteps ? "steady_steps" : "second_half");
+	json_u64("steady_steps", r->steady_steps);
 	json_u64("creates", x->creates);
 	json_u64("maps", x->maps);
 	json_u64("set_access", x->set_access);

@@ -50,6 +50,7 @@ static const char *const kind_names[GML_TRACE_KIND_COUNT] = {
 	[GML_TRACE_SEGMENT_FREE] = "segment_free",
 	[GML_TRACE_SEGMENT_MAP] = "segment_map",
 	[GML_TRACE_SEGMENT_UNMAP] = "segment_unmap",
+	[GML_TRACE_STEP] = "step",
 	[GML_TRACE_OTHER] = "other",
 };
 
@@ -175,6 +176,11 @@ int gml_trace_parse_line(const char *line, size_t len,
 	}
 	if (p != e) {
 		*why = "too many fields";
+		return -EINVAL;
+	}
+	/* S picks the steps a replay prices: no guessing at other values. */
+	if (ev->kind == GML_TRACE_STEP && ev->size > 1) {
+		*why = "step's settle flag (the size field) is not 0 or 1";
 		return -EINVAL;
 	}
 	return 1;
@@ -704,6 +710,8 @@ static void sidecar_set(struct gml_trace_sidecar *sc, const char *key,
 		 offsetof(struct gml_trace_sidecar, peak_reserved)},
 		{"frag_pct", GML_SIDECAR_HAVE_FRAG_PCT,
 		 offsetof(struct gml_trace_sidecar, frag_pct)},
+		{"steady_step_ms", GML_SIDECAR_HAVE_STEADY_STEP_MS,
+		 offsetof(struct gml_trace_sidecar, steady_step_ms)},
 	};
 	size_t i;
 

@@ -6,6 +6,8 @@
  *	# pytorch 2.11.0+cu130 workload=plain steps=12 peak_alloc=N peak_reserved=N
  *	# action addr size stream
  *	alloc 139861348581376 262144000 0
+ *	step 0 1 0
+ *	alloc 139861610725376 4194304 0
  *	free_completed 139861348581376 262144000 0
  *
  * Every event line holds four fields separated by blanks (spaces or tabs;
@@ -15,6 +17,15 @@
  * skipped. An action this reader does not know is returned as
  * GML_TRACE_OTHER and counted; any other deviation is an error (-EINVAL)
  * naming the line. The file may be gzip-compressed or plain.
+ *
+ * A "step K S 0" line (GML_TRACE_STEP) marks where training step K (the
+ * addr field, from 0) begins: it comes before the step's first event.
+ * S (the size field) is 1 for a settling step, the first at its shape,
+ * and 0 for a steady one; any other S is malformed. The stream field is
+ * 0, and not read. Events before the first step line are set-up (the
+ * model's build); those after the last belong to the last step. A trace
+ * without step lines is as valid, and readers older than step lines
+ * count them as unknown actions.
  *
  * Nothing here allocates on the event path, exits or aborts, whatever the
  * input; gml_trace_parse_line() takes raw bytes (NULs included) and is the
@@ -38,6 +49,7 @@ enum gml_trace_kind {
 	GML_TRACE_SEGMENT_FREE,
 	GML_TRACE_SEGMENT_MAP,
 	GML_TRACE_SEGMENT_UNMAP,
+	GML_TRACE_STEP,	 /* addr: step index, size: 1 settling, 0 steady */
 	GML_TRACE_OTHER, /* well-formed, action unknown */
 	GML_TRACE_KIND_COUNT
 };
@@ -148,8 +160,13 @@ int gml_trace_sidecar_path(const char *trace, const char *suffix, char *buf,
 #define GML_SIDECAR_HAVE_PEAK_ALLOC    (1u << 2)
 #define GML_SIDECAR_HAVE_PEAK_RESERVED (1u << 3)
 #define GML_SIDECAR_HAVE_FRAG_PCT      (1u << 4)
+#define GML_SIDECAR_HAVE_STEADY_STEP_MS (1u << 5)
 
-/* The numbers of a sidecar ({"steps": 12, "step_ms": 233.3, ...}). */
+/*
+ * The numbers of a sidecar ({"steps": 12, "step_ms": 233.3, ...}):
+ * step_ms is the mean of every step, steady_step_ms (optional) that of
+ * the steady steps.
+ */
 struct gml_trace_sidecar {
 	unsigned have;
 	double steps;
@@ -157,6 +174,7 @@ struct gml_trace_sidecar {
 	double peak_alloc;
 	double peak_reserved;
 	double frag_pct;
+	double steady_step_ms; /* mean of the steady steps alone */
 };
 
 /*

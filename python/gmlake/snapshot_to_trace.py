@@ -23,6 +23,21 @@ do not. Frees of blocks allocated before recording began are dropped
 unless --keep-unmatched, since a replay has nothing to free then.
 peak_alloc and peak_reserved in the header are the peaks of the trace's
 own running sums. Output ending in .gz is compressed.
+
+Step markers: convert(trace, step_mark=SIZE, settle=FLAGS) turns a run's
+marker allocations into step lines. A capture that allocates (and frees)
+one block of exactly SIZE bytes right before each training step, a size
+no workload asks for, gets each marker's alloc replaced by the line
+
+    step K S 0
+
+where K counts the markers from 0 and S is 1 when settle[K] is true (a
+settling step, the first at its shape), else 0 (always 0 when settle is
+None). The markers' frees are dropped and their bytes count in no peak.
+A step line comes before its step's first event; gmlake-replay prices
+the steady steps' driver work (gmlake-replay(1)). With settle given, a
+number of markers other than len(settle) is a ValueError: the size was
+not the capture's alone, or the trace lost its start.
 """
 
 import argparse
@@ -42,11 +57,17 @@ def _stream(value):
         return 0
 
 
-def convert(trace, keep_unmatched=False):
+def convert(trace, keep_unmatched=False, step_mark=None, settle=None):
     """(events, peak_alloc, peak_reserved) from one device's trace entries
     (dicts with action, addr, size, stream). events: (action, addr, size,
-    stream) tuples in order."""
+    stream) tuples in order. step_mark: the size of the step markers,
+    whose allocs become ("step", k, settle[k] or 0, 0) and whose frees go
+    (see the module's doc); None: no markers."""
+    if settle is not None and step_mark is None:
+        raise ValueError("settle flags without step_mark")
     live = {}
+    marks = set()   # addresses of the markers live now
+    steps = 0
     alloc = reserved = peak_alloc = peak_reserved = 0
     out = []
     for e in trace:
@@ -54,7 +75,23 @@ def convert(trace, keep_unmatched=False):
         if action not in ACTIONS:
             continue
         addr, size = int(e.get("addr", 0)), int(e.get("size", 0))
+        if action == "alloc" and step_mark is not None and \
+                size == step_mark:
+            if settle is not None and steps >= len(settle):
+                raise ValueError("step marker %d of %d bytes, but %d "
+                                 "settle flags" % (steps, size,
+                                                   len(settle)))
+            flag = 1 if settle is not None and settle[steps] else 0
+            out.append(("step", steps, flag, 0))
+            marks.add(addr)
+            steps += 1
+            continue
+        if action in FREES and addr in marks:
+            if action == "free_completed":
+                marks.discard(addr)
+            continue
         if action == "alloc":
+            marks.discard(addr)     # a marker whose free went unrecorded
             live[addr] = size
             alloc += size
             peak_alloc = max(peak_alloc, alloc)
@@ -69,6 +106,9 @@ def convert(trace, keep_unmatched=False):
         else:
             reserved -= size
         out.append((action, addr, size, _stream(e.get("stream"))))
+    if settle is not None and steps != len(settle):
+        raise ValueError("%d step markers of %d bytes for %d settle flags" %
+                         (steps, step_mark, len(settle)))
     return out, peak_alloc, peak_reserved
 
 

@@ -28,10 +28,10 @@
 #include "fuzz.h"
 #include "trace.h"
 
-#define HAVE_ALL                                                         \
-	(GML_SIDECAR_HAVE_STEPS | GML_SIDECAR_HAVE_STEP_MS |             \
-	 GML_SIDECAR_HAVE_PEAK_ALLOC | GML_SIDECAR_HAVE_PEAK_RESERVED |  \
-	 GML_SIDECAR_HAVE_FRAG_PCT)
+#define HAVE_ALL                                                        \
+	(GML_SIDECAR_HAVE_STEPS | GML_SIDECAR_HAVE_STEP_MS |            \
+	 GML_SIDECAR_HAVE_PEAK_ALLOC | GML_SIDECAR_HAVE_PEAK_RESERVED | \
+	 GML_SIDECAR_HAVE_FRAG_PCT | GML_SIDECAR_HAVE_STEADY_STEP_MS)
 
 static const struct {
 	const char *key;
@@ -48,6 +48,8 @@ static const struct {
 	 offsetof(struct gml_trace_sidecar, peak_reserved)},
 	{"frag_pct", GML_SIDECAR_HAVE_FRAG_PCT,
 	 offsetof(struct gml_trace_sidecar, frag_pct)},
+	{"steady_step_ms", GML_SIDECAR_HAVE_STEADY_STEP_MS,
+	 offsetof(struct gml_trace_sidecar, steady_step_ms)},
 };
 #define NFIELDS (sizeof(fields) / sizeof(fields[0]))
 

@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: MIT
+"""Tests of gmlake.snapshot_to_trace's step markers; no torch needed.
+
+convert() takes a device trace as a list of dicts (action, addr, size,
+stream), as torch.cuda.memory._snapshot()["device_traces"] holds it; with
+step_mark, the allocs of that size become step lines. The last test hands
+a converted trace to tools/gmlake-replay when it is built.
+
+Environment (tests/python_test.sh sets it): top_builddir (for
+tools/gmlake-replay), GMLAKE_BACKEND=emu.
+"""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYDIR = os.path.dirname(HERE)
+ROOT = os.path.dirname(PYDIR)
+sys.path.insert(0, PYDIR)
+
+from gmlake import snapshot_to_trace as s2t  # noqa: E402
+
+MARK = 977
+MiB = 1 << 20
+
+
+def ev(action, addr, size, stream=0):
+    return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+
+def marker(addr):
+    """A marker as a capture makes it: allocated, then freed at once."""
+    return [ev("alloc", addr, MARK), ev("free_requested", addr, MARK),
+            ev("free_completed", addr, MARK)]
+
+
+def block(addr, size, stream=0):
+    return [ev("alloc", addr, size, stream),
+            ev("free_requested", addr, size, stream),
+            ev("free_completed", addr, size, stream)]
+
+
+class TestStepMarkers(unittest.TestCase):
+
+    def three_steps(self):
+        """Set-up (a live 4 MiB block), then three steps of one block each,
+        each led by a marker at the same small-pool address."""
+        return ([ev("segment_alloc", 1 << 30, 20 * MiB),
+                 ev("alloc", 1 << 30, 4 * MiB)] +
+                marker(4096) + block((1 << 30) + 4 * MiB, 8 * MiB) +
+                marker(4096) + block((1 << 30) + 4 * MiB, 16 * MiB) +
+                marker(4096) + block((1 << 30) + 4 * MiB, 8 * MiB))
+
+    def test_markers_become_steps(self):
+        out, peak_alloc, peak_reserved = s2t.convert(
+            self.three_steps(), step_mark=MARK, settle=[True, True, False])
+        steps = [e for e in out if e[0] == "step"]
+        self.assertEqual(steps, [("step", 0, 1, 0), ("step", 1, 1, 0),
+                                 ("step", 2, 0, 0)])
+        # Nothing of the markers is left but the step lines.
+        self.assertFalse([e for e in out if e[0] != "step" and
+                          e[2] == MARK])
+        self.assertEqual(len(out), 2 + 3 + 3 * 3)
+        # Each step line comes before its step's first event.
+        self.assertEqual(out[2], ("step", 0, 1, 0))
+        self.assertEqual(out[3][:3], ("alloc", (1 << 30) + 4 * MiB,
+                                      8 * MiB))
+        self.assertEqual(out[-4], ("step", 2, 0, 0))
+        self.assertEqual(out[-3][:3], ("alloc", (1 << 30) + 4 * MiB,
+                                       8 * MiB))
+        self.assertEqual((peak_alloc, peak_reserved), (20 * MiB, 20 * MiB))
+
+    def test_no_settle_flags(self):
+        out, _, _ = s2t.convert(self.three_steps(), step_mark=MARK)
+        self.assertEqual([e for e in out if e[0] == "step"],
+                         [("step", k, 0, 0) for k in range(3)])
+
+    def test_without_step_mark(self):
+        # No step_mark: the marker is an allocation like any other.
+        out, peak_alloc, _ = s2t.convert(self.three_steps())
+        self.assertFalse([e for e in out if e[0] == "step"])
+        self.assertEqual(len([e for e in out if e[2] == MARK]), 9)
+        self.assertEqual(peak_alloc, 20 * MiB)
+
+    def test_markers_not_in_peak(self):
+        # A marker while the peak is live would raise it by its size.
+        trace = ([ev("alloc", 1 << 30, 8 * MiB), ev("alloc", 4096, MARK),
+                  ev("free_completed", 4096, MARK),
+                  ev("free_completed", 1 << 30, 8 * MiB)])
+        _, peak, _ = s2t.convert(trace)
+        self.assertEqual(peak, 8 * MiB + MARK)
+        out, peak, _ = s2t.convert(trace, step_mark=MARK, settle=[1])
+        self.assertEqual(peak, 8 * MiB)
+        self.assertEqual([e[0] for e in out],
+                         ["alloc", "step", "free_completed"])
+
+    def test_other_sizes_kept(self):
+        trace = (marker(4096) + block(8192, MARK - 1) + block(8704, MARK + 1)
+                 + block(9216, 2 * MARK))
+        out, _, _ = s2t.convert(trace, step_mark=MARK, settle=[0])
+        self.assertEqual([e[0] for e in out].count("step"), 1)
+        self.assertEqual([e[2] for e in out if e[0] == "alloc"],
+                         [MARK - 1, MARK + 1, 2 * MARK])
+        self.assertEqual(len(out), 1 + 3 * 3)
+
+    def test_marker_address_reused(self):
+        # Once the marker is freed, a block at its address is a block.
+        trace = marker(4096) + block(4096, 512, stream=7)
+        out, peak, _ = s2t.convert(trace, step_mark=MARK)
+        self.assertEqual(out, [("step", 0, 0, 0), ("alloc", 4096, 512, 7),
+                               ("free_requested", 4096, 512, 7),
+                               ("free_completed", 4096, 512, 7)])
+        self.assertEqual(peak, 512)
+        # Also when the marker's free went unrecorded.
+        trace = [ev("alloc", 4096, MARK)] + block(4096, 512)
+        out, _, _ = s2t.convert(trace, step_mark=MARK)
+        self.assertEqual([e[0] for e in out],
+                         ["step", "alloc", "free_requested",
+                          "free_completed"])
+
+    def test_keep_unmatched_drops_marker_frees(self):
+        trace = ([ev("free_completed", 99, 8)] + marker(4096) +
+                 block(8192, 512))
+        out, _, _ = s2t.convert(trace, keep_unmatched=True, step_mark=MARK,
+                                settle=[True])
+        self.assertEqual([e[0] for e in out],
+                         ["free_completed", "step", "alloc",
+                          "free_requested", "free_completed"])
+        self.assertEqual(out[0], ("free_completed", 99, 8, 0))
+
+    def test_count_mismatch(self):
+        # A workload's own block of the marker's size, or a trace that
+        # lost its start: a wrong step count is an error, not a trace.
+        with self.assertRaisesRegex(ValueError, "marker 3 .* 3 settle"):
+            s2t.convert(self.three_steps() + marker(4096), step_mark=MARK,
+                        settle=[1, 1, 0])
+        with self.assertRaisesRegex(ValueError, "3 step markers .* 4 "
+                                    "settle flags"):
+            s2t.convert(self.three_steps(), step_mark=MARK,
+                        settle=[1, 1, 0, 0])
+        with self.assertRaisesRegex(ValueError, "without step_mark"):
+            s2t.convert(self.three_steps(), settle=[1, 1, 0])
+
+    def test_written_and_replayed(self):
+        trace = self.three_steps()
+        out, peak_alloc, peak_reserved = s2t.convert(
+            trace, step_mark=MARK, settle=[1, 1, 0])
+        replay = os.path.join(os.environ.get("top_builddir", ROOT), "tools",
+                              "gmlake-replay")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "marked.trace.gz")
+            s2t.write(path, out, ["pytorch test", "workload=marked",
+                                  "steps=3", "peak_alloc=%d" % peak_alloc,
+                                  "peak_reserved=%d" % peak_reserved])
+            with gzip.open(path, "rt") as f:
+                lines = f.read().splitlines()
+            self.assertEqual([ln for ln in lines if ln.startswith("step")],
+                             ["step 0 1 0", "step 1 1 0", "step 2 0 0"])
+            if not os.access(replay, os.X_OK):
+                self.skipTest("%s not built" % replay)
+            env = dict(os.environ, GMLAKE_BACKEND="emu")
+            p = subprocess.run([replay, "--json", "--quiet", path],
+                               capture_output=True, text=True, timeout=120,
+                               env=env)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            r = json.loads(p.stdout)
+            self.assertEqual(r["priced"], "steady_steps")
+            self.assertEqual(r["steady_steps"], 1)
+            self.assertEqual(r["unknown_actions"], 0)
+            self.assertEqual(r["allocs"], 4)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,219 @@
+#!/bin/bash
+# SPDX-License-Identifier: MIT
+#
+# gmlake-replay prices the steady steps of a trace with step lines, and the
+# second half of one without. The traces are made here: set-up, then six
+# steps, of which only step 1, steady and in the first half, allocates a
+# block larger than any before it and so makes the allocator grow; the
+# second half makes no driver calls. With step lines the priced driver
+# work must be above 0; the same trace without them must price 0. Also:
+# settling steps and the set-up are not priced, the events after the last
+# step line are the last step's, drv% is set against steady steps x
+# steady_step_ms (or step_ms), and bad step lines fail naming the line.
+#
+# Automake test: exit 0 pass, 1 fail, 99 hard error. $top_builddir is the
+# build directory (default '.').
+
+top_builddir=${top_builddir:-.}
+replay=$top_builddir/tools/gmlake-replay
+
+GMLAKE_BACKEND=emu
+export GMLAKE_BACKEND
+
+passed=0
+failed=0
+
+result() {
+	# result OK|FAIL message
+	if [ "$1" = OK ]; then
+		passed=$((passed + 1))
+		echo "ok - $2"
+	else
+		failed=$((failed + 1))
+		echo "FAIL - $2"
+	fi
+}
+
+# The value of a key in a one-line JSON object (numbers, null, strings).
+value() {
+	awk -v key="$1" '{
+		pat = "\"" key "\": "
+		i = index($0, pat)
+		if (!i)
+			exit 1
+		s = substr($0, i + length(pat))
+		if (substr(s, 1, 1) == "\"") {
+			s = substr(s, 2)
+			print substr(s, 1, index(s, "\"") - 1)
+		} else {
+			match(s, /^[^,}]*/)
+			print substr(s, 1, RLENGTH)
+		}
+	}' <<<"$2"
+}
+
+# is_num VALUE OP LIMIT: VALUE is a number and VALUE OP LIMIT (gt, eq).
+is_num() {
+	awk -v v="$1" -v op="$2" -v lim="$3" 'BEGIN {
+		if (v !~ /^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$/)
+			exit 1
+		if (op == "gt")
+			exit !(v + 0 > lim + 0)
+		exit !(v + 0 == lim + 0)
+	}'
+}
+
+# near A B: two numbers within 0.002 of each other.
+near() {
+	awk -v a="$1" -v b="$2" 'BEGIN {
+		if (a !~ /^[0-9.]+$/ || b !~ /^[0-9.]+$/)
+			exit 1
+		d = a - b
+		exit !(d <= 0.002 && d >= -0.002)
+	}'
+}
+
+if [ ! -x "$replay" ]; then
+	echo "replay_steps_test: $replay not built" >&2
+	exit 99
+fi
+tmp=$(mktemp -d) || exit 99
+trap 'rm -rf "$tmp"' EXIT
+
+MIB=1048576
+
+# make_trace FILE BIG_STEP SETTLE_STEP...: set-up (one 2 MiB block kept
+# live), then steps 0-5 each allocating and freeing an 8 MiB block, but
+# step BIG_STEP a 64 MiB one. Steps 0 and SETTLE_STEP... are settling.
+make_trace() {
+	local file=$1 big=$2 k s size
+	shift 2
+	{
+		echo "# gmlake-replay test workload=steps steps=6"
+		echo "# action addr size stream"
+		echo "alloc 1048576 $((2 * MIB)) 0"
+		for k in 0 1 2 3 4 5; do
+			s=0
+			for settle in 0 "$@"; do
+				[ "$k" = "$settle" ] && s=1
+			done
+			size=$((8 * MIB))
+			[ "$k" = "$big" ] && size=$((64 * MIB))
+			echo "step $k $s 0"
+			echo "alloc 4194304 $size 0"
+			echo "free_completed 4194304 $size 0"
+		done
+	} >"$file"
+}
+
+# run_json TRACE: its JSON line in $out, the status in $rc, stderr in
+# $tmp/err.
+run_json() {
+	out=$("$replay" --json --quiet "$1" 2>"$tmp/err")
+	rc=$?
+}
+
+# Step 1 grows: with step lines, and the same trace without them.
+make_trace "$tmp/steps.trace" 1
+grep -v '^step ' "$tmp/steps.trace" >"$tmp/nosteps.trace"
+
+run_json "$tmp/steps.trace"
+ms=$(value driver_ms_second_half "$out")
+if [ $rc -eq 0 ] && [ "$(value priced "$out")" = steady_steps ] &&
+	[ "$(value steady_steps "$out")" = 5 ] &&
+	[ "$(value unknown_actions "$out")" = 0 ]; then
+	result OK "step lines: priced steady_steps, 5 steady steps"
+else
+	result FAIL "step lines: status $rc: $out $(cat "$tmp/err")"
+fi
+if is_num "$ms" gt 0 &&
+	is_num "$(value creates_second_half "$out")" gt 0; then
+	result OK "step lines: the growth of steady step 1 priced ($ms ms)"
+else
+	result FAIL "step lines: driver_ms_second_half $ms, wanted > 0: $out"
+fi
+
+run_json "$tmp/nosteps.trace"
+ms=$(value driver_ms_second_half "$out")
+if [ $rc -eq 0 ] && [ "$(value priced "$out")" = second_half ] &&
+	[ "$(value steady_steps "$out")" = 0 ]; then
+	result OK "no step lines: priced second_half, 0 steady steps"
+else
+	result FAIL "no step lines: status $rc: $out $(cat "$tmp/err")"
+fi
+# The replay did grow; only not in the second half.
+if is_num "$ms" eq 0 && is_num "$(value creates_second_half "$out")" eq 0 &&
+	is_num "$(value creates "$out")" gt 0; then
+	result OK "no step lines: second half priced 0 ms"
+else
+	result FAIL "no step lines: driver_ms_second_half $ms, wanted 0: $out"
+fi
+
+# Settling steps are not priced: step 1 marked settling.
+make_trace "$tmp/settle.trace" 1 1
+run_json "$tmp/settle.trace"
+ms=$(value driver_ms_second_half "$out")
+if [ $rc -eq 0 ] && [ "$(value steady_steps "$out")" = 4 ] &&
+	is_num "$ms" eq 0; then
+	result OK "a settling step's growth is not priced"
+else
+	result FAIL "settling step 1: status $rc, $ms ms: $out"
+fi
+
+# The events after the last step line are the last step's.
+make_trace "$tmp/tail.trace" 5
+run_json "$tmp/tail.trace"
+ms=$(value driver_ms_second_half "$out")
+if [ $rc -eq 0 ] && is_num "$ms" gt 0; then
+	result OK "the last step's growth priced ($ms ms)"
+else
+	result FAIL "growth in the last step: status $rc, $ms ms: $out"
+fi
+
+# drv%: against steady steps x steady_step_ms, else x step_ms.
+cp "$tmp/steps.trace" "$tmp/side.trace"
+echo '{"steps": 6, "step_ms": 100.0, "steady_step_ms": 50.0}' \
+	>"$tmp/side.trace.json"
+run_json "$tmp/side.trace"
+ms=$(value driver_ms_second_half "$out")
+pct=$(value driver_pct_second_half "$out")
+want=$(awk -v ms="$ms" 'BEGIN { printf "%.4f", 100 * ms / (5 * 50) }')
+if [ $rc -eq 0 ] && near "$pct" "$want"; then
+	result OK "drv% $pct against 5 x steady_step_ms 50"
+else
+	result FAIL "drv% $pct, wanted $want (5 x 50 ms): $out"
+fi
+echo '{"steps": 6, "step_ms": 100.0}' >"$tmp/side.trace.json"
+run_json "$tmp/side.trace"
+ms=$(value driver_ms_second_half "$out")
+pct=$(value driver_pct_second_half "$out")
+want=$(awk -v ms="$ms" 'BEGIN { printf "%.4f", 100 * ms / (5 * 100) }')
+if [ $rc -eq 0 ] && near "$pct" "$want"; then
+	result OK "drv% $pct against 5 x step_ms 100 without steady_step_ms"
+else
+	result FAIL "drv% $pct, wanted $want (5 x 100 ms): $out"
+fi
+
+# Bad step lines fail before the replay, naming the line.
+make_trace "$tmp/order.trace" 1
+sed -i 's/^step 3 0 0$/step 4 0 0/' "$tmp/order.trace"
+run_json "$tmp/order.trace"
+if [ $rc -eq 1 ] && [ -z "$out" ] &&
+	grep -q "order.trace:13: step 4 where step 3 was due" "$tmp/err"; then
+	result OK "a step out of order is refused, naming its line"
+else
+	result FAIL "step out of order: status $rc: $(cat "$tmp/err")"
+fi
+make_trace "$tmp/flag.trace" 1
+sed -i 's/^step 2 0 0$/step 2 2 0/' "$tmp/flag.trace"
+run_json "$tmp/flag.trace"
+if [ $rc -eq 1 ] && [ -z "$out" ] &&
+	grep -q "flag.trace:10: step's settle flag" "$tmp/err"; then
+	result OK "a settle flag of 2 is refused, naming its line"
+else
+	result FAIL "settle flag 2: status $rc: $(cat "$tmp/err")"
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ] || exit 1
+exit 0
