@@ -149,6 +149,21 @@ else
 	result FAIL "no step lines: driver_ms_second_half $ms, wanted 0: $out"
 fi
 
+# --per-step: one line a step under the row; after step 0's first block,
+# the driver work is step 1's growth alone.
+lines=$("$replay" --quiet --per-step "$tmp/steps.trace" 2>"$tmp/err")
+rc=$?
+if [ $rc -eq 0 ] &&
+	[ "$(grep -c '^  step ' <<<"$lines")" = 6 ] &&
+	grep -Eq '^  step 0 +settling +drv_ms' <<<"$lines" &&
+	grep -Eq '^  step 1 +steady +drv_ms' <<<"$lines" &&
+	awk '$1 == "step" && $2 > 0 { grew = $5 + 0 > 0
+		if (grew != ($2 == 1)) bad = 1 } END { exit bad }' <<<"$lines"; then
+	result OK "--per-step: six steps, after step 0 the work in step 1 alone"
+else
+	result FAIL "--per-step: status $rc: $lines $(cat "$tmp/err")"
+fi
+
 # Settling steps are not priced: step 1 marked settling.
 make_trace "$tmp/settle.trace" 1 1
 run_json "$tmp/settle.trace"

@@ -76,6 +76,7 @@ struct options {
 	bool json;
 	bool touch;
 	bool quiet;
+	bool per_step; /* each step's driver work after the trace's row */
 	bool progress; /* a progress line: stderr is a terminal */
 };
 
@@ -147,6 +148,9 @@ struct replay {
 	struct gmlake_stats step_start; /* at the last step line replayed */
 	bool in_step, step_steady; /* a step line was replayed; its S == 0 */
 	struct window steady;	   /* the steady steps' work so far */
+	struct window *steps_w;	   /* with --per-step: each step's work */
+	bool *steps_settle;	   /* and whether it settled */
+	size_t nsteps_w, cap_steps_w;
 	struct lat_hist lat;
 	uint64_t done_allocs;
 	uint64_t skipped_frees, dup_allocs, touch_errors;
@@ -794,12 +798,42 @@ static void window_add(struct window *w, const struct gmlake_stats *from,
 	w->stitch_reuses += to->stitch_reuses - from->stitch_reuses;
 }
 
+/* With --per-step, keep the work of the step that ends at *now. */
+static int step_keep(struct replay *r, const struct options *o,
+		     const struct gmlake_stats *now)
+{
+	if (!o->per_step || !r->in_step)
+		return 0;
+	if (r->nsteps_w == r->cap_steps_w) {
+		size_t cap = r->cap_steps_w ? 2 * r->cap_steps_w : 64;
+		struct window *w = realloc(r->steps_w, cap * sizeof(*w));
+		bool *f;
+
+		if (!w) {
+			errmsg("%s: out of memory for --per-step", r->path);
+			return -ENOMEM;
+		}
+		r->steps_w = w;
+		f = realloc(r->steps_settle, cap * sizeof(*f));
+		if (!f) {
+			errmsg("%s: out of memory for --per-step", r->path);
+			return -ENOMEM;
+		}
+		r->steps_settle = f;
+		r->cap_steps_w = cap;
+	}
+	memset(&r->steps_w[r->nsteps_w], 0, sizeof(r->steps_w[0]));
+	window_add(&r->steps_w[r->nsteps_w], &r->step_start, now);
+	r->steps_settle[r->nsteps_w++] = !r->step_steady;
+	return 0;
+}
+
 /*
  * A step line: the step it ends goes into the priced window when steady,
  * and the one it begins is measured from here.
  */
 static int step_line(struct replay *r, gmlake_ctx *ctx,
-		     const struct gml_trace_event *ev)
+		     const struct gml_trace_event *ev, const struct options *o)
 {
 	struct gmlake_stats now;
 	int ret;
@@ -809,6 +843,9 @@ static int step_line(struct replay *r, gmlake_ctx *ctx,
 		return ret;
 	if (r->in_step && r->step_steady)
 		window_add(&r->steady, &r->step_start, &now);
+	ret = step_keep(r, o, &now);
+	if (ret)
+		return ret;
 	r->step_start = now;
 	r->in_step = true;
 	r->step_steady = ev->size == 0;
@@ -839,7 +876,7 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		ret = 0;
 		progress(r, o, "replaying", info->events, r->events);
 		if (ev.kind == GML_TRACE_STEP) {
-			ret = step_line(r, ctx, &ev);
+			ret = step_line(r, ctx, &ev, o);
 			if (ret)
 				return ret;
 			continue;
@@ -866,7 +903,7 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 	/* The events after the last step line are the last step's. */
 	if (r->in_step && r->step_steady)
 		window_add(&r->steady, &r->step_start, &r->end);
-	return 0;
+	return step_keep(r, o, &r->end);
 }
 
 /* Free what is still live, drop the streams, destroy the context. */
@@ -976,16 +1013,16 @@ static double frag(double used, double reserved)
  * set-access and unmap per handle, not per byte), and set-access is paid
  * once per chunk of the range it covers.
  */
-static double price_us(const struct replay *r, const struct result *x)
+static double price_us(const struct replay *r, const struct window *w)
 {
-	double handles = (double)x->h_access_bytes /
+	double handles = (double)w->access_bytes /
 			 (double)(r->end.chunk_size ? r->end.chunk_size :
 						     PRICE_CHUNK);
 
-	return (double)x->h_creates * COST_CREATE_US +
-	       (double)x->h_maps * COST_MAP_US +
-	       (double)x->h_unmaps * COST_UNMAP_US +
-	       (double)x->h_releases * COST_RELEASE_US +
+	return (double)w->calls[GMLAKE_CALL_mem_create] * COST_CREATE_US +
+	       (double)w->calls[GMLAKE_CALL_mem_map] * COST_MAP_US +
+	       (double)w->calls[GMLAKE_CALL_mem_unmap] * COST_UNMAP_US +
+	       (double)w->calls[GMLAKE_CALL_mem_release] * COST_RELEASE_US +
 	       handles * COST_ACCESS_US;
 }
 
@@ -1039,7 +1076,7 @@ static void compute(struct replay *r, struct result *x)
 	for (i = 0; i < sizeof(vmm) / sizeof(vmm[0]); i++)
 		ns += w->call_ns[vmm[i]];
 	x->measured_half_ms = (double)ns / 1e6;
-	x->half_ms = price_us(r, x) / 1e3;
+	x->half_ms = price_us(r, w) / 1e3;
 
 	x->steps = x->step_ms = x->half_pct = NAN;
 	if (r->sc.have & GML_SIDECAR_HAVE_STEPS)
@@ -1187,6 +1224,27 @@ static void print_row(const struct replay *r, const struct result *x)
 	       cell(b[7], 32, x->p99_us, 1), r->skipped_frees);
 }
 
+/* --per-step: each step's driver work, one line a step under its row. */
+static void print_steps(const struct replay *r)
+{
+	for (size_t i = 0; i < r->nsteps_w; i++) {
+		const struct window *w = &r->steps_w[i];
+		double handles = (double)w->access_bytes /
+				 (double)(r->end.chunk_size ? r->end.chunk_size :
+							     PRICE_CHUNK);
+
+		printf("  step %-4zu %-8s drv_ms %8.1f creates %6" PRIu64
+		       " maps %6" PRIu64 " access %6.0f unmaps %6" PRIu64
+		       " release %6" PRIu64 " stitch %4" PRIu64 "\n", i,
+		       r->steps_settle[i] ? "settling" : "steady",
+		       price_us(r, w) / 1e3,
+		       w->calls[GMLAKE_CALL_mem_create],
+		       w->calls[GMLAKE_CALL_mem_map], handles,
+		       w->calls[GMLAKE_CALL_mem_unmap],
+		       w->calls[GMLAKE_CALL_mem_release], w->stitches);
+	}
+}
+
 /* ---- main ---- */
 
 /* A size with an optional K, M, G or T suffix (powers of 1024). */
@@ -1262,6 +1320,7 @@ static void usage(FILE *f)
 		"  -m, --max-live=COUNT    blocks live at once before the trace is refused\n"
 		"                          (default 1048576)\n"
 		"  -q, --quiet             no progress line (shown only on a terminal)\n"
+		"  -s, --per-step          each step's driver work (traces with step lines)\n"
 		"  -h, --help              this help\n"
 		"  -V, --version           library version\n",
 		prog);
@@ -1277,13 +1336,14 @@ static int parse_args(int argc, char **argv, struct options *o)
 		{"capacity", required_argument, NULL, 'C'},
 		{"max-live", required_argument, NULL, 'm'},
 		{"quiet", no_argument, NULL, 'q'},
+		{"per-step", no_argument, NULL, 's'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
 	};
 	int c;
 
-	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qhV", longopts, NULL)) !=
+	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qshV", longopts, NULL)) !=
 	       -1) {
 		switch (c) {
 		case 'b':
@@ -1319,6 +1379,9 @@ static int parse_args(int argc, char **argv, struct options *o)
 			break;
 		case 'q':
 			o->quiet = true;
+			break;
+		case 's':
+			o->per_step = true;
 			break;
 		case 'h':
 			usage(stdout);
@@ -1362,9 +1425,12 @@ static int one_trace(const char *path, const struct options *o,
 				print_table_header();
 			*header_done = true;
 			print_row(&r, &x);
+			print_steps(&r);
 		}
 		fflush(stdout);
 	}
+	free(r.steps_w);
+	free(r.steps_settle);
 	gml_trace_close(r.t);
 	return ret;
 }
