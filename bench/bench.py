@@ -66,7 +66,10 @@ seconds (default: 20 s before its timeout) prints every thread's Python
 stack there; BENCH_COMPILE_CACHE (torch.compile's cache folder, warmed
 once per machine before the first round that runs eco_compile, so that
 every allocator compiles from the same warm cache); BENCH_COMMIT (the
-commit the results name, where git cannot tell).
+commit the results name, where git cannot tell); BENCH_CPUS (host CPUs
+every child runs on, as taskset takes them, e.g. "0-7": the same cores
+for every allocator, since a host-bound step's time follows its core;
+each step's result keeps the CPU it ended on, step_cpus, either way).
 """
 
 import argparse
@@ -362,6 +365,7 @@ def run_steps(name, args, mem, state, total, r):
         torch.cuda.synchronize()
         return used
     times, shapes, per_step = r["step_times"], r["step_shapes"], []
+    cpus = r["step_cpus"] = []
     r["step_calls" if args.allocator == "gmlake" else "step_segments"] = \
         per_step
     snap = mem.snapshot()
@@ -371,6 +375,7 @@ def run_steps(name, args, mem, state, total, r):
         shape = state["step"]()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        cpus.append(current_cpu())
         shapes.append(jsonable(shape))
         new = mem.snapshot()
         per_step.append(mem.delta(snap, new))
@@ -485,8 +490,42 @@ def run_sweep(name, args, mem):
     return s
 
 
+def cpu_list(text):
+    """The CPUs of a list like "0-3,8,10-11"; ValueError if malformed."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        lo, hi = int(lo), int(hi or lo)
+        if lo < 0 or hi < lo:
+            raise ValueError("bad CPU range %r" % part)
+        cpus.update(range(lo, hi + 1))
+    if not cpus:
+        raise ValueError("no CPUs in %r" % text)
+    return cpus
+
+
+def current_cpu():
+    """The CPU this process last ran on (/proc/self/stat's processor
+    field), or None where there is no such file."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        # Fields after the command, which is in parentheses and may
+        # hold spaces: the processor is field 39 of the whole line.
+        return int(stat[stat.rindex(")") + 2:].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def child(args):
     sweep = args.child == "sweep"
+    if os.environ.get("BENCH_CPUS"):
+        try:
+            os.sched_setaffinity(0, cpu_list(os.environ["BENCH_CPUS"]))
+        except (ValueError, OSError) as e:
+            emit("fatal", dict(error="BENCH_CPUS=%r: %s" %
+                               (os.environ["BENCH_CPUS"], e)))
+            return 1
     items = [] if sweep else [item.split(":")
                               for item in args.workloads.split(",")]
     # A child that hangs shows where, on stderr, before the parent's
@@ -511,7 +550,8 @@ def child(args):
                       cuda=torch.version.cuda, gpu=props.name,
                       gpu_bytes=props.total_memory,
                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
-                                                "")))
+                                                "")),
+                      cpus=sorted(os.sched_getaffinity(0)))
     if args.child == "sweep":
         for name in args.workloads.split(","):
             s = run_sweep(name, args, mem)

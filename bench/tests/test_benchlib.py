@@ -1110,6 +1110,38 @@ class TestChildLoop(unittest.TestCase):
         self.assertEqual(benchlib.settle_flags(r),
                          [True, True, False, False])
 
+    def test_step_cpus(self):
+        r, _ = self.run_one("gmlake", self.state())
+        self.assertEqual(len(r["step_cpus"]), 4)
+        here = os.sched_getaffinity(0)
+        self.assertTrue(all(c in here for c in r["step_cpus"]),
+                        r["step_cpus"])
+
+    def test_cpu_list(self):
+        self.assertEqual(self.bench.cpu_list("0-3,8, 10-11"),
+                         {0, 1, 2, 3, 8, 10, 11})
+        self.assertEqual(self.bench.cpu_list("5"), {5})
+        for bad in ("", "3-1", "-1", "a", "1,,2"):
+            with self.assertRaises(ValueError, msg=bad):
+                self.bench.cpu_list(bad)
+
+    def test_bench_cpus_refused(self):
+        args = self.bench.parse(["--lib", "/x.so"])
+        args.child, args.workloads = "workloads", "eco_sage:0"
+        out = io.StringIO()
+        with mock.patch.dict(os.environ, {"BENCH_CPUS": "3-1"}), \
+                mock.patch("sys.stdout", out):
+            self.assertEqual(self.bench.child(args), 1)
+        rec = [json.loads(line[len(self.bench.MARK):])
+               for line in out.getvalue().splitlines()]
+        self.assertIn("BENCH_CPUS", json.dumps(rec))
+
+    def test_current_cpu(self):
+        cpu = self.bench.current_cpu()
+        self.assertIn(cpu, os.sched_getaffinity(0))
+        with mock.patch("builtins.open", side_effect=OSError("none")):
+            self.assertIsNone(self.bench.current_cpu())
+
     def test_pytorch(self):
         r, _ = self.run_one("expandable", self.state())
         self.assertTrue(r["ok"])
