@@ -73,6 +73,38 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 }
 
 /*
+ * Give back up to want free segment chunks whose work is done, without
+ * waiting: those no cached stitched view maps first, then those of unused
+ * views (evicted), from the newest segment's top down, so that first fit's
+ * low positions stay. For a request that needs one handle of a size (a
+ * span) when the device's room sits in the cache. Returns how many went.
+ */
+uint32_t gml_release_free_chunks(gmlake_ctx *ctx, uint32_t want)
+{
+	uint32_t got = 0;
+
+	for (int pass = 0; pass < 2 && got < want; pass++) {
+		struct gml_view *v = gml_list_last(ctx->segs), *prev;
+
+		for (; v && got < want; v = prev) {
+			prev = v->prev;
+			for (uint32_t i = v->n; i-- > 0 && got < want;) {
+				struct gml_chunk *c = v->chunks[i];
+
+				if (!gml_chunk_releasable(c) || c->spanned ||
+				    (!pass && c->nviews) ||
+				    !gml_guard_ready(ctx, &c->guard, -1))
+					continue;
+				if (!gml_chunk_release(ctx, v, i))
+					got++;
+			}
+			gml_seg_drop_if_empty(ctx, v);
+		}
+	}
+	return got;
+}
+
+/*
  * One more rung of the ladder for a request that found no memory: *rung
  * starts at 0 and counts the rungs climbed. Rung 0 gives up the cache's
  * unused memory; every later rung has the tier spill one block (never

@@ -23,7 +23,10 @@
  * holes, as a spilled block's run is, once the work that used it is done
  * (a stale entry, unmapped by gml_stale_reap), and the handle a spare.
  * Spare spans go with the spare chunks (gml_spares_release: the spare
- * timer, trim, memory pressure, destroy).
+ * timer, trim, memory pressure, destroy). When the device has no room for
+ * a new span, the spare chunks go first, then free chunks of the chunk
+ * cache (gml_release_free_chunks): a fetch that moved them into the run
+ * would pay a map and an access per chunk at every cycle.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -126,6 +129,15 @@ static int span_get(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
 	if (ret == -ENOMEM && (ctx->nspares || ctx->nspan_spares)) {
 		/* Spare chunks of other sizes hold the room: give them back. */
 		gml_spares_release(ctx);
+		ret = gml_over_device_limit(ctx, n);
+		if (!ret)
+			ret = gml_dev_mem_create(&ctx->dev,
+						 (size_t)n * ctx->chunk, h);
+	}
+	if (ret == -ENOMEM && gml_release_free_chunks(ctx, n) == n) {
+		/* The room sat in the chunk cache: n free chunks went back,
+		 * since moving them into the run would cost a map and an
+		 * access each, at every fetch, where the span costs one. */
 		ret = gml_over_device_limit(ctx, n);
 		if (!ret)
 			ret = gml_dev_mem_create(&ctx->dev,

@@ -274,6 +274,7 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 		    const struct gml_guard *g);
 int gml_release_cached(gmlake_ctx *ctx, bool all);
+uint32_t gml_release_free_chunks(gmlake_ctx *ctx, uint32_t want);
 /* The pressure ladder (lib/pressure.c): give up one more rung's memory
  * (*rung from 0) for a request that found none, never keep; true when
  * the request should be tried again. */

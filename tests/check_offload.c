@@ -1410,6 +1410,96 @@ END_TEST
  * view's, the span fills its holes, and a free (which waits for the
  * block's work) leaves holes that take the view out of the cache.
  */
+/*
+ * A block that cycles is fetched into a span even when the device's free
+ * memory sits in the chunk cache: the fetch gives back as many cached
+ * free chunks as it needs, then makes the span (one map), where it would
+ * otherwise move those chunks into the block's run (one map each). With
+ * call >= 0, the nth call of that kind fails in that fetch: it completes
+ * or fails cleanly, the block keeping its bytes, and the next works.
+ */
+static void cached_span_round(int call, uint64_t nth)
+{
+	size_t chunk;
+	gmlake_ctx *ctx = span_ctx(64, 128, &chunk);	/* the device: 64 */
+	const size_t n = 32, size = n * chunk;
+	struct gmlake_offload ring;
+	struct gmlake_stats m, s1;
+	void *p, *x, *y;
+	int res;
+
+	ring_init(&ring, ctx, 8);
+	p = th_alloc_filled(ctx, size, 61, NULL);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(fetch(&ring, p), 0);		/* first: chunks */
+	ck_assert_int_eq(spill(&ring, p), 0);
+	/* All of the device taken, then given back to the cache. */
+	x = th_alloc_filled(ctx, 2 * size, 62, NULL);
+	th_free(ctx, x);
+	th_check(ctx);
+	th_stats(ctx, &m);
+	ck_assert_uint_eq(m.chunks.current, 2 * n);
+	if (call >= 0) {
+		gml_dev_fail_nth(th_dev(ctx), call, nth,
+				 call == GMLAKE_CALL_mem_create ? ENOMEM : EIO);
+		res = fetch(&ring, p);
+		ck_assert_msg(res == 0 || res < 0, "fetch: %d", res);
+		gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+		th_check(ctx);
+		if (res)
+			ck_assert_int_eq(fetch(&ring, p), 0);
+		th_verify_ok(ctx, p, size, 61, NULL);
+		goto out;
+	}
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_mem_map), 1);
+	/* The device refused the first try; the span came after the
+	 * release. */
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_create] -
+			  m.calls[GMLAKE_CALL_mem_create] -
+			  (s1.call_failures[GMLAKE_CALL_mem_create] -
+			   m.call_failures[GMLAKE_CALL_mem_create]), 1);
+	ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_mem_release), n);
+	th_check(ctx);
+	th_verify_ok(ctx, p, size, 61, NULL);
+	th_stats(ctx, &m);
+	ck_assert_uint_eq(m.chunks.current, 2 * n);
+	/* The cached chunks left still serve, with no driver call. */
+	y = th_alloc_filled(ctx, size, 63, NULL);
+	ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_mem_create), 0);
+	th_verify_ok(ctx, y, size, 63, NULL);
+	th_free(ctx, y);
+out:
+	/* And the block cycles on. */
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, p, size, 61, NULL);
+	th_free(ctx, p);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+
+START_TEST(test_span_from_cached_chunks)
+{
+	cached_span_round(-1, 0);
+}
+END_TEST
+
+START_TEST(test_faults_span_from_cached_chunks)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_mem_release, GMLAKE_CALL_mem_create,
+		GMLAKE_CALL_mem_unmap, GMLAKE_CALL_mem_map,
+		GMLAKE_CALL_set_access,
+	};
+
+	for (uint64_t nth = 1; nth <= 3; nth++)
+		cached_span_round(calls[_i], nth);
+}
+END_TEST
+
 START_TEST(test_span_stitched)
 {
 	size_t u;	/* the chunk size */
@@ -2045,6 +2135,8 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_span_cycle);
 	tcase_add_test(tc, test_span_stitched);
+	tcase_add_test(tc, test_span_from_cached_chunks);
+	tcase_add_loop_test(tc, test_faults_span_from_cached_chunks, 0, 5);
 	tcase_add_test(tc, test_spill_fetch_stitched);
 	tcase_add_test(tc, test_fetch_takes_cached_chunks);
 	tcase_add_test(tc, test_fetch_evicts_unused_stitched);
