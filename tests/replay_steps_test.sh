@@ -11,46 +11,19 @@
 # step line are the last step's, drv% is set against steady steps x
 # steady_step_ms (or step_ms), and bad step lines fail naming the line.
 #
-# Automake test: exit 0 pass, 1 fail, 99 hard error. $top_builddir is the
-# build directory (default '.').
+# Automake test: exit 0 pass, 1 fail, 99 hard error. $srcdir is the source
+# directory, $top_builddir the build directory (both default to '.').
 
+srcdir=${srcdir:-.}
 top_builddir=${top_builddir:-.}
 replay=$top_builddir/tools/gmlake-replay
 
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
 
-passed=0
-failed=0
-
-result() {
-	# result OK|FAIL message
-	if [ "$1" = OK ]; then
-		passed=$((passed + 1))
-		echo "ok - $2"
-	else
-		failed=$((failed + 1))
-		echo "FAIL - $2"
-	fi
-}
-
-# The value of a key in a one-line JSON object (numbers, null, strings).
-value() {
-	awk -v key="$1" '{
-		pat = "\"" key "\": "
-		i = index($0, pat)
-		if (!i)
-			exit 1
-		s = substr($0, i + length(pat))
-		if (substr(s, 1, 1) == "\"") {
-			s = substr(s, 2)
-			print substr(s, 1, index(s, "\"") - 1)
-		} else {
-			match(s, /^[^,}]*/)
-			print substr(s, 1, RLENGTH)
-		}
-	}' <<<"$2"
-}
+# result, value and the counts.
+# shellcheck source=tests/replay_lib.sh
+. "$srcdir/tests/replay_lib.sh" || exit 99
 
 # is_num VALUE OP LIMIT: VALUE is a number and VALUE OP LIMIT (gt, eq).
 is_num() {
@@ -186,48 +159,44 @@ else
 fi
 
 # drv%: against steady steps x steady_step_ms, else x step_ms.
+# check_pct SIDECAR PER_STEP WHAT: drv% with that sidecar is the priced
+# ms over 5 steady steps x PER_STEP ms.
+check_pct() {
+	echo "$1" >"$tmp/side.trace.json"
+	run_json "$tmp/side.trace"
+	ms=$(value driver_ms_second_half "$out")
+	pct=$(value driver_pct_second_half "$out")
+	want=$(awk -v ms="$ms" -v d="$2" \
+		'BEGIN { printf "%.4f", 100 * ms / (5 * d) }')
+	if [ $rc -eq 0 ] && near "$pct" "$want"; then
+		result OK "drv% $pct against 5 x $3"
+	else
+		result FAIL "drv% $pct, wanted $want (5 x $3): $out"
+	fi
+}
 cp "$tmp/steps.trace" "$tmp/side.trace"
-echo '{"steps": 6, "step_ms": 100.0, "steady_step_ms": 50.0}' \
-	>"$tmp/side.trace.json"
-run_json "$tmp/side.trace"
-ms=$(value driver_ms_second_half "$out")
-pct=$(value driver_pct_second_half "$out")
-want=$(awk -v ms="$ms" 'BEGIN { printf "%.4f", 100 * ms / (5 * 50) }')
-if [ $rc -eq 0 ] && near "$pct" "$want"; then
-	result OK "drv% $pct against 5 x steady_step_ms 50"
-else
-	result FAIL "drv% $pct, wanted $want (5 x 50 ms): $out"
-fi
-echo '{"steps": 6, "step_ms": 100.0}' >"$tmp/side.trace.json"
-run_json "$tmp/side.trace"
-ms=$(value driver_ms_second_half "$out")
-pct=$(value driver_pct_second_half "$out")
-want=$(awk -v ms="$ms" 'BEGIN { printf "%.4f", 100 * ms / (5 * 100) }')
-if [ $rc -eq 0 ] && near "$pct" "$want"; then
-	result OK "drv% $pct against 5 x step_ms 100 without steady_step_ms"
-else
-	result FAIL "drv% $pct, wanted $want (5 x 100 ms): $out"
-fi
+check_pct '{"steps": 6, "step_ms": 100.0, "steady_step_ms": 50.0}' 50 \
+	"steady_step_ms 50"
+check_pct '{"steps": 6, "step_ms": 100.0}' 100 \
+	"step_ms 100 without steady_step_ms"
 
 # Bad step lines fail before the replay, naming the line.
-make_trace "$tmp/order.trace" 1
-sed -i 's/^step 3 0 0$/step 4 0 0/' "$tmp/order.trace"
-run_json "$tmp/order.trace"
-if [ $rc -eq 1 ] && [ -z "$out" ] &&
-	grep -q "order.trace:13: step 4 where step 3 was due" "$tmp/err"; then
-	result OK "a step out of order is refused, naming its line"
-else
-	result FAIL "step out of order: status $rc: $(cat "$tmp/err")"
-fi
-make_trace "$tmp/flag.trace" 1
-sed -i 's/^step 2 0 0$/step 2 2 0/' "$tmp/flag.trace"
-run_json "$tmp/flag.trace"
-if [ $rc -eq 1 ] && [ -z "$out" ] &&
-	grep -q "flag.trace:10: step's settle flag" "$tmp/err"; then
-	result OK "a settle flag of 2 is refused, naming its line"
-else
-	result FAIL "settle flag 2: status $rc: $(cat "$tmp/err")"
-fi
+# check_refused NAME SED WANT WHAT: the trace with SED applied fails, and
+# its error says WANT.
+check_refused() {
+	make_trace "$tmp/$1.trace" 1
+	sed -i "$2" "$tmp/$1.trace"
+	run_json "$tmp/$1.trace"
+	if [ $rc -eq 1 ] && [ -z "$out" ] && grep -q "$3" "$tmp/err"; then
+		result OK "$4 is refused, naming its line"
+	else
+		result FAIL "$4: status $rc: $(cat "$tmp/err")"
+	fi
+}
+check_refused order 's/^step 3 0 0$/step 4 0 0/' \
+	"order.trace:13: step 4 where step 3 was due" "a step out of order"
+check_refused flag 's/^step 2 0 0$/step 2 2 0/' \
+	"flag.trace:10: step's settle flag" "a settle flag of 2"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ] || exit 1

@@ -38,37 +38,9 @@ torch_fragmentation_pct expandable_fragmentation_pct driver_ms_second_half
 driver_pct_second_half measured_driver_ms_second_half creates maps set_access
 unmaps releases stitches alloc_p50_us alloc_p99_us skipped_frees backend"
 
-passed=0
-failed=0
-
-result() {
-	# result OK|FAIL message
-	if [ "$1" = OK ]; then
-		passed=$((passed + 1))
-		echo "ok - $2"
-	else
-		failed=$((failed + 1))
-		echo "FAIL - $2"
-	fi
-}
-
-# The value of a key in a one-line JSON object (numbers, null, strings).
-value() {
-	awk -v key="$1" '{
-		pat = "\"" key "\": "
-		i = index($0, pat)
-		if (!i)
-			exit 1
-		s = substr($0, i + length(pat))
-		if (substr(s, 1, 1) == "\"") {
-			s = substr(s, 2)
-			print substr(s, 1, index(s, "\"") - 1)
-		} else {
-			match(s, /^[^,}]*/)
-			print substr(s, 1, RLENGTH)
-		}
-	}' <<<"$2"
-}
+# result, value and the counts.
+# shellcheck source=tests/replay_lib.sh
+. "$srcdir/tests/replay_lib.sh" || exit 99
 
 # gap_limit NAME GOAL GAP...: sets limit (GOAL, or NAME's ceiling among the
 # name:ceiling GAPs) and note (what the goal is, for a known gap).

@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: MIT
+#
+# Helpers of the replay tests (replay_test.sh, replay_steps_test.sh),
+# sourced: a pass/fail count and the values of gmlake-replay's JSON lines.
+
+passed=0
+failed=0
+
+# result OK|FAIL message
+result() {
+	if [ "$1" = OK ]; then
+		passed=$((passed + 1))
+		echo "ok - $2"
+	else
+		failed=$((failed + 1))
+		echo "FAIL - $2"
+	fi
+}
+
+# The value of a key in a one-line JSON object (numbers, null, strings).
+value() {
+	awk -v key="$1" '{
+		pat = "\"" key "\": "
+		i = index($0, pat)
+		if (!i)
+			exit 1
+		s = substr($0, i + length(pat))
+		if (substr(s, 1, 1) == "\"") {
+			s = substr(s, 2)
+			print substr(s, 1, index(s, "\"") - 1)
+		} else {
+			match(s, /^[^,}]*/)
+			print substr(s, 1, RLENGTH)
+		}
+	}' <<<"$2"
+}
