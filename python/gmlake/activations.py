@@ -653,7 +653,8 @@ class offload_activations:
     copies saved tensors to pinned host memory on a side stream and back
     into new tensors (gmlake.copy_offload.CopyOffloader): no driver
     mapping work, which on the H200 made it 0.71-0.75x save_on_cpu's step
-    on the bench's GPT where the same-address spill took 1.5x. Then lag,
+    on the bench's GPT (0.72x over three rounds) where the same-address
+    spill took 1.5x. Then lag,
     prefetch and inplace do not apply, max_inflight defaults to 256 MiB
     and prefetch_bytes (256 MiB) bounds what backward fetches ahead.
     True moves libgmlake's blocks and brings them back at the same
