@@ -27,6 +27,13 @@
 #	With --report, bench needs no build: it reads the results in
 #	${GML_GPU_OUT:-/tmp}/bench (or those named) and runs nothing.
 #
+#   tools/gpu.sh capture [CAPTURE-ARGS...]
+#	On the GPU machine: python3 bench/capture_eco.py into
+#	${GML_GPU_OUT:-/tmp}/traces, the ecosystem workloads' allocation
+#	traces with their step lines, for tests/data and gmlake-replay
+#	(CAPTURE-ARGS go to capture_eco.py: --workloads, --expandable, ...).
+#	It needs PyTorch, not the build.
+#
 #   tools/gpu.sh run
 #	On the GPU machine, in the repository root, with build-gpu/ copied
 #	beside the sources (no compiler, libtool or Check needed there).
@@ -309,11 +316,17 @@ do_bench() {
 		--out "$out/bench" "$@"
 }
 
+do_capture() {
+	mkdir -p "$out/traces"
+	python3 bench/capture_eco.py "$out/traces" "$@"
+}
+
 mode=${1:-}
 [ $# -gt 0 ] && shift
 case $mode in
 build) do_build "$@" ;;
 run) do_run ;;
 bench) do_bench "$@" ;;
+capture) do_capture "$@" ;;
 *) usage ;;
 esac
