@@ -51,6 +51,9 @@ void gmlake_torch_memory_fraction(double fraction, int device);
 int gmlake_torch_memory_fraction_get(int device, double *fraction);
 /* Tensor.record_stream(): gmlake_record_stream() on the owning context. */
 void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream);
+/* gmlake_long_lived() on device's context (made if need be); 0 or
+ * -errno. */
+int gmlake_torch_long_lived(int device, int on);
 
 /*
  * The log level of allocation failures (enum gmlake_log_level; default

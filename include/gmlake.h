@@ -120,6 +120,13 @@ int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
 		 gmlake_stream_t stream);
 int gmlake_free(gmlake_ctx *ctx, void *ptr);
 int gmlake_record_stream(gmlake_ctx *ctx, void *ptr, gmlake_stream_t stream);
+/*
+ * Long-lived allocations (model parameters, optimizer state): while on
+ * (calls nest), a block of 32 MiB or more that would grow the device's
+ * memory takes one physical handle of its size instead of one per 2 MiB
+ * chunk. -EINVAL for off without on.
+ */
+int gmlake_long_lived(gmlake_ctx *ctx, bool on);
 /* Size the block at ptr was asked for, or -EINVAL if ptr is no block. */
 int gmlake_block_size(gmlake_ctx *ctx, const void *ptr, size_t *size);
 

@@ -8,7 +8,9 @@
  *   2. best fit among free runs of cached stitched views (no driver call),
  *   3. the free run at the end of the newest segment and new chunks
  *      mapped after it, while reserved memory stays within a small budget
- *      over the most ever requested (grow_in_budget),
+ *      over the most ever requested (grow_in_budget); or, while
+ *      gmlake_long_lived() is on and for GML_SPAN_MIN chunks or more, one
+ *      new handle for the whole block at the segment's end (span.c),
  *   4. steps 1 and 2 again over memory other streams' queued work still
  *      covers, the request's stream ordered after that work on the
  *      device (order_fit: an event wait, no driver mapping),
@@ -167,6 +169,9 @@ static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
 		ctx->st.fits++;
 	} else if (gml_best_fit(ctx, ctx->stitched, n, stream, &r)) {
 		ctx->st.stitch_reuses++;
+	} else if (ctx->long_lived && n >= GML_SPAN_MIN &&
+		   gml_span_grow(ctx, n, b) == 0) {
+		return 0;	/* b owns its span already */
 	} else if (tail_grow(ctx, n, stream, &r) == 0) {
 		/* counted in grows */
 	} else if (order_fit(ctx, n, stream, &r)) {

@@ -239,6 +239,34 @@ out_undo:
 }
 
 /*
+ * k positions more at v's end, holes (no chunk, unmapped) for a span to
+ * fill; 0, -ENOSPC past the range, or -ENOMEM without host memory.
+ */
+int gml_seg_add_holes(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
+{
+	uint32_t n = v->n;
+	struct gml_chunk **chunks;
+	uint8_t *mapped;
+
+	(void)ctx;
+	if (k > v->cap - n)
+		return -ENOSPC;
+	chunks = realloc(v->chunks, (size_t)(n + k) * sizeof(*chunks));
+	if (!chunks)
+		return gml_set_error(-ENOMEM, "no host memory to grow");
+	v->chunks = chunks;
+	mapped = realloc(v->mapped, n + k);
+	if (!mapped)
+		return gml_set_error(-ENOMEM, "no host memory to grow");
+	v->mapped = mapped;
+	memset(v->chunks + n, 0, k * sizeof(*chunks));
+	memset(v->mapped + n, 0, k);
+	v->n = n + k;
+	v->maxfree = GML_RUN_UNKNOWN;
+	return 0;
+}
+
+/*
  * k new chunks, into *got: at the end of the newest segment while its
  * range has room, else in a new segment.
  */

@@ -374,6 +374,25 @@ out_leave:
 	return ret;
 }
 
+GML_EXPORT int gmlake_long_lived(gmlake_ctx *ctx, bool on)
+{
+	int ret = 0;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_long_lived: ctx is NULL");
+	pthread_mutex_lock(&ctx->lock);	/* no driver call */
+	if (on && ctx->long_lived == UINT32_MAX)
+		ret = gml_set_error(-EOVERFLOW, "gmlake_long_lived: on %u "
+				    "times already", ctx->long_lived);
+	else if (!on && !ctx->long_lived)
+		ret = gml_set_error(-EINVAL, "gmlake_long_lived: off without "
+				    "an on before it");
+	else
+		ctx->long_lived += on ? 1 : (uint32_t)-1;
+	pthread_mutex_unlock(&ctx->lock);
+	return ret;
+}
+
 GML_EXPORT int gmlake_block_size(gmlake_ctx *ctx, const void *ptr,
 				 size_t *size)
 {

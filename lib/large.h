@@ -59,6 +59,7 @@ void gml_spare_put(gmlake_ctx *ctx, gml_handle h);
 int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h);
 
 int gml_over_device_limit(gmlake_ctx *ctx, uint32_t n);
+int gml_seg_add_holes(gmlake_ctx *ctx, struct gml_view *v, uint32_t k);
 
 /* resident.c: a position (n 0) or a freed span (n positions, handle h)
  * to unmap once the work g covers is done; 0 or -ENOMEM. */
@@ -68,6 +69,7 @@ int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 /* span.c: one handle under the run of a block that cycles */
 #define GML_SPAN_MIN 16		/* chunks: 32 MiB at the default size */
 bool gml_span_wanted(const struct gml_block *b);
+int gml_span_grow(gmlake_ctx *ctx, uint32_t n, struct gml_block *b);
 int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b);
 int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b);
 void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,

@@ -213,6 +213,49 @@ out_free:
 	return ret;
 }
 
+/*
+ * A new block of n chunks under one span, at the end of the newest
+ * segment (gmlake_long_lived): its positions are added as holes and the
+ * span mapped there, one create, map and set-access for the whole block
+ * where growth by chunks costs one of each per chunk. It cycles through
+ * spans from then on (fetches 1). 0 with b set up and owning the span,
+ * -ENOENT where the newest segment's range has no room, or -errno; with
+ * nothing held but the positions, which stay holes at the range's end.
+ */
+int gml_span_grow(gmlake_ctx *ctx, uint32_t n, struct gml_block *b)
+{
+	struct gml_view *v = gml_list_last(ctx->segs);
+	uint32_t pos;
+	int ret;
+
+	if (!v || v->cap - v->n < n)
+		return -ENOENT;
+	if (ctx->nstale)	/* freed spans whose work is done: spares */
+		gml_stale_reap(ctx, false);
+	pos = v->n;
+	ret = gml_seg_add_holes(ctx, v, n);
+	if (ret)
+		return ret;
+	b->view = v;
+	b->pos = pos;
+	b->n = n;
+	b->ptr = (uintptr_t)(v->va + (gml_va)pos * ctx->chunk);
+	b->alloc_size = (size_t)n * ctx->chunk;
+	v->live++;
+	ret = gml_span_attach(ctx, b);
+	if (ret) {
+		v->live--;
+		if (v->n == pos + n)	/* nothing came after: take them back */
+			v->n = pos;
+		v->maxfree = GML_RUN_UNKNOWN;
+		b->view = NULL;
+		return ret;
+	}
+	b->fetches = 1;
+	ctx->st.grows++;
+	return 0;
+}
+
 /* Drop the chunk structs of the span at v's position p (its first). */
 static void span_forget(struct gml_view *v, uint32_t p)
 {

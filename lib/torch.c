@@ -552,6 +552,14 @@ GML_EXPORT void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream)
 		   "libgmlake block; ignored", ptr);
 }
 
+GML_EXPORT int gmlake_torch_long_lived(int device, int on)
+{
+	gmlake_ctx *ctx;
+	int ret = get_ctx(device, true, &ctx);
+
+	return ret ? ret : gmlake_long_lived(ctx, on != 0);
+}
+
 GML_EXPORT int gmlake_torch_error(char *buf, size_t size)
 {
 	int n;

@@ -245,6 +245,8 @@ struct gmlake_ctx {
 	struct gml_span_spare *span_spares; /* unmapped spans, likewise */
 	uint32_t nspan_spares, cap_span_spares;
 	uint64_t spare_ns;		/* when spares last changed */
+	uint32_t long_lived;		/* gmlake_long_lived() calls on, less
+					   off: large growth takes spans */
 
 	struct gmlake_stats st;
 };

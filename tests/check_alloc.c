@@ -371,6 +371,106 @@ static void expect_no_driver_work(const struct gmlake_stats *s0,
 			  s0->calls[GMLAKE_CALL_mem_create]);
 }
 
+/* Driver calls of kind k between two readings. */
+static uint64_t calls_between(const struct gmlake_stats *s0,
+			      const struct gmlake_stats *s1, int k)
+{
+	return s1->calls[k] - s0->calls[k];
+}
+
+/*
+ * gmlake_long_lived: a block of 16 chunks or more that grows takes one
+ * handle (one create, map and set-access); smaller ones take chunks, free
+ * memory is still reused first, and with it off growth is by chunks
+ * again. Calls nest; off without on is refused.
+ */
+START_TEST(test_long_lived)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(128));
+	const size_t c = TH_CHUNK;
+	struct gmlake_stats s0, s1;
+	void *a, *b, *d, *e;
+
+	ck_assert_int_eq(gmlake_long_lived(ctx, false), -EINVAL);
+	ck_assert_int_eq(gmlake_long_lived(NULL, true), -EINVAL);
+	b = th_alloc_filled(ctx, 4 * c, 1, NULL);	/* the segment */
+	TH_OK(ctx, gmlake_long_lived(ctx, true));
+	TH_OK(ctx, gmlake_long_lived(ctx, true));
+	th_stats(ctx, &s0);
+	a = th_alloc_filled(ctx, 32 * c, 2, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 1);
+	ck_assert_int_eq(s1.chunks.current - s0.chunks.current, 32);
+	/* Below 16 chunks: chunks; free memory first, with no call. */
+	th_stats(ctx, &s0);
+	d = th_alloc_filled(ctx, 8 * c, 3, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 8);
+	th_free(ctx, d);
+	th_stats(ctx, &s0);
+	d = th_alloc_filled(ctx, 8 * c, 4, NULL);
+	th_stats(ctx, &s1);
+	expect_no_driver_work(&s0, &s1);
+	/* Freed, its range is holes; the next one is a span again. */
+	th_verify_free(ctx, a, 32 * c, 2, NULL);
+	th_stats(ctx, &s0);
+	a = th_alloc_filled(ctx, 32 * c, 5, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_le(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 1);
+	TH_OK(ctx, gmlake_long_lived(ctx, false));
+	TH_OK(ctx, gmlake_long_lived(ctx, false));
+	ck_assert_int_eq(gmlake_long_lived(ctx, false), -EINVAL);
+	/* Off: chunks again. */
+	th_stats(ctx, &s0);
+	e = th_alloc_filled(ctx, 32 * c, 6, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 32);
+	th_verify_free(ctx, a, 32 * c, 5, NULL);
+	th_verify_free(ctx, b, 4 * c, 1, NULL);
+	th_verify_free(ctx, d, 8 * c, 4, NULL);
+	th_verify_free(ctx, e, 32 * c, 6, NULL);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A failing call while a long-lived block is made: it takes chunks
+ * instead, and nothing leaks. _i: the call kind; nth 1 and 2. */
+START_TEST(test_long_lived_faults)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_mem_create, GMLAKE_CALL_mem_map,
+		GMLAKE_CALL_set_access, GMLAKE_CALL_mem_unmap,
+		GMLAKE_CALL_mem_release,
+	};
+
+	for (uint64_t nth = 1; nth <= 2; nth++) {
+		gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(64));
+		void *a, *b;
+
+		b = th_alloc_filled(ctx, 2 * TH_CHUNK, 1, NULL);
+		TH_OK(ctx, gmlake_long_lived(ctx, true));
+		gml_dev_fail_nth(th_dev(ctx), calls[_i], nth,
+				 calls[_i] == GMLAKE_CALL_mem_create ? ENOMEM :
+								       EIO);
+		a = NULL;
+		if (gmlake_alloc(ctx, &a, 32 * TH_CHUNK, NULL))
+			a = NULL;
+		gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+		th_check(ctx);
+		if (!a)
+			a = th_alloc(ctx, 32 * TH_CHUNK, NULL);
+		th_fill_ok(ctx, a, 32 * TH_CHUNK, 2, NULL);
+		TH_OK(ctx, gmlake_long_lived(ctx, false));
+		th_verify_free(ctx, a, 32 * TH_CHUNK, 2, NULL);
+		th_verify_free(ctx, b, 2 * TH_CHUNK, 1, NULL);
+		th_destroy(ctx);
+	}
+}
+END_TEST
+
 START_TEST(test_first_fit)
 {
 	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
@@ -1600,6 +1700,8 @@ static Suite *alloc_suite(bool emu)
 
 	tc = th_tcase(s, "Fit");
 	tcase_add_test(tc, test_first_fit);
+	tcase_add_test(tc, test_long_lived);
+	tcase_add_loop_test(tc, test_long_lived_faults, 0, 5);
 	tcase_add_test(tc, test_top_fit);
 	tcase_add_test(tc, test_split_coalesce);
 	tcase_add_test(tc, test_rounding);

@@ -102,6 +102,7 @@ everything else about it is left alone.
 """
 
 import collections
+import contextlib
 import errno
 import itertools
 import threading
@@ -383,7 +384,8 @@ class OptimizerOffloader(Mover):
         for i in range(len(buckets)):
             self._throttle()
             self._resident(i)
-            out = self._step_bucket(buckets[i], kwargs)
+            with self._long_lived(buckets[i]):
+                out = self._step_bucket(buckets[i], kwargs)
             self._collect(i, buckets[i])
             keep = self._park(i, keep)
             self._flush()
@@ -395,13 +397,37 @@ class OptimizerOffloader(Mover):
         first)."""
         for i in range(len(buckets)):
             self._resident(i, ahead=False)
-        out = self._step_fn(**kwargs)
+        with self._long_lived([g for b in buckets for g in b]):
+            out = self._step_fn(**kwargs)
         for i in range(len(buckets)):
             self._collect(i, buckets[i])
             keep = self._park(i, keep)
         self._flush()
         self.stats["whole_steps"] += 1
         return out
+
+    @contextlib.contextmanager
+    def _long_lived(self, bucket):
+        """While the optimizer's step makes state for bucket's parameters
+        (its first step for them), libgmlake's long-lived mode on their
+        devices: that state lives as long as the optimizer, and a large
+        tensor of it then costs one handle, not one per 2 MiB chunk
+        (gmlake_long_lived(3))."""
+        state = self.opt.state
+        devices = sorted({p.device.index or 0 for params in bucket
+                          for p in params if p not in state and
+                          getattr(p.device, "type", None) == "cuda"})
+        lib = self._lib() if devices else None
+        on = []
+        try:
+            for d in devices:
+                if lib.gmlake_torch_long_lived(d, 1) == 0:
+                    on.append(d)
+            self.stats["long_lived_steps"] += bool(on)
+            yield
+        finally:
+            for d in on:
+                lib.gmlake_torch_long_lived(d, 0)
 
     def _step_bucket(self, bucket, kwargs):
         """The optimizer's own step on the bucket's parameters: each

@@ -253,6 +253,35 @@ def dump_snapshot(filename="dump_snapshot.pickle", library=None):
     _snapshot.dump_snapshot(filename, library=library or enabled())
 
 
+@contextlib.contextmanager
+def long_lived(device=None, library=None):
+    """Large tensors made inside take one physical handle each instead of
+    one per 2 MiB chunk (gmlake_long_lived(3)): for what lives as long as
+    the model, such as parameters as they load or the optimizer's state as
+    its first step makes it. Nests. device: a CUDA device index (default:
+    the current device). A no-op where libgmlake is not PyTorch's
+    allocator."""
+    path = library or _lib.enabled_library()
+    if path is None:
+        yield
+        return
+    _, lib = _lib.load(path)
+    if device is None:
+        import torch
+        device = torch.cuda.current_device()
+    rc = lib.gmlake_torch_long_lived(int(device), 1)
+    if rc < 0:
+        raise RuntimeError("gmlake_torch_long_lived: %s" %
+                           _lib.last_error(lib))
+    try:
+        yield
+    finally:
+        if lib.gmlake_torch_long_lived(int(device), 0) < 0:
+            warnings.warn("gmlake.torch.long_lived: turning it off "
+                          "failed: %s" % _lib.last_error(lib),
+                          RuntimeWarning, stacklevel=3)
+
+
 def last_error(library=None):
     """(failures so far, message of the last) of libgmlake's entry points."""
     _, lib = _lib.load(library or _lib.enabled_library())

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import gmlake  # noqa: E402
 import gmlake.torch  # noqa: E402
-from gmlake import _lib, _stats, offload, optimizer  # noqa: E402
+from gmlake import _fields, _lib, _stats, offload, optimizer  # noqa: E402
 from test_offload import EmuCase, FakeStorage, FakeTensor  # noqa: E402
 
 MiB = 1 << 20
@@ -67,6 +67,7 @@ class FakeAdam:
         self.calls = []         # [(group lr, [param names])] per step call
         self.seed = 0
         self.pressure = 0       # bytes the next call allocates mid-step
+        self.state_bytes = STATE
 
     def step(self, closure=None):
         self.calls.append([(g["lr"], [p.name for p in g["params"]])
@@ -76,15 +77,15 @@ class FakeAdam:
                 st = self.state.get(p)
                 self.seed += 1
                 if st is None:
-                    self.state[p] = {"exp_avg": self.case.tensor(STATE,
-                                                                 self.seed),
+                    self.state[p] = {"exp_avg": self.case.tensor(
+                                         self.state_bytes, self.seed),
                                      "step": FakeTensor(FakeStorage(1, 4),
                                                         DEVICE)}
                     continue
                 t = st["exp_avg"]
                 self.case.intact(t)
-                t.digest = self.case.fill(self.case.ctx, t.ptr, STATE,
-                                          self.seed)
+                t.digest = self.case.fill(self.case.ctx, t.ptr,
+                                          self.state_bytes, self.seed)
         if self.pressure:       # a temporary of the step itself
             self.case.squeeze(self.pressure)
             self.pressure = 0
@@ -147,7 +148,8 @@ class TestOptimizer(EmuCase):
 
     def intact(self, t):
         self.assertEqual(self.where(t), offload.RESIDENT)
-        self.assertEqual(self.digest(self.ctx, t.ptr, STATE), t.digest)
+        self.assertEqual(self.digest(self.ctx, t.ptr,
+                                     t.untyped_storage().nbytes()), t.digest)
 
     def resident(self):
         return _stats.raw_stats(DEVICE, self.path).resident_bytes.current
@@ -206,6 +208,30 @@ class TestOptimizer(EmuCase):
             self.assertEqual(self.states(opt), [offload.SPILLED] * 5)
         self.assertEqual(off.stats["fetches"] + off.stats["prefetches"], 15)
         self.assertGreater(off.stats["prefetches"], 0)  # ahead in the step
+
+    def test_first_step_state_in_one_handle_each(self):
+        """The state the first step makes is long-lived: a large tensor
+        of it is one handle (one map), not one per chunk; the steps after
+        make none and leave the mode off."""
+        opt, off, params = self.offloaded(nparams=1, keep_bytes=1 << 40)
+        opt.state_bytes = 32 * MiB
+        self.lib.gmlake_torch_empty_cache()     # nothing cached to reuse
+        self.tensor(2 * MiB, 1)     # a segment, as the model's would be
+        maps = _fields.CALLS.index("mem_map")
+        before = _stats.raw_stats(DEVICE, self.path).calls[maps]
+        opt.step()
+        after = _stats.raw_stats(DEVICE, self.path).calls[maps]
+        self.assertEqual(after - before, 1)
+        self.assertEqual(off.stats["long_lived_steps"], 1)
+        opt.step()
+        self.assertEqual(off.stats["long_lived_steps"], 1)
+        self.assertEqual(self.states(opt), [offload.RESIDENT])
+        # The mode is off again: a large block grows by chunks.
+        p = self.lib.gmlake_torch_alloc(32 * MiB, DEVICE, None)
+        self.assertTrue(p, gmlake._lib.last_error(self.lib))
+        self.blocks.append((p, 32 * MiB))
+        self.assertGreater(
+            _stats.raw_stats(DEVICE, self.path).calls[maps] - after, 1)
 
     def test_groups_cut_per_bucket(self):
         opt, off, params = self.offloaded(nparams=4, groups=2,

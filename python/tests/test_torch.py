@@ -404,7 +404,8 @@ class TestEmuTorch(unittest.TestCase):
         return ctx
 
     def fill(self, p, size, byte):
-        buf = (ctypes.c_uint8 * size)(*([byte] * size))
+        buf = (ctypes.c_uint8 * size)()
+        ctypes.memset(buf, byte, size)
         self.assertEqual(self.lib.gmlake_memcpy_htod(self.ctx(), p, buf,
                                                      size, None), 0)
 
@@ -413,6 +414,41 @@ class TestEmuTorch(unittest.TestCase):
         self.assertEqual(self.lib.gmlake_memcpy_dtoh(self.ctx(), buf, p,
                                                      size, None), 0)
         return bytes(buf)
+
+    def test_long_lived(self):
+        """gmlake.torch.long_lived(): inside, a large block that grows is
+        one handle (one map); it nests; outside, chunks again; off
+        without on is refused."""
+        MiB = 1 << 20
+        maps = _fields.CALLS.index("mem_map")
+
+        def mapped(size):
+            before = _stats.raw_stats(self.DEVICE, self.path).calls[maps]
+            p = self.alloc(size)
+            self.fill(p, size, 7)
+            n = _stats.raw_stats(self.DEVICE, self.path).calls[maps] - before
+            self.assertEqual(self.read(p, size)[-3:], b"\x07" * 3)
+            self.free(p)
+            return n
+        self.lib.gmlake_torch_empty_cache()
+        keep = self.alloc(2 * MiB)      # a segment to grow
+        got = []
+        try:
+            with gmlake.torch.long_lived(self.DEVICE, self.path):
+                with gmlake.torch.long_lived(self.DEVICE, self.path):
+                    got.append(mapped(32 * MiB))
+                got.append(mapped(32 * MiB))
+            got.append(mapped(32 * MiB))
+        finally:
+            self.free(keep)
+        self.assertEqual(got[:2], [1, 1])
+        self.assertGreater(got[2], 1)
+        self.assertLess(self.lib.gmlake_torch_long_lived(self.DEVICE, 0), 0)
+        self.assertIn("off without", _lib.last_error(self.lib))
+        # Without libgmlake as PyTorch's allocator it does nothing.
+        with mock.patch.object(_lib, "enabled_library", return_value=None):
+            with gmlake.torch.long_lived(self.DEVICE):
+                pass
 
     def test_torch_stats_match_gmlake(self):
         before = gmlake.torch.memory_stats(self.DEVICE, self.path)
