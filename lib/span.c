@@ -224,14 +224,17 @@ out_free:
  */
 int gml_span_grow(gmlake_ctx *ctx, uint32_t n, struct gml_block *b)
 {
-	struct gml_view *v = gml_list_last(ctx->segs);
+	struct gml_view *v;
 	uint32_t pos;
 	int ret;
 
+	/* Freed spans whose work is done become spares first (a segment
+	 * this empties goes, so the newest is found after). */
+	if (ctx->nstale)
+		gml_stale_reap(ctx, false);
+	v = gml_list_last(ctx->segs);
 	if (!v || v->cap - v->n < n)
 		return -ENOENT;
-	if (ctx->nstale)	/* freed spans whose work is done: spares */
-		gml_stale_reap(ctx, false);
 	pos = v->n;
 	ret = gml_seg_add_holes(ctx, v, n);
 	if (ret)
