@@ -49,6 +49,10 @@ state (AdamW's moments) on the host between steps: the step runs in
 buckets, each fetching its state back to the same addresses, stepping on
 the GPU as before and spilling it again; the state comes back ahead of
 the step, during the last backward before it.
+
+long_lived() is a context manager inside which each large tensor that
+makes libgmlake grow takes one physical handle instead of one per 2 MiB
+chunk (gmlake_long_lived(3)): for parameters as they load.
 """
 
 import contextlib
