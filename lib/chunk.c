@@ -195,17 +195,14 @@ static void seg_extend_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 }
 
 /* k new chunks at the end of segment v, inside its reserved range. */
-int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
+/* Room for k positions more after v's n, empty (no chunk, unmapped);
+ * v->n unchanged. 0 or -ENOMEM. */
+static int seg_positions(struct gml_view *v, uint32_t k)
 {
-	uint32_t n = v->n, i;
+	uint32_t n = v->n;
 	struct gml_chunk **chunks;
 	uint8_t *mapped;
-	int ret;
 
-	if (k > v->cap - n)
-		return -ENOSPC;
-	if (k > ctx->nspares && gml_over_device_limit(ctx, k - ctx->nspares))
-		return -ENOMEM;
 	chunks = realloc(v->chunks, (size_t)(n + k) * sizeof(*chunks));
 	if (!chunks)
 		return gml_set_error(-ENOMEM, "no host memory to grow");
@@ -216,6 +213,21 @@ int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
 	v->mapped = mapped;
 	memset(v->chunks + n, 0, k * sizeof(*chunks));
 	memset(v->mapped + n, 0, k);
+	return 0;
+}
+
+int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
+{
+	uint32_t n = v->n, i;
+	int ret;
+
+	if (k > v->cap - n)
+		return -ENOSPC;
+	if (k > ctx->nspares && gml_over_device_limit(ctx, k - ctx->nspares))
+		return -ENOMEM;
+	ret = seg_positions(v, k);
+	if (ret)
+		return ret;
 	for (i = n; i < n + k; i++) {
 		ret = seg_chunk_new(ctx, v, i);
 		if (ret)
@@ -242,26 +254,16 @@ out_undo:
  * k positions more at v's end, holes (no chunk, unmapped) for a span to
  * fill; 0, -ENOSPC past the range, or -ENOMEM without host memory.
  */
-int gml_seg_add_holes(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
+int gml_seg_add_holes(struct gml_view *v, uint32_t k)
 {
-	uint32_t n = v->n;
-	struct gml_chunk **chunks;
-	uint8_t *mapped;
+	int ret;
 
-	(void)ctx;
-	if (k > v->cap - n)
+	if (k > v->cap - v->n)
 		return -ENOSPC;
-	chunks = realloc(v->chunks, (size_t)(n + k) * sizeof(*chunks));
-	if (!chunks)
-		return gml_set_error(-ENOMEM, "no host memory to grow");
-	v->chunks = chunks;
-	mapped = realloc(v->mapped, n + k);
-	if (!mapped)
-		return gml_set_error(-ENOMEM, "no host memory to grow");
-	v->mapped = mapped;
-	memset(v->chunks + n, 0, k * sizeof(*chunks));
-	memset(v->mapped + n, 0, k);
-	v->n = n + k;
+	ret = seg_positions(v, k);
+	if (ret)
+		return ret;
+	v->n += k;
 	v->maxfree = GML_RUN_UNKNOWN;
 	return 0;
 }

@@ -59,7 +59,7 @@ void gml_spare_put(gmlake_ctx *ctx, gml_handle h);
 int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h);
 
 int gml_over_device_limit(gmlake_ctx *ctx, uint32_t n);
-int gml_seg_add_holes(gmlake_ctx *ctx, struct gml_view *v, uint32_t k);
+int gml_seg_add_holes(struct gml_view *v, uint32_t k);
 
 /* resident.c: a position (n 0) or a freed span (n positions, handle h)
  * to unmap once the work g covers is done; 0 or -ENOMEM. */

@@ -236,7 +236,7 @@ int gml_span_grow(gmlake_ctx *ctx, uint32_t n, struct gml_block *b)
 	if (!v || v->cap - v->n < n)
 		return -ENOENT;
 	pos = v->n;
-	ret = gml_seg_add_holes(ctx, v, n);
+	ret = gml_seg_add_holes(v, n);
 	if (ret)
 		return ret;
 	b->view = v;
