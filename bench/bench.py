@@ -60,7 +60,8 @@ the step); BENCH_PROBE=1 makes gpt_offload under the same-address
 offloader record its records at backward's largest resident_bytes
 (results.json, offload.probe); BENCH_OFFLOAD='{"budget": 1073741824}'
 gives gpt_offload's and llama_offload's offload_activations() those
-options ('{"same_address": true, "lag": 2}': the same-address one); BENCH_CHILD_TIMEOUT (seconds a child may run; default from its
+options ('{"same_address": true, "lag": 2}': the same-address one);
+BENCH_CHILD_TIMEOUT (seconds a child may run; default from its
 workloads, child_timeout()); a child still running after BENCH_DUMP_AFTER
 seconds (default: 20 s before its timeout) prints every thread's Python
 stack there; BENCH_COMPILE_CACHE (torch.compile's cache folder, warmed

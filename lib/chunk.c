@@ -194,7 +194,6 @@ static void seg_extend_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 	}
 }
 
-/* k new chunks at the end of segment v, inside its reserved range. */
 /* Room for k positions more after v's n, empty (no chunk, unmapped);
  * v->n unchanged. 0 or -ENOMEM. */
 static int seg_positions(struct gml_view *v, uint32_t k)
@@ -216,6 +215,7 @@ static int seg_positions(struct gml_view *v, uint32_t k)
 	return 0;
 }
 
+/* k new chunks at the end of segment v, inside its reserved range. */
 int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
 {
 	uint32_t n = v->n, i;

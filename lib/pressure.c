@@ -91,7 +91,7 @@ uint32_t gml_release_free_chunks(gmlake_ctx *ctx, uint32_t want)
 			for (uint32_t i = v->n; i-- > 0 && got < want;) {
 				struct gml_chunk *c = v->chunks[i];
 
-				if (!gml_chunk_releasable(c) || c->spanned ||
+				if (!gml_chunk_releasable(c) ||
 				    (!pass && c->nviews) ||
 				    !gml_guard_ready(ctx, &c->guard, -1))
 					continue;

@@ -110,6 +110,15 @@ void gml_span_spares_fini(gmlake_ctx *ctx)
 	ctx->nspan_spares = ctx->cap_span_spares = 0;
 }
 
+/* A new handle of n chunks, within the device limit. */
+static int span_create(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
+{
+	int ret = gml_over_device_limit(ctx, n);
+
+	return ret ? ret : gml_dev_mem_create(&ctx->dev,
+					      (size_t)n * ctx->chunk, h);
+}
+
 /* A handle of n chunks: a spare span of that size, or a new one. */
 static int span_get(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
 {
@@ -123,25 +132,17 @@ static int span_get(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
 			ctx->spare_ns = gml_now_ns();
 			return 0;
 		}
-	ret = gml_over_device_limit(ctx, n);
-	if (!ret)
-		ret = gml_dev_mem_create(&ctx->dev, (size_t)n * ctx->chunk, h);
+	ret = span_create(ctx, n, h);
 	if (ret == -ENOMEM && (ctx->nspares || ctx->nspan_spares)) {
 		/* Spare chunks of other sizes hold the room: give them back. */
 		gml_spares_release(ctx);
-		ret = gml_over_device_limit(ctx, n);
-		if (!ret)
-			ret = gml_dev_mem_create(&ctx->dev,
-						 (size_t)n * ctx->chunk, h);
+		ret = span_create(ctx, n, h);
 	}
 	if (ret == -ENOMEM && gml_release_free_chunks(ctx, n) == n) {
 		/* The room sat in the chunk cache: n free chunks went back,
 		 * since moving them into the run would cost a map and an
 		 * access each, at every fetch, where the span costs one. */
-		ret = gml_over_device_limit(ctx, n);
-		if (!ret)
-			ret = gml_dev_mem_create(&ctx->dev,
-						 (size_t)n * ctx->chunk, h);
+		ret = span_create(ctx, n, h);
 	}
 	if (ret)
 		return ret;

@@ -1007,6 +1007,13 @@ static double frag(double used, double reserved)
 	return reserved > 0 ? 100.0 * (1.0 - used / reserved) : NAN;
 }
 
+/* Chunks a window's set-access calls covered. */
+static double access_chunks(const struct replay *r, const struct window *w)
+{
+	return (double)w->access_bytes /
+	       (double)(r->end.chunk_size ? r->end.chunk_size : PRICE_CHUNK);
+}
+
 /*
  * Driver time of the priced window at H200 prices, in microseconds. Each
  * call costs the same whatever the chunk size (bench/vmm_probe.c measured
@@ -1015,9 +1022,7 @@ static double frag(double used, double reserved)
  */
 static double price_us(const struct replay *r, const struct window *w)
 {
-	double handles = (double)w->access_bytes /
-			 (double)(r->end.chunk_size ? r->end.chunk_size :
-						     PRICE_CHUNK);
+	double handles = access_chunks(r, w);
 
 	return (double)w->calls[GMLAKE_CALL_mem_create] * COST_CREATE_US +
 	       (double)w->calls[GMLAKE_CALL_mem_map] * COST_MAP_US +
@@ -1229,9 +1234,6 @@ static void print_steps(const struct replay *r)
 {
 	for (size_t i = 0; i < r->nsteps_w; i++) {
 		const struct window *w = &r->steps_w[i];
-		double handles = (double)w->access_bytes /
-				 (double)(r->end.chunk_size ? r->end.chunk_size :
-							     PRICE_CHUNK);
 
 		printf("  step %-4zu %-8s drv_ms %8.1f creates %6" PRIu64
 		       " maps %6" PRIu64 " access %6.0f unmaps %6" PRIu64
@@ -1239,7 +1241,7 @@ static void print_steps(const struct replay *r)
 		       r->steps_settle[i] ? "settling" : "steady",
 		       price_us(r, w) / 1e3,
 		       w->calls[GMLAKE_CALL_mem_create],
-		       w->calls[GMLAKE_CALL_mem_map], handles,
+		       w->calls[GMLAKE_CALL_mem_map], access_chunks(r, w),
 		       w->calls[GMLAKE_CALL_mem_unmap],
 		       w->calls[GMLAKE_CALL_mem_release], w->stitches);
 	}

@@ -654,9 +654,9 @@ class offload_activations:
     into new tensors (gmlake.copy_offload.CopyOffloader): no driver
     mapping work, which on the H200 made it 0.71-0.75x save_on_cpu's step
     on the bench's GPT (0.72x over three rounds) where the same-address
-    spill took 1.5x. Then lag,
-    prefetch and inplace do not apply, max_inflight defaults to 256 MiB
-    and prefetch_bytes (256 MiB) bounds what backward fetches ahead.
+    spill took 1.5x. Then lag, prefetch and inplace do not apply,
+    max_inflight defaults to 256 MiB and prefetch_bytes (256 MiB) bounds
+    what backward fetches ahead.
     True moves libgmlake's blocks and brings them back at the same
     address (the options above; it needs gmlake.torch.enable(),
     libgmlake as PyTorch's allocator).

@@ -45,7 +45,8 @@ does, without its stalls:
   bus.
 
 Tensors that stay as they are: not dense or not on a CUDA device,
-smaller than min_bytes, or leaves (parameters, inputs, buffers, and views of them)
+smaller than min_bytes, or leaves (parameters, inputs, buffers, and
+views of them)
 unless leaves=True. The host copy is contiguous, so a strided tensor
 comes back contiguous, as with save_on_cpu.
 
