@@ -112,7 +112,8 @@ struct gmlake_stats {
 	uint64_t access_bytes;			/* bytes covered by set_access */
 	int32_t offload_engine;			/* enum gmlake_offload_engine */
 	int32_t pad0;
-	uint64_t reserved[32];
+	uint64_t access_handles;		/* handles covered by set_access */
+	uint64_t reserved[31];
 };
 
 struct gmlake_ctx;

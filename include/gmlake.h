@@ -79,7 +79,10 @@ struct gmlake_config {
 	size_t top_fit;			/* requests of at least this many
 					   bytes take the highest free run,
 					   its top end; 0 (default): off */
-	uint64_t reserved[5];
+	size_t grow_handle;		/* a segment grows for a block in
+					   handles of this size; 20 MiB, 0
+					   or chunk_size: by chunks */
+	uint64_t reserved[4];
 };
 
 int gmlake_config_init(struct gmlake_config *cfg);

@@ -7,8 +7,9 @@
  *      lowest position (split; no driver call),
  *   2. best fit among free runs of cached stitched views (no driver call),
  *   3. the free run at the end of the newest segment and new chunks
- *      mapped after it, while reserved memory stays within a small budget
- *      over the most ever requested (grow_in_budget); or, while
+ *      mapped after it, in growth handles of several chunks (slab.c),
+ *      while reserved memory stays within a small budget over the most
+ *      ever requested (grow_in_budget); or, while
  *      gmlake_long_lived() is on and for GML_SPAN_MIN chunks or more, one
  *      new handle for the whole block at the segment's end (span.c),
  *   4. steps 1 and 2 again over memory other streams' queued work still
@@ -102,7 +103,7 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 {
 	struct gml_view *v = gml_list_last(ctx->segs);
-	uint32_t len = 0, k;
+	uint32_t len = 0, k, g = gml_slab_chunks(ctx), extra;
 
 	if (!v)
 		return -ENOENT;
@@ -116,9 +117,17 @@ static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 	k = n - len;
 	if (!k || k > v->cap - v->n || !grow_in_budget(ctx, n, k))
 		return -ENOENT;
-	if (gml_seg_extend(ctx, v, k))
+	/* A block of a growth handle or more grows by whole handles where
+	 * the budget allows: the rest stays free at the top, where the next
+	 * growth starts. (Rounding small blocks up too left more slabs
+	 * partly used, which no stitch can take, on the replayed traces.) */
+	extra = g && n >= g ? (g - k % g) % g : 0;
+	if (extra && (extra > v->cap - v->n - k ||
+		      !grow_in_budget(ctx, n, k + extra)))
+		extra = 0;
+	if (gml_seg_extend(ctx, v, k + extra, true))
 		return -ENOENT;
-	*got = (struct run){ v, v->n - n, n };
+	*got = (struct run){ v, v->n - extra - n, n };
 	return 0;
 }
 

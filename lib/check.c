@@ -143,6 +143,26 @@ static int check_stale(gmlake_ctx *ctx, struct tally *t)
 	return 0;
 }
 
+/* A slab's positions, in its segment or a stitched view: one handle,
+ * consecutive and in order, mapped. */
+static int check_slab(const struct gml_view *v, uint32_t i)
+{
+	const struct gml_chunk *c = v->chunks[i], *first;
+
+	first = c->slab_off <= i ? v->chunks[i - c->slab_off] : NULL;
+	if (c->slab_off >= c->slab_len || !first || first->slab_off ||
+	    first->slab_len != c->slab_len || first->handle != c->handle ||
+	    i - c->slab_off + c->slab_len > v->n)
+		return gml_set_error(-EFAULT, "view %#llx: position %u "
+				     "is not in a whole slab",
+				     (unsigned long long)v->va, i);
+	if (!v->mapped[i] || c->spanned)
+		return gml_set_error(-EFAULT, "view %#llx: slab position %u "
+				     "unmapped or spanned",
+				     (unsigned long long)v->va, i);
+	return 0;
+}
+
 static int check_views(gmlake_ctx *ctx, struct gml_view *list, bool cached,
 		       struct tally *t)
 {
@@ -173,6 +193,8 @@ static int check_views(gmlake_ctx *ctx, struct gml_view *list, bool cached,
 						     "%u", (unsigned long long)
 						     v->va, i);
 			if (c && !v->stitched) {
+				if (c->slab_len && check_slab(v, i))
+					return -EFAULT;
 				t->chunks++;
 				continue;
 			}
@@ -181,6 +203,8 @@ static int check_views(gmlake_ctx *ctx, struct gml_view *list, bool cached,
 				t->owned += c->owner != NULL;
 				continue;
 			}
+			if (c && c->slab_len && check_slab(v, i))
+				return -EFAULT;
 			if (c && !gml_chunk_in_view(c, v))
 				return gml_set_error(-EFAULT, "chunk does not "
 						     "know stitched view %#llx",

@@ -140,12 +140,14 @@ static int seg_chunk_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t i)
 }
 
 /*
- * A new segment of n new chunks. Its range reserves room for the whole
- * device, so that it can grow at its end (seg_extend) the way PyTorch's
- * expandable segments do: free runs then stay contiguous across growths
- * instead of ending at the edge of each shortfall-sized segment.
+ * A new segment of n new chunks (slabs: in growth handles where it can).
+ * Its range reserves room for the whole device, so that it can grow at
+ * its end (seg_extend) the way PyTorch's expandable segments do: free runs
+ * then stay contiguous across growths instead of ending at the edge of
+ * each shortfall-sized segment.
  */
-static int seg_create(gmlake_ctx *ctx, uint32_t n, struct gml_view **out)
+static int seg_create(gmlake_ctx *ctx, uint32_t n, bool slabs,
+		      struct gml_view **out)
 {
 	uint64_t room = ctx->dev_total >> ctx->chunk_shift;
 	struct gml_view *v;
@@ -158,21 +160,18 @@ static int seg_create(gmlake_ctx *ctx, uint32_t n, struct gml_view **out)
 		return gml_set_error(-ENOMEM, "no host memory for a segment");
 	if (room > n && room < UINT32_MAX / 2)
 		v->cap = (uint32_t)room;
-	for (uint32_t i = 0; i < n; i++) {
-		ret = seg_chunk_new(ctx, v, i);
-		if (ret)
-			goto out_discard;
+	ret = gml_view_reserve(ctx, v);
+	if (!ret) {
+		v->n = 0;	/* the positions come with the growth */
+		ret = gml_seg_extend(ctx, v, n, slabs);
 	}
-	ret = gml_view_map(ctx, v);
-	if (ret)
-		goto out_discard;
+	if (ret) {
+		gml_view_discard(ctx, v);
+		return ret;
+	}
 	gml_list_append(&ctx->segs, v);
-	ctx->st.grows++;
 	*out = v;
 	return 0;
-out_discard:
-	gml_view_discard(ctx, v);
-	return ret;
 }
 
 /* Undo a failed seg_extend of v from position n on: v keeps n. */
@@ -182,6 +181,19 @@ static void seg_extend_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 	for (uint32_t i = n; i < n + k; i++) {
 		struct gml_chunk *c = v->chunks[i];
 
+		if (c && c->slab_len) {
+			uint32_t len = c->slab_len;
+
+			/* Still mapped: the slab stays, free, without
+			 * access; trim gives it back. */
+			if (gml_slab_drop(ctx, v, i)) {
+				gml_log(GMLAKE_LOG_ERROR, "cannot unmap a slab "
+					"after a failed growth");
+				v->n = i + len;
+			}
+			i += len - 1;
+			continue;
+		}
 		/* A position the driver will not unmap stays mapped with
 		 * no chunk, as after a failed release: trim tries again. */
 		if (v->mapped[i] && gml_view_unmap_run(ctx, v, i, 1))
@@ -215,10 +227,16 @@ static int seg_positions(struct gml_view *v, uint32_t k)
 	return 0;
 }
 
-/* k new chunks at the end of segment v, inside its reserved range. */
-int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
+/*
+ * k new chunks at the end of segment v, inside its reserved range; with
+ * slabs, in growth handles of gml_slab_chunks() where k leaves room for
+ * one, then single chunks. One set-access for all of them.
+ */
+int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,
+		   bool slabs)
 {
-	uint32_t n = v->n, i;
+	uint32_t n = v->n, g = slabs ? gml_slab_chunks(ctx) : 0, i;
+	uint64_t handles = 0;
 	int ret;
 
 	if (k > v->cap - n)
@@ -228,19 +246,27 @@ int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k)
 	ret = seg_positions(v, k);
 	if (ret)
 		return ret;
-	for (i = n; i < n + k; i++) {
+	for (i = n; i < n + k; handles++) {
+		if (g && n + k - i >= g) {
+			ret = gml_slab_new(ctx, v, i);
+			if (ret)
+				goto out_undo;
+			i += g;
+			continue;
+		}
 		ret = seg_chunk_new(ctx, v, i);
 		if (ret)
 			goto out_undo;
 		ret = gml_view_map_pos(ctx, v, i, v->chunks[i]->handle);
 		if (ret)
 			goto out_undo;
+		i++;
 	}
 	ret = gml_dev_set_access(&ctx->dev, v->va + (gml_va)n * ctx->chunk,
 			     (size_t)k * ctx->chunk);
 	if (ret)
 		goto out_undo;
-	ctx->st.access_bytes += (size_t)k * ctx->chunk;
+	gml_count_access(ctx, (size_t)k * ctx->chunk, handles);
 	v->n = n + k;
 	v->maxfree = GML_RUN_UNKNOWN;
 	ctx->st.grows++;
@@ -270,9 +296,9 @@ int gml_seg_add_holes(struct gml_view *v, uint32_t k)
 
 /*
  * k new chunks, into *got: at the end of the newest segment while its
- * range has room, else in a new segment.
+ * range has room, else in a new segment; slabs as for gml_seg_extend.
  */
-int gml_grow(gmlake_ctx *ctx, uint32_t k, struct run *got)
+int gml_grow(gmlake_ctx *ctx, uint32_t k, bool slabs, struct run *got)
 {
 	struct gml_view *v = gml_list_last(ctx->segs);
 	uint32_t n;
@@ -280,25 +306,31 @@ int gml_grow(gmlake_ctx *ctx, uint32_t k, struct run *got)
 
 	if (v && v->cap - v->n >= k) {
 		n = v->n;
-		ret = gml_seg_extend(ctx, v, k);
+		ret = gml_seg_extend(ctx, v, k, slabs);
 		if (ret != -ENOSPC) {
 			if (!ret)
 				*got = (struct run){ v, n, k };
 			return ret;
 		}
 	}
-	ret = seg_create(ctx, k, &v);
+	ret = seg_create(ctx, k, slabs, &v);
 	if (!ret)
 		*got = (struct run){ v, 0, k };
 	return ret;
 }
 
-/* Give a segment's free chunk back to the driver. */
+/*
+ * Give a segment's free chunk back to the driver; a slab's goes with the
+ * rest of its slab, once all of it is free. The number of chunks that
+ * went, or -errno (-EBUSY: the slab is not all free).
+ */
 int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 {
 	struct gml_chunk *c = seg->chunks[i];
 	int ret;
 
+	if (c->slab_len)
+		return gml_slab_release(ctx, seg, i);
 	while (c->nviews) {
 		ret = gml_view_evict(ctx, c->views[0], true);
 		if (ret)
@@ -317,7 +349,7 @@ int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
 	ctx->st.releases++;
 	gml_view_unmap_run(ctx, seg, i, 1);	/* else trim tries again */
-	return 0;
+	return 1;
 }
 
 bool gml_chunk_releasable(const struct gml_chunk *c)

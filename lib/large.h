@@ -29,8 +29,13 @@ void gml_del_view_ref(struct gml_chunk *c, struct gml_view *v);
 struct gml_view *gml_view_new(uint32_t n, bool stitched);
 void gml_count_mapping(gmlake_ctx *ctx, int64_t positions);
 int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v);
+uint32_t gml_mapping_len(const struct gml_view *v, uint32_t p);
+int gml_view_map_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		     uint32_t n, gml_handle h);
 int gml_view_map_pos(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 		     gml_handle h);
+void gml_count_access(gmlake_ctx *ctx, size_t bytes, uint64_t handles);
+int gml_view_reserve(gmlake_ctx *ctx, struct gml_view *v);
 int gml_view_unmap_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 		       uint32_t n);
 int gml_view_map(gmlake_ctx *ctx, struct gml_view *v);
@@ -49,9 +54,10 @@ bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
 bool gml_best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
 		  int stream, struct run *best);
 
-/* chunk.c */
-int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k);
-int gml_grow(gmlake_ctx *ctx, uint32_t k, struct run *got);
+/* chunk.c; slabs: growth in handles of ctx->slab chunks for a block */
+int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,
+		   bool slabs);
+int gml_grow(gmlake_ctx *ctx, uint32_t k, bool slabs, struct run *got);
 int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i);
 bool gml_chunk_releasable(const struct gml_chunk *c);
 void gml_chunk_handle_release(gmlake_ctx *ctx, gml_handle h);
@@ -60,6 +66,14 @@ int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h);
 
 int gml_over_device_limit(gmlake_ctx *ctx, uint32_t n);
 int gml_seg_add_holes(struct gml_view *v, uint32_t k);
+
+/* slab.c: one handle under several positions of a segment */
+uint32_t gml_slab_chunks(const gmlake_ctx *ctx);
+bool gml_chunk_single(const struct gml_chunk *c);
+int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);
+int gml_slab_drop(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);
+bool gml_slab_done(gmlake_ctx *ctx, const struct gml_view *v, uint32_t i);
+int gml_slab_release(gmlake_ctx *ctx, struct gml_view *v, uint32_t i);
 
 /* resident.c: a position (n 0) or a freed span (n positions, handle h)
  * to unmap once the work g covers is done; 0 or -ENOMEM. */

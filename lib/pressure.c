@@ -64,7 +64,7 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 			if (!gml_chunk_releasable(v->chunks[i]))
 				continue;
 			err = gml_chunk_release(ctx, v, i);
-			if (err && !ret)
+			if (err < 0 && err != -EBUSY && !ret)
 				ret = err;
 		}
 		gml_seg_drop_if_empty(ctx, v);
@@ -90,13 +90,16 @@ uint32_t gml_release_free_chunks(gmlake_ctx *ctx, uint32_t want)
 			prev = v->prev;
 			for (uint32_t i = v->n; i-- > 0 && got < want;) {
 				struct gml_chunk *c = v->chunks[i];
+				int k;
 
 				if (!gml_chunk_releasable(c) ||
 				    (!pass && c->nviews) ||
-				    !gml_guard_ready(ctx, &c->guard, -1))
+				    !(c->slab_len ? gml_slab_done(ctx, v, i) :
+				      gml_guard_ready(ctx, &c->guard, -1)))
 					continue;
-				if (!gml_chunk_release(ctx, v, i))
-					got++;
+				k = gml_chunk_release(ctx, v, i);
+				if (k > 0)
+					got += (uint32_t)k;
 			}
 			gml_seg_drop_if_empty(ctx, v);
 		}

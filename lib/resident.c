@@ -39,16 +39,18 @@ static int unshare_chunk(gmlake_ctx *ctx, struct gml_chunk *c)
 	return 0;
 }
 
-/* Map [from, to) of b's run back after a failed detach (best effort). */
+/* Map [0, to) of b's run back after a failed detach (best effort). */
 static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
 {
 	struct gml_view *v = b->view;
+	uint32_t len;
 	bool ok = true;
 
-	for (uint32_t i = 0; i < to; i++) {
+	for (uint32_t i = 0; i < to; i += len) {
 		uint32_t p = b->pos + i;
 
-		if (gml_view_map_pos(ctx, v, p, v->chunks[p]->handle))
+		len = gml_mapping_len(v, p);
+		if (gml_view_map_run(ctx, v, p, len, v->chunks[p]->handle))
 			ok = false;
 	}
 	if (!ok || (to && gml_dev_set_access(&ctx->dev, b->ptr,
@@ -57,20 +59,39 @@ static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
 			"failed spill", (unsigned long)b->ptr);
 }
 
+/* Whether every slab under block b lies inside its run (in a segment or
+ * a stitched view, a slab's positions are consecutive): the driver
+ * unmaps a slab only whole. 0 or -EBUSY. */
+static int slabs_inside(const struct gml_view *v, const struct gml_block *b)
+{
+	for (uint32_t i = 0; i < b->n; i++) {
+		const struct gml_chunk *c = v->chunks[b->pos + i];
+
+		if (c->slab_len && (c->slab_off > i ||
+				    i - c->slab_off + c->slab_len > b->n))
+			return gml_set_error(-EBUSY, "the block shares a "
+					     "growth handle (slab) with other "
+					     "memory, and the driver unmaps "
+					     "a handle only whole");
+	}
+	return 0;
+}
+
 /*
  * Take the chunks of resident large block b away while its range stays
  * reserved: unmap its run; chunks of a stitched view go back to the free
  * pool of their segments, chunks of a segment (whose home is this range)
- * go back to the driver. The caller has the bytes elsewhere and the work
- * on the block is complete. With check, only see whether it would work.
- * 0, -EBUSY (a chunk is shared with a stitched range in use), or -errno
- * with the block intact.
+ * go back to the driver as spares, and the slabs under it whole, as
+ * spare spans. The caller has the bytes elsewhere and the work on the
+ * block is complete. With check, only see whether it would work. 0,
+ * -EBUSY (a chunk is shared with a stitched range in use, or a slab with
+ * other memory), or -errno with the block intact.
  */
 int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 {
 	static const struct gml_guard none = { -1, 0 };
 	struct gml_view *v = b->view;
-	uint32_t i;
+	uint32_t i, len;
 	int ret;
 
 	if (ctx->nzombies)
@@ -78,6 +99,9 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	v->maxfree = GML_RUN_UNKNOWN;
 	if (v->chunks[b->pos]->spanned)
 		return check ? 0 : gml_span_detach(ctx, b);
+	ret = slabs_inside(v, b);
+	if (ret)
+		return ret;
 	for (i = 0; !v->stitched && i < b->n; i++) {
 		ret = unshare_chunk(ctx, v->chunks[b->pos + i]);
 		if (ret)
@@ -85,10 +109,11 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	}
 	if (check)
 		return 0;
-	for (i = 0; i < b->n; i++) {
+	for (i = 0; i < b->n; i += len) {
 		uint32_t p = b->pos + i;
 
-		ret = gml_view_unmap_run(ctx, v, p, 1);
+		len = gml_mapping_len(v, p);
+		ret = gml_view_unmap_run(ctx, v, p, len);
 		if (ret) {
 			detach_undo(ctx, b, i);
 			return ret;
@@ -106,7 +131,10 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 			v->holes++;
 			continue;
 		}
-		gml_spare_put(ctx, c->handle);
+		if (!c->slab_len)
+			gml_spare_put(ctx, c->handle);
+		else if (!c->slab_off)
+			gml_span_put(ctx, c->handle, c->slab_len);
 		free(c->views);
 		free(c);
 	}
@@ -127,7 +155,7 @@ static uint32_t free_chunks(gmlake_ctx *ctx, struct gml_view *v,
 		for (uint32_t i = 0; i < s->n && got < want; i++) {
 			struct gml_chunk *c = s->chunks[i];
 
-			if (c && s->mapped[i] && !c->owner &&
+			if (gml_chunk_single(c) && s->mapped[i] && !c->owner &&
 			    (!alone || !c->nviews) && !gml_chunk_in_view(c, v))
 				out[got++] = c;
 		}
@@ -168,7 +196,7 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 				break;
 			}
 	if (k < b->n) {
-		ret = gml_grow(ctx, b->n - k, &grown);
+		ret = gml_grow(ctx, b->n - k, false, &grown);
 		if (ret)
 			return ret;
 		for (i = 0; k < b->n; i++)
@@ -193,7 +221,7 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 			goto out_undo;
 		}
 	}
-	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;
+	gml_count_access(ctx, (size_t)b->n * ctx->chunk, b->n);
 	for (i = 0; i < b->n; i++)
 		v->chunks[b->pos + i] = got[i];
 	v->holes -= b->n;
@@ -298,7 +326,8 @@ static bool chunk_movable(const struct gml_view *s, uint32_t i)
 {
 	const struct gml_chunk *c = s->chunks[i];
 
-	return c && s->mapped[i] && !c->owner && !c->nviews;
+	return gml_chunk_single(c) && s->mapped[i] && !c->owner &&
+	       !c->nviews;
 }
 
 /* Whether every stitched view mapping c is unused and done with. */
@@ -347,7 +376,8 @@ static uint32_t cached_chunks(gmlake_ctx *ctx, struct gml_chunk **out,
 		for (uint32_t i = 0; i < s->n && got + freed < want; i++) {
 			struct gml_chunk *c = s->chunks[i];
 
-			if (!c || !s->mapped[i] || c->owner || !c->nviews ||
+			if (!gml_chunk_single(c) || !s->mapped[i] ||
+			    c->owner || !c->nviews ||
 			    !views_evictable(ctx, c))
 				continue;
 			while (c->nviews) {
@@ -430,7 +460,7 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 	ret = gml_dev_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
 	if (ret)
 		goto out_undo;
-	ctx->st.access_bytes += (size_t)b->n * ctx->chunk;
+	gml_count_access(ctx, (size_t)b->n * ctx->chunk, b->n);
 	for (k = 0; k < b->n; k++)
 		v->chunks[b->pos + k] = got[k];
 	free(ready);

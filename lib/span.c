@@ -188,7 +188,7 @@ int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
 		}
 		goto out_put;
 	}
-	ctx->st.access_bytes += size;
+	gml_count_access(ctx, size, 1);
 	gml_count_mapping(ctx, b->n);
 	for (i = 0; i < b->n; i++) {
 		uint32_t p = b->pos + i;

@@ -165,8 +165,9 @@ static void format_json(const struct gmlake_stats *st, struct out *o)
 	GMLAKE_FOREACH_COUNTER(JSON_COUNTER)
 #undef JSON_COUNTER
 	put(o, ",\"offload_engine\":\"%s\"", engine_name(st->offload_engine));
-	put(o, ",\"access_bytes\":%llu,\"calls\":{",
-	    (unsigned long long)st->access_bytes);
+	put(o, ",\"access_bytes\":%llu,\"access_handles\":%llu,"
+	    "\"calls\":{", (unsigned long long)st->access_bytes,
+	    (unsigned long long)st->access_handles);
 	for (int i = 0; i < GMLAKE_CALL_COUNT; i++)
 		put(o, "%s\"%s\":{\"count\":%llu,\"ns\":%llu,\"failed\":%llu}",
 		    i ? "," : "", call_names[i],

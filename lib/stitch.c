@@ -69,38 +69,70 @@ static int run_cmp_len(const void *a, const void *b)
 	return x->len < y->len ? -1 : x->len > y->len ? 1 : 0;
 }
 
-/* Every free run of the segments usable on stream; returns the chunks. */
+/* Append run r to a growing list; -ENOMEM without host memory. */
+static int run_push(struct run **runs, size_t *count, size_t *cap,
+		    struct run r)
+{
+	if (*count == *cap) {
+		size_t want = *cap ? *cap * 2 : 64;
+		struct run *grown = realloc(*runs, want * sizeof(*grown));
+
+		if (!grown)
+			return -ENOMEM;
+		*runs = grown;
+		*cap = want;
+	}
+	(*runs)[(*count)++] = r;
+	return 0;
+}
+
+/* Whether the slab at positions [p, p + n) of v is free and usable. */
+static bool slab_usable(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+			uint32_t n, int stream)
+{
+	for (uint32_t i = p; i < p + n; i++)
+		if (!gml_usable(ctx, v->chunks[i], stream))
+			return false;
+	return true;
+}
+
+/*
+ * Every free run of the segments usable on stream, and their chunks: runs
+ * of single chunks, and each slab that is free whole as a run of its own
+ * (a stitch maps a slab only whole, slab.c).
+ */
 static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
 			size_t *nruns, uint64_t *nfree)
 {
-	struct run *runs = NULL, *grown;
+	struct run *runs = NULL;
 	size_t count = 0, cap = 0;
 
 	*nfree = 0;
 	for (struct gml_view *v = gml_list_last(ctx->segs); v; v = v->prev) {
-		uint32_t start = 0, len = 0;
+		uint32_t start = 0, len = 0, step;
 
-		for (uint32_t i = 0; i <= v->n; i++) {
-			if (i < v->n && v->mapped[i] &&
-			    gml_usable(ctx, v->chunks[i], stream)) {
+		for (uint32_t i = 0; i <= v->n; i += step) {
+			struct gml_chunk *c = i < v->n ? v->chunks[i] : NULL;
+			bool slab = c && c->slab_len;
+
+			step = slab ? c->slab_len : 1;
+			if (c && !slab && v->mapped[i] &&
+			    gml_usable(ctx, c, stream)) {
 				if (!len++)
 					start = i;
 				continue;
 			}
-			if (!len)
-				continue;
-			if (count == cap) {
-				cap = cap ? cap * 2 : 64;
-				grown = realloc(runs, cap * sizeof(*runs));
-				if (!grown) {
-					free(runs);
-					return -ENOMEM;
-				}
-				runs = grown;
-			}
-			runs[count++] = (struct run){ v, start, len };
+			if (len && run_push(&runs, &count, &cap,
+					    (struct run){ v, start, len }))
+				goto out_nomem;
 			*nfree += len;
 			len = 0;
+			if (slab && slab_usable(ctx, v, i, step, stream)) {
+				if (run_push(&runs, &count, &cap,
+					     (struct run){ v, i, step }))
+					goto out_nomem;
+				*nfree += step;
+			}
 		}
 	}
 	if (count)
@@ -108,14 +140,18 @@ static int collect_runs(gmlake_ctx *ctx, int stream, struct run **out,
 	*out = runs;
 	*nruns = count;
 	return 0;
+out_nomem:
+	free(runs);
+	return -ENOMEM;
 }
 
 /*
- * A new stitched view of n chunks: the free runs, smallest first, and a new
- * segment for the shortfall. Stitching maps no new physical memory. Small
+ * A new stitched view of n chunks: the free runs, smallest first, and new
+ * chunks for the shortfall. Stitching maps no new physical memory. Small
  * runs go first so that large free runs stay whole for step 1: taking
  * the largest first made big views overlap the segments that hold other
- * big blocks, and each step repaired them.
+ * big blocks, and each step repaired them. A free slab goes in whole or
+ * not at all.
  */
 int gml_stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 {
@@ -132,23 +168,34 @@ int gml_stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		return gml_set_error(ret, "no host memory to stitch");
 	if (nfree == 0 || n * ctx->chunk < ctx->cfg.stitch_min) {
 		free(runs);
-		return gml_grow(ctx, n, got);
-	}
-	if (nfree < n) {
-		ret = gml_grow(ctx, n - (uint32_t)nfree, &grown);
-		if (ret)
-			goto out_free;
+		return gml_grow(ctx, n, true, got);
 	}
 	v = gml_view_new(n, true);
 	if (!v) {
 		ret = gml_set_error(-ENOMEM, "no host memory to stitch");
 		goto out_free;
 	}
-	for (size_t r = 0; r < nruns && k < n; r++)
-		for (uint32_t i = 0; i < runs[r].len && k < n; i++)
-			v->chunks[k++] = runs[r].view->chunks[runs[r].pos + i];
-	for (uint32_t i = 0; grown.view && k < n; i++)
-		v->chunks[k++] = grown.view->chunks[grown.pos + i];
+	for (size_t r = 0; r < nruns && k < n; r++) {
+		struct gml_chunk **src = runs[r].view->chunks + runs[r].pos;
+		uint32_t take = runs[r].len;
+
+		if (take > n - k) {
+			if (src[0]->slab_len)
+				continue;
+			take = n - k;
+		}
+		for (uint32_t i = 0; i < take; i++)
+			v->chunks[k++] = src[i];
+	}
+	if (k < n) {
+		ret = gml_grow(ctx, n - k, true, &grown);
+		if (ret) {
+			memset(v->chunks, 0, n * sizeof(*v->chunks));
+			goto out_discard;
+		}
+		for (uint32_t i = 0; k < n; i++)
+			v->chunks[k++] = grown.view->chunks[grown.pos + i];
+	}
 	for (uint32_t i = 0; i < n; i++) {
 		ret = gml_add_view_ref(v->chunks[i], v);
 		if (ret) {
@@ -175,23 +222,33 @@ out_free:
 	return ret;
 }
 
-/* The window of n positions of v with the fewest taken chunks. */
+/*
+ * The window of n positions of v with the fewest taken chunks, none of
+ * them a slab's (a repair remaps single positions; a slab is mapped
+ * whole): bad[] 1 at a taken chunk, 2 at a taken slab position.
+ * UINT32_MAX where every window holds a taken slab position.
+ */
 static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			    int stream, uint8_t *bad, uint32_t *pos)
 {
-	uint32_t count = 0, best;
+	uint32_t count = 0, slabs = 0, best = UINT32_MAX;
 
-	for (uint32_t i = 0; i < v->n; i++)
-		bad[i] = !gml_usable(ctx, v->chunks[i], stream);
-	for (uint32_t i = 0; i < n; i++)
-		count += bad[i];
-	best = count;
 	*pos = 0;
-	for (uint32_t i = n; i < v->n; i++) {
-		count += bad[i] - bad[i - n];
-		if (count < best) {
+	for (uint32_t i = 0; i < v->n; i++) {
+		bad[i] = !gml_usable(ctx, v->chunks[i], stream);
+		if (bad[i] && v->chunks[i] && v->chunks[i]->slab_len)
+			bad[i] = 2;
+	}
+	for (uint32_t i = 0; i < v->n; i++) {
+		count += bad[i] == 1;
+		slabs += bad[i] == 2;
+		if (i >= n) {
+			count -= bad[i - n] == 1;
+			slabs -= bad[i - n] == 2;
+		}
+		if (i + 1 >= n && !slabs && count < best) {
 			best = count;
-			*pos = i - n + 1;
+			*pos = i + 1 - n;
 		}
 	}
 	return best;
@@ -210,8 +267,8 @@ static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
 			for (uint32_t i = 0; i < s->n && got < want; i++) {
 				struct gml_chunk *c = s->chunks[i];
 
-				if (c && s->mapped[i] && !c->owner &&
-				    (pass || !c->nviews) &&
+				if (gml_chunk_single(c) && s->mapped[i] &&
+				    !c->owner && (pass || !c->nviews) &&
 				    (!pass || c->nviews) &&
 				    gml_guard_ready(ctx, &c->guard, stream) &&
 				    !gml_chunk_in_view(c, v))
@@ -263,7 +320,8 @@ static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
 					     ctx->chunk);
 			if (ret)
 				return ret;
-			ctx->st.access_bytes += (size_t)(i - first) * ctx->chunk;
+			gml_count_access(ctx, (size_t)(i - first) *
+					 ctx->chunk, i - first);
 		}
 		start = i + 1;
 	}
@@ -309,7 +367,7 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		goto out_free_mask;
 	k = spare_chunks(ctx, best, stream, spare, best_bad);
 	if (k < best_bad) {
-		ret = gml_grow(ctx, best_bad - k, &grown);
+		ret = gml_grow(ctx, best_bad - k, false, &grown);
 		if (ret)
 			goto out_free_spare;
 		for (uint32_t i = 0; k < best_bad; i++)

@@ -25,6 +25,10 @@
  *   span    one driver handle under a whole block's run, made when a block
  *           that cycles is fetched again (lib/span.c): its positions have
  *           chunk structs (spanned) that never leave the block.
+ *   slab    one driver handle under several positions of a segment, made
+ *           when a segment grows for a block (lib/slab.c): its chunks are
+ *           free or owned one by one, but are never stitched or moved and
+ *           go back to the driver together.
  *
  * Invariants (lib/check.c verifies them): a live resident large block
  * owns every chunk under its run; a spilled one owns none and its run is
@@ -52,6 +56,7 @@ struct gml_block;
 struct gml_view;
 
 #define GML_RUN_UNKNOWN UINT32_MAX
+#define GML_SLAB_MAX 1024	/* chunks in one growth handle, at most */
 
 /* A run of free chunks in a view, for best fit. */
 struct gml_free_run {
@@ -79,6 +84,9 @@ struct gml_chunk {
 					   its handle maps the whole run */
 	uint32_t span_len;		/* a span's first chunk: its positions
 					   (the structs are one array) */
+	uint16_t slab_len;		/* a slab's positions (slab.c); 0: the
+					   chunk is a handle of its own */
+	uint16_t slab_off;		/* this position within the slab */
 };
 
 struct gml_view {
@@ -203,6 +211,8 @@ struct gmlake_ctx {
 	size_t chunk;			/* chunk size in bytes */
 	size_t dev_total;		/* device memory, for absurd sizes */
 	uint32_t chunk_shift;
+	uint32_t slab;			/* chunks per growth handle (slab.c);
+					   0 or 1: growth by chunks */
 
 	struct gml_view *segs;		/* segments, oldest first */
 	struct gml_view *stitched;	/* cached stitched views */

@@ -116,20 +116,29 @@ void gml_count_mapping(gmlake_ctx *ctx, int64_t positions)
 int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 {
 	bool done = true;
+	uint32_t len;
 
 	v->maxfree = GML_RUN_UNKNOWN;
-	for (uint32_t i = 0; i < v->n; i++) {
+	for (uint32_t i = 0; i < v->n; i += len) {
 		struct gml_chunk *c = v->chunks[i];
 
-		if (v->mapped[i] && gml_view_unmap_run(ctx, v, i, 1)) {
+		len = gml_mapping_len(v, i);
+		if (c && c->slab_len && !v->stitched) {
+			if (gml_slab_drop(ctx, v, i))
+				done = false;
+			continue;
+		}
+		if (v->mapped[i] && gml_view_unmap_run(ctx, v, i, len)) {
 			done = false;
 			continue;
 		}
 		if (!c)
 			continue;
 		if (v->stitched) {
-			gml_del_view_ref(c, v);
-			v->chunks[i] = NULL;
+			for (uint32_t k = i; k < i + len; k++) {
+				gml_del_view_ref(v->chunks[k], v);
+				v->chunks[k] = NULL;
+			}
 			continue;
 		}
 		if (c->nviews || gml_dev_mem_release(&ctx->dev, c->handle)) {
@@ -154,6 +163,15 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 	return 0;
 }
 
+/* Positions of v that the mapping at p covers: a slab's, from its first
+ * position, or one. */
+uint32_t gml_mapping_len(const struct gml_view *v, uint32_t p)
+{
+	const struct gml_chunk *c = v->chunks[p];
+
+	return c && c->slab_len ? c->slab_len : 1;
+}
+
 /* Unmap n positions of v from p that one mapping covers (a chunk: n 1; a
  * span: its length), their mapped bits and count in step. 0, or -errno
  * with nothing changed. */
@@ -170,48 +188,75 @@ int gml_view_unmap_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 	return 0;
 }
 
-/* Map handle h at position p of v, its mapped bit and count in step. */
-int gml_view_map_pos(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
-		     gml_handle h)
+/* Map handle h of n chunks at positions [p, p + n) of v, their mapped
+ * bits and count in step. */
+int gml_view_map_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		     uint32_t n, gml_handle h)
 {
 	int ret = gml_dev_mem_map(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
-				  ctx->chunk, h);
+				  (size_t)n * ctx->chunk, h);
 
 	if (ret)
 		return ret;
-	v->mapped[p] = 1;
-	gml_count_mapping(ctx, 1);
+	memset(v->mapped + p, 1, n);
+	gml_count_mapping(ctx, n);
 	return 0;
 }
 
+/* Map chunk handle h at position p of v. */
+int gml_view_map_pos(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		     gml_handle h)
+{
+	return gml_view_map_run(ctx, v, p, 1, h);
+}
+
+/* A set-access over bytes that covered handles handles, in the stats. */
+void gml_count_access(gmlake_ctx *ctx, size_t bytes, uint64_t handles)
+{
+	ctx->st.access_bytes += bytes;
+	ctx->st.access_handles += handles;
+}
+
 /*
- * Reserve a range of v->cap positions for v and map its n chunks, one
- * set-access call for all. A segment asks for room to grow at its end;
- * if the driver refuses that much address space, it gets only n.
+ * Reserve a range of v->cap positions for stitched view v and map its n
+ * chunks (a slab's whole, as one mapping), one set-access call for all.
  */
 int gml_view_map(gmlake_ctx *ctx, struct gml_view *v)
 {
 	size_t bytes = (size_t)v->n * ctx->chunk;
+	uint64_t handles = 0;
+	uint32_t len;
 	int ret;
 
-	ret = gml_dev_va_reserve(&ctx->dev, (size_t)v->cap * ctx->chunk,
-			     ctx->chunk, &v->va);
-	if (ret && v->cap > v->n) {
-		v->cap = v->n;
-		ret = gml_dev_va_reserve(&ctx->dev, bytes, ctx->chunk, &v->va);
-	}
+	ret = gml_view_reserve(ctx, v);
 	if (ret)
 		return ret;
-	for (uint32_t i = 0; i < v->n; i++) {
-		ret = gml_view_map_pos(ctx, v, i, v->chunks[i]->handle);
+	for (uint32_t i = 0; i < v->n; i += len, handles++) {
+		len = gml_mapping_len(v, i);
+		ret = gml_view_map_run(ctx, v, i, len, v->chunks[i]->handle);
 		if (ret)
 			return ret;
 	}
 	ret = gml_dev_set_access(&ctx->dev, v->va, bytes);
 	if (ret)
 		return ret;
-	ctx->st.access_bytes += bytes;
+	gml_count_access(ctx, bytes, handles);
 	return 0;
+}
+
+/* The range of v's cap positions, or of only n if the driver refuses that
+ * much address space. */
+int gml_view_reserve(gmlake_ctx *ctx, struct gml_view *v)
+{
+	int ret = gml_dev_va_reserve(&ctx->dev, (size_t)v->cap * ctx->chunk,
+				     ctx->chunk, &v->va);
+
+	if (ret && v->cap > v->n) {
+		v->cap = v->n;
+		ret = gml_dev_va_reserve(&ctx->dev, (size_t)v->n * ctx->chunk,
+					 ctx->chunk, &v->va);
+	}
+	return ret;
 }
 
 /* Drop a view that failed half-way; keep it for a retry if the driver

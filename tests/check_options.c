@@ -118,7 +118,8 @@ START_TEST(test_defaults)
 	for (i = 0; i < 3; i++)
 		ck_assert_uint_eq(cfg.reserved8[i], 0);
 	ck_assert_uint_eq(cfg.top_fit, 0);
-	for (i = 0; i < 5; i++)
+	ck_assert_uint_eq(cfg.grow_handle, 20 * TH_MiB);
+	for (i = 0; i < 4; i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
 	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
 }

@@ -32,6 +32,7 @@ int main(void)
 	FIELD(access_bytes);
 	FIELD(offload_engine);
 	FIELD(pad0);
+	FIELD(access_handles);
 	FIELD(reserved);
 	printf("sizeof %zu\n", sizeof(struct gmlake_stats));
 	return fflush(stdout) ? 1 : 0;

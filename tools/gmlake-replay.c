@@ -40,7 +40,6 @@
 
 #define MIB	    (1ull << 20)
 #define GIB	    (1ull << 30)
-#define PRICE_CHUNK (2 * MIB)
 #define EMU_CHUNK   (2 * MIB)	/* the emulated device's granularity */
 
 /*
@@ -118,7 +117,7 @@ struct blockmap {
 struct window {
 	uint64_t calls[GMLAKE_CALL_COUNT];
 	uint64_t call_ns[GMLAKE_CALL_COUNT];
-	uint64_t access_bytes;
+	uint64_t access_bytes, access_handles;
 	uint64_t stitches, stitch_reuses;
 };
 
@@ -794,6 +793,7 @@ static void window_add(struct window *w, const struct gmlake_stats *from,
 		w->call_ns[i] += to->call_ns[i] - from->call_ns[i];
 	}
 	w->access_bytes += to->access_bytes - from->access_bytes;
+	w->access_handles += to->access_handles - from->access_handles;
 	w->stitches += to->stitches - from->stitches;
 	w->stitch_reuses += to->stitch_reuses - from->stitch_reuses;
 }
@@ -998,7 +998,8 @@ struct result {
 	double p50_us, p99_us, max_us;
 	double steps, step_ms;
 	uint64_t creates, maps, set_access, unmaps, releases;
-	uint64_t h_creates, h_maps, h_access_bytes, h_unmaps, h_releases;
+	uint64_t h_creates, h_maps, h_access_bytes, h_access_handles;
+	uint64_t h_unmaps, h_releases;
 	uint64_t h_stitches, h_reuses;
 };
 
@@ -1007,28 +1008,26 @@ static double frag(double used, double reserved)
 	return reserved > 0 ? 100.0 * (1.0 - used / reserved) : NAN;
 }
 
-/* Chunks a window's set-access calls covered. */
-static double access_chunks(const struct replay *r, const struct window *w)
+/* Handles a window's set-access calls covered. */
+static double access_handles(const struct window *w)
 {
-	return (double)w->access_bytes /
-	       (double)(r->end.chunk_size ? r->end.chunk_size : PRICE_CHUNK);
+	return (double)w->access_handles;
 }
 
 /*
  * Driver time of the priced window at H200 prices, in microseconds. Each
- * call costs the same whatever the chunk size (bench/vmm_probe.c measured
- * set-access and unmap per handle, not per byte), and set-access is paid
- * once per chunk of the range it covers.
+ * call costs the same whatever the handle's size (bench/vmm_probe.c
+ * measured set-access and unmap per handle, not per byte), and set-access
+ * is paid once per handle of the range it covers.
  */
 static double price_us(const struct replay *r, const struct window *w)
 {
-	double handles = access_chunks(r, w);
-
+	(void)r;
 	return (double)w->calls[GMLAKE_CALL_mem_create] * COST_CREATE_US +
 	       (double)w->calls[GMLAKE_CALL_mem_map] * COST_MAP_US +
 	       (double)w->calls[GMLAKE_CALL_mem_unmap] * COST_UNMAP_US +
 	       (double)w->calls[GMLAKE_CALL_mem_release] * COST_RELEASE_US +
-	       handles * COST_ACCESS_US;
+	       access_handles(w) * COST_ACCESS_US;
 }
 
 static void compute(struct replay *r, struct result *x)
@@ -1076,6 +1075,7 @@ static void compute(struct replay *r, struct result *x)
 	x->h_unmaps = w->calls[GMLAKE_CALL_mem_unmap];
 	x->h_releases = w->calls[GMLAKE_CALL_mem_release];
 	x->h_access_bytes = w->access_bytes;
+	x->h_access_handles = w->access_handles;
 	x->h_stitches = w->stitches;
 	x->h_reuses = w->stitch_reuses;
 	for (i = 0; i < sizeof(vmm) / sizeof(vmm[0]); i++)
@@ -1165,6 +1165,7 @@ static void print_json(const struct replay *r, const struct result *x)
 	json_u64("maps", x->maps);
 	json_u64("set_access", x->set_access);
 	json_u64("access_bytes", e->access_bytes);
+	json_u64("access_handles", e->access_handles);
 	json_u64("unmaps", x->unmaps);
 	json_u64("releases", x->releases);
 	json_u64("fits", e->fits);
@@ -1176,6 +1177,7 @@ static void print_json(const struct replay *r, const struct result *x)
 	json_u64("creates_second_half", x->h_creates);
 	json_u64("maps_second_half", x->h_maps);
 	json_u64("access_bytes_second_half", x->h_access_bytes);
+	json_u64("access_handles_second_half", x->h_access_handles);
 	json_u64("unmaps_second_half", x->h_unmaps);
 	json_u64("releases_second_half", x->h_releases);
 	json_u64("stitches_second_half", x->h_stitches);
@@ -1241,7 +1243,7 @@ static void print_steps(const struct replay *r)
 		       r->steps_settle[i] ? "settling" : "steady",
 		       price_us(r, w) / 1e3,
 		       w->calls[GMLAKE_CALL_mem_create],
-		       w->calls[GMLAKE_CALL_mem_map], access_chunks(r, w),
+		       w->calls[GMLAKE_CALL_mem_map], access_handles(w),
 		       w->calls[GMLAKE_CALL_mem_unmap],
 		       w->calls[GMLAKE_CALL_mem_release], w->stitches);
 	}

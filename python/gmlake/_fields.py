@@ -71,7 +71,7 @@ CALLS = (
     "mem_create_host",
 )
 
-RESERVED_WORDS = 32
+RESERVED_WORDS = 31
 
 # include/gmlake-torch.h: struct gmlake_torch_stats, PyTorch's names.
 TORCH_STATS_VERSION = 1

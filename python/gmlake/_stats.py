@@ -25,6 +25,7 @@ def _stats_fields():
           ("access_bytes", ctypes.c_uint64),
           ("offload_engine", ctypes.c_int32),
           ("pad0", ctypes.c_int32),
+          ("access_handles", ctypes.c_uint64),
           ("reserved", ctypes.c_uint64 * _fields.RESERVED_WORDS)]
     return f
 
@@ -68,6 +69,7 @@ def to_dict(st):
         d["call_ns." + name] = st.call_ns[i]
         d["call_failures." + name] = st.call_failures[i]
     d["access_bytes"] = st.access_bytes
+    d["access_handles"] = st.access_handles
     d["offload_engine"] = st.offload_engine
     return d
 
