@@ -551,8 +551,8 @@ def child(args):
                       cuda=torch.version.cuda, gpu=props.name,
                       gpu_bytes=props.total_memory,
                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
-                                                "")),
-                      cpus=sorted(os.sched_getaffinity(0)))
+                                                ""),
+                      cpus=sorted(os.sched_getaffinity(0))))
     if args.child == "sweep":
         for name in args.workloads.split(","):
             s = run_sweep(name, args, mem)
