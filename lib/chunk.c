@@ -249,10 +249,13 @@ int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,
 	for (i = n; i < n + k; handles++) {
 		if (g && n + k - i >= g) {
 			ret = gml_slab_new(ctx, v, i);
-			if (ret)
+			if (!ret) {
+				i += g;
+				continue;
+			}
+			if (ret != -ENOMEM)
 				goto out_undo;
-			i += g;
-			continue;
+			g = 0;	/* spare chunks, or smaller handles, may fit */
 		}
 		ret = seg_chunk_new(ctx, v, i);
 		if (ret)

@@ -374,8 +374,10 @@ static void aftermath(struct fs *f, const struct gml_emu_info *base)
  * One run: a fresh context, the fault (kind, nth, err) armed, the scenario,
  * the checks. Whether the fault fired.
  */
-static bool run_one(int kind, uint64_t nth, int err, int *failed, int *lost)
+static bool run_one(int kind, uint64_t nth, int err, size_t grow_handle,
+		    int *failed, int *lost)
 {
+	struct gmlake_config cfg;
 	struct fs f;
 	struct gml_emu_info base;
 	struct gml_dev *dev;
@@ -383,15 +385,18 @@ static bool run_one(int kind, uint64_t nth, int err, int *failed, int *lost)
 	bool fired;
 
 	memset(&f, 0, sizeof(f));
-	f.ctx = th_ctx(CAP_CHUNKS(16));
+	th_config(&cfg, CAP_CHUNKS(16));
+	cfg.grow_handle = grow_handle;
+	f.ctx = th_ctx_cfg(&cfg);
 	ck_assert(th_is_emu(f.ctx));
 	f.a = th_stream(f.ctx);
 	f.b = th_stream(f.ctx);
 	th_emu_info(f.ctx, &base);
 	dev = th_dev(f.ctx);
 	before = dev->call_failures[kind];
-	snprintf(site, sizeof(site), "%s nth %" PRIu64 " %s",
-		 gml_dev_call_name(kind), nth, err == EIO ? "EIO" : "ENOMEM");
+	snprintf(site, sizeof(site), "%s nth %" PRIu64 " %s%s",
+		 gml_dev_call_name(kind), nth, err == EIO ? "EIO" : "ENOMEM",
+		 grow_handle ? ", 4 MiB growth handles" : "");
 	gml_dev_fail_nth(dev, kind, nth, err);
 
 	scenario(&f);
@@ -410,25 +415,34 @@ static bool run_one(int kind, uint64_t nth, int err, int *failed, int *lost)
 	return fired;
 }
 
+/*
+ * Every fault site of one call kind; _i past N_KINDS: with growth
+ * handles (slabs) of two chunks, so that the scenario's blocks of 4 MiB
+ * and more grow, stitch, spill and release them; below, growth by chunks
+ * (the default 20 MiB handles are more than its blocks).
+ */
 START_TEST(test_fault_walk)
 {
-	int kind = fault_kinds[_i];
+	int kind = fault_kinds[_i % N_KINDS];
+	size_t grow_handle = _i >= N_KINDS ? 4 * TH_MiB : 0;
 	int e, sites = 0, failed = 0, lost = 0;
 	int fds = th_count_fds(), maps = th_count_memfd_maps();
 	uint64_t nth;
 
 	for (e = 0; e < 2; e++) {
 		for (nth = 1; nth <= F_MAX_NTH; nth++) {
-			if (!run_one(kind, nth, fault_errs[e], &failed, &lost))
+			if (!run_one(kind, nth, fault_errs[e], grow_handle,
+				     &failed, &lost))
 				break;
 			sites++;
 		}
 		ck_assert_msg(nth <= F_MAX_NTH, "%s: still firing at nth %d",
 			      gml_dev_call_name(kind), F_MAX_NTH);
 	}
-	printf("fault sites exercised: %s: %d (kind, nth, errno) runs, %d "
+	printf("fault sites exercised: %s%s: %d (kind, nth, errno) runs, %d "
 	       "public calls failed, %d failed frees ended their block\n",
-	       gml_dev_call_name(kind), sites, failed, lost);
+	       gml_dev_call_name(kind), grow_handle ? " (slabs)" : "", sites,
+	       failed, lost);
 	/* The scenario maps, unmaps and releases memory: those must fire. */
 	switch (kind) {
 	case GMLAKE_CALL_mem_create:
@@ -877,7 +891,7 @@ static Suite *fault_suite(void)
 	TCase *tc;
 
 	tc = th_tcase(s, "Walk");
-	tcase_add_loop_test(tc, test_fault_walk, 0, N_KINDS);
+	tcase_add_loop_test(tc, test_fault_walk, 0, 2 * N_KINDS);
 	tc = th_tcase(s, "Basics");
 	tcase_add_test(tc, test_fault_events_used);
 	tcase_add_test(tc, test_fault_counted);
