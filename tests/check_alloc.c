@@ -870,6 +870,207 @@ START_TEST(test_grow_at_end)
 }
 END_TEST
 
+/* A context whose growth handles are four chunks. */
+static gmlake_ctx *slab_ctx(size_t capacity)
+{
+	struct gmlake_config cfg;
+
+	th_config(&cfg, capacity);
+	cfg.grow_handle = 4 * TH_CHUNK;
+	return th_ctx_cfg(&cfg);
+}
+
+/* Reserved memory, in chunks. */
+static int64_t reserved_chunks(gmlake_ctx *ctx)
+{
+	struct gmlake_stats st;
+
+	th_stats(ctx, &st);
+	return st.reserved_bytes.current / (int64_t)TH_CHUNK;
+}
+
+/*
+ * Growth for a block takes growth handles (slabs), mapped whole, and
+ * chunks for the rest: one create, map and handle covered by set-access
+ * per slab. Their chunks split by first fit; the bad sizes of the option
+ * are refused.
+ */
+START_TEST(test_slab_growth)
+{
+	gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
+	struct gmlake_config cfg;
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *bad;
+	void *a, *b, *x, *y;
+
+	th_stats(ctx, &s0);
+	a = th_alloc_filled(ctx, 10 * TH_CHUNK, 1, NULL);   /* 4 + 4 + 1 + 1 */
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 4);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 4);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 1);
+	ck_assert_uint_eq(s1.access_handles - s0.access_handles, 4);
+	ck_assert_uint_eq(s1.access_bytes - s0.access_bytes, 10 * TH_CHUNK);
+	ck_assert_int_eq(s1.chunks.current - s0.chunks.current, 10);
+	th_check(ctx);
+	/* Freed, its slabs split like chunks: no driver call. */
+	th_verify_free(ctx, a, 10 * TH_CHUNK, 1, NULL);
+	th_stats(ctx, &s0);
+	x = th_alloc_filled(ctx, 3 * TH_CHUNK, 2, NULL);
+	y = th_alloc_filled(ctx, 3 * TH_CHUNK, 3, NULL);
+	b = th_alloc_filled(ctx, 4 * TH_CHUNK, 4, NULL);
+	th_stats(ctx, &s1);
+	expect_no_driver_work(&s0, &s1);
+	ck_assert_ptr_eq(x, a);
+	ck_assert_ptr_eq(y, (char *)a + 3 * TH_CHUNK);
+	th_check(ctx);
+	th_verify_free(ctx, x, 3 * TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, y, 3 * TH_CHUNK, 3, NULL);
+	th_verify_free(ctx, b, 4 * TH_CHUNK, 4, NULL);
+	TH_OK(ctx, gmlake_trim(ctx));
+	ck_assert_int_eq(reserved_chunks(ctx), 0);
+	th_destroy(ctx);
+
+	/* 0 and sizes up to a chunk: growth by chunks. */
+	th_config(&cfg, CAP_CHUNKS(16));
+	cfg.grow_handle = TH_CHUNK + TH_CHUNK / 2;	/* one chunk, rounded */
+	ctx = th_ctx_cfg(&cfg);
+	th_stats(ctx, &s0);
+	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 5, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 4);
+	ck_assert_uint_eq(s1.access_handles - s0.access_handles, 4);
+	th_verify_free(ctx, a, 4 * TH_CHUNK, 5, NULL);
+	th_destroy(ctx);
+	th_config(&cfg, CAP_CHUNKS(16));
+	cfg.grow_handle = 1025 * TH_CHUNK;
+	ck_assert_int_eq(gmlake_ctx_init(&bad, &cfg), -EINVAL);
+	ck_assert_msg(strstr(gmlake_last_error(), "grow handle size"),
+		      "message: %s", gmlake_last_error());
+}
+END_TEST
+
+/*
+ * A stitch maps a free slab whole, one mapping; a slab partly taken is
+ * not stitched (the shortfall grows instead), and its taken chunks keep
+ * it from the driver at a trim until the last one is free.
+ */
+START_TEST(test_slab_stitch)
+{
+	gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
+	struct gmlake_stats s0, s1;
+	void *a, *b, *c, *d, *e, *f, *x;
+
+	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);	/* a slab */
+	b = th_alloc_filled(ctx, 1 * TH_CHUNK, 2, NULL);	/* a chunk */
+	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);	/* a slab */
+	d = th_alloc_filled(ctx, 1 * TH_CHUNK, 4, NULL);	/* a chunk */
+	ck_assert_ptr_eq(c, (char *)a + 5 * TH_CHUNK);
+	ck_assert_int_eq(reserved_chunks(ctx), 10);
+	th_verify_free(ctx, a, 4 * TH_CHUNK, 1, NULL);
+	th_verify_free(ctx, c, 4 * TH_CHUNK, 3, NULL);
+
+	/* 8 chunks: the two free slabs, stitched. */
+	th_stats(ctx, &s0);
+	e = th_alloc_filled(ctx, 8 * TH_CHUNK, 5, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 0);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 2);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 1);
+	ck_assert_uint_eq(s1.access_handles - s0.access_handles, 2);
+	th_check(ctx);
+	th_verify_free(ctx, e, 8 * TH_CHUNK, 5, NULL);
+
+	/* Half of a's slab taken: the stitch takes c's and grows a slab. */
+	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
+	ck_assert_ptr_eq(x, a);
+	th_stats(ctx, &s0);
+	f = th_alloc_filled(ctx, 8 * TH_CHUNK, 7, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 3);
+	ck_assert_int_eq(reserved_chunks(ctx), 14);
+	th_check(ctx);
+	th_verify_ok(ctx, x, 2 * TH_CHUNK, 6, NULL);
+	th_verify_free(ctx, f, 8 * TH_CHUNK, 7, NULL);
+
+	/* Trim: every slab all free goes, with the views over it; a's
+	 * stays while x holds part of it. */
+	TH_OK(ctx, gmlake_trim(ctx));
+	ck_assert_int_eq(reserved_chunks(ctx), 6);
+	th_check(ctx);
+	th_verify_free(ctx, x, 2 * TH_CHUNK, 6, NULL);
+	TH_OK(ctx, gmlake_trim(ctx));
+	ck_assert_int_eq(reserved_chunks(ctx), 2);
+	th_verify_free(ctx, b, 1 * TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, d, 1 * TH_CHUNK, 4, NULL);
+	TH_OK(ctx, gmlake_trim(ctx));
+	ck_assert_int_eq(reserved_chunks(ctx), 0);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * A failing driver call while a slab is made or stitched: the request
+ * fails or takes chunks, nothing leaks, the invariants hold. _i: the
+ * call kind; nth from 1 while the fault fires.
+ */
+START_TEST(test_slab_faults)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_mem_create, GMLAKE_CALL_mem_map,
+		GMLAKE_CALL_set_access, GMLAKE_CALL_mem_unmap,
+		GMLAKE_CALL_mem_release,
+	};
+
+	uint64_t nth;
+
+	for (nth = 1; nth <= 8; nth++) {
+		gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
+		struct gmlake_stats st;
+		void *a, *b, *c, *e;
+		uint64_t before;
+		bool fired;
+
+		a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);
+		b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);
+		c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);
+		th_free(ctx, a);
+		th_free(ctx, c);
+		before = th_dev(ctx)->call_failures[calls[_i]];
+		gml_dev_fail_nth(th_dev(ctx), calls[_i], nth,
+				 calls[_i] == GMLAKE_CALL_mem_create ? ENOMEM :
+								       EIO);
+		e = NULL;
+		if (gmlake_alloc(ctx, &e, 10 * TH_CHUNK, NULL))
+			e = NULL;	/* a stitch and a growth */
+		if (e)
+			th_fill_ok(ctx, e, 10 * TH_CHUNK, 4, NULL);
+		if (e)
+			th_free(ctx, e);
+		gmlake_trim(ctx);	/* may fail: the fault is armed */
+		fired = th_dev(ctx)->call_failures[calls[_i]] > before;
+		gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+		th_check(ctx);
+		e = th_alloc_filled(ctx, 10 * TH_CHUNK, 5, NULL);
+		th_verify_free(ctx, e, 10 * TH_CHUNK, 5, NULL);
+		TH_OK(ctx, gmlake_trim(ctx));
+		th_stats(ctx, &st);
+		ck_assert_msg(st.reserved_bytes.current == (int64_t)TH_CHUNK,
+			      "%s nth %" PRIu64 ": %" PRId64 " bytes reserved "
+			      "with one chunk live", gmlake_call_name(calls[_i]),
+			      nth, st.reserved_bytes.current);
+		th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
+		th_destroy(ctx);
+		if (!fired)
+			break;
+	}
+	ck_assert_msg(nth > 1, "%s never failed", gmlake_call_name(calls[_i]));
+}
+END_TEST
+
 /* The whole device in one block after fragmentation, then pieces again. */
 START_TEST(test_stitch_whole_device)
 {
@@ -1711,6 +1912,9 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_stitch_cache_no_alias);
 	tcase_add_test(tc, test_grow_shortfall);
 	tcase_add_test(tc, test_grow_at_end);
+	tcase_add_test(tc, test_slab_growth);
+	tcase_add_test(tc, test_slab_stitch);
+	tcase_add_loop_test(tc, test_slab_faults, 0, 5);
 	if (emu)
 		tcase_add_test(tc, test_stitch_whole_device);
 

@@ -277,6 +277,55 @@ END_TEST
 
 /* A block stitched from non-contiguous chunks moves whole, same address. */
 /*
+ * Blocks made before the ring, on growth handles (slabs) of 4 chunks: a
+ * block whose slabs lie inside it spills (each slab unmapped whole, a
+ * spare) and comes back with its bytes; one that shares a slab with
+ * another block is refused with -EBUSY and stays as it was.
+ */
+START_TEST(test_spill_slabs)
+{
+	struct gmlake_config cfg;
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	gmlake_ctx *ctx;
+	void *a, *b, *x;
+
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.host_limit = 64 * TH_MiB;
+	cfg.grow_handle = 4 * TH_CHUNK;
+	ctx = th_ctx_cfg(&cfg);
+	a = th_alloc_filled(ctx, 9 * TH_CHUNK, 1, NULL);   /* 2 slabs, a chunk */
+	b = th_alloc_filled(ctx, 4 * TH_CHUNK, 2, NULL);   /* a slab */
+	th_verify_free(ctx, b, 4 * TH_CHUNK, 2, NULL);
+	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 3, NULL);   /* half b's slab */
+	ring_init(&ring, ctx, 8);
+	th_stats(ctx, &st0);
+	ck_assert_int_eq(spill(&ring, a), 0);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(gmlake_offload_state(ctx, a), GMLAKE_BLOCK_SPILLED);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap] -
+			  st0.calls[GMLAKE_CALL_mem_unmap], 3);
+	ck_assert_int_eq(st.resident_bytes.current,
+			 st0.resident_bytes.current - 9 * (int64_t)TH_CHUNK);
+	ck_assert_int_eq(spill(&ring, x), -EBUSY);
+	ck_assert_int_eq(gmlake_offload_state(ctx, x), GMLAKE_BLOCK_RESIDENT);
+	th_verify_ok(ctx, x, 2 * TH_CHUNK, 3, NULL);
+	ck_assert_int_eq(fetch(&ring, a), 0);
+	th_check(ctx);
+	th_verify_ok(ctx, a, 9 * TH_CHUNK, 1, NULL);
+	/* Spilled and fetched again: a's run is chunks now, and spills. */
+	ck_assert_int_eq(spill(&ring, a), 0);
+	ck_assert_int_eq(fetch(&ring, a), 0);
+	th_verify_free(ctx, a, 9 * TH_CHUNK, 1, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_verify_free(ctx, x, 2 * TH_CHUNK, 3, NULL);
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * A fetch takes free chunks the cache holds before it makes new ones:
  * backward frees memory as it fetches, and new chunks would lift reserved
  * memory to where it was without offloading. The positions it empties are
@@ -2133,6 +2182,7 @@ static Suite *offload_suite(void)
 
 	tc = th_tcase(s, "Core");
 	tcase_add_test(tc, test_spill_fetch_segment);
+	tcase_add_test(tc, test_spill_slabs);
 	tcase_add_test(tc, test_span_cycle);
 	tcase_add_test(tc, test_span_stitched);
 	tcase_add_test(tc, test_span_from_cached_chunks);
