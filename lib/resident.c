@@ -39,40 +39,79 @@ static int unshare_chunk(gmlake_ctx *ctx, struct gml_chunk *c)
 	return 0;
 }
 
-/* Map [0, to) of b's run back after a failed detach (best effort). */
-static void detach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t to)
+/* The mapping of v that holds position p: [*start, *start + *len), a
+ * slab's whole or one position. */
+static void mapping_at(const struct gml_view *v, uint32_t p, uint32_t *start,
+		       uint32_t *len)
 {
-	struct gml_view *v = b->view;
-	uint32_t len;
+	const struct gml_chunk *c = v->chunks[p];
+
+	*start = c->slab_len ? p - c->slab_off : p;
+	*len = c->slab_len ? c->slab_len : 1;
+}
+
+/* The positions a detach of b unmaps: its run, and the slabs at its ends
+ * whole. */
+static void detach_range(const struct gml_view *v, const struct gml_block *b,
+			 uint32_t *lo, uint32_t *hi)
+{
+	uint32_t s, n;
+
+	mapping_at(v, b->pos, lo, &n);
+	mapping_at(v, b->pos + b->n - 1, &s, &n);
+	*hi = s + n;
+}
+
+/* Map [lo, to) of v back after a failed detach (best effort). */
+static void detach_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t lo,
+			uint32_t to)
+{
+	uint32_t s, len;
 	bool ok = true;
 
-	for (uint32_t i = 0; i < to; i += len) {
-		uint32_t p = b->pos + i;
-
-		len = gml_mapping_len(v, p);
+	for (uint32_t p = lo; p < to; p += len) {
+		mapping_at(v, p, &s, &len);
 		if (gml_view_map_run(ctx, v, p, len, v->chunks[p]->handle))
 			ok = false;
 	}
-	if (!ok || (to && gml_dev_set_access(&ctx->dev, b->ptr,
-					 (size_t)to * ctx->chunk)))
-		gml_log(GMLAKE_LOG_ERROR, "cannot map block %#lx back after a "
-			"failed spill", (unsigned long)b->ptr);
+	if (!ok || (to > lo && gml_dev_set_access(&ctx->dev, v->va +
+					      (gml_va)lo * ctx->chunk,
+					      (size_t)(to - lo) * ctx->chunk)))
+		gml_log(GMLAKE_LOG_ERROR, "cannot map %#llx back after a "
+			"failed spill", (unsigned long long)(v->va +
+			(gml_va)lo * ctx->chunk));
 }
 
-/* Whether every slab under block b lies inside its run (in a segment or
- * a stitched view, a slab's positions are consecutive): the driver
- * unmaps a slab only whole. 0 or -EBUSY. */
-static int slabs_inside(const struct gml_view *v, const struct gml_block *b)
+/*
+ * Whether the slabs under block b can go with it (the driver unmaps a
+ * slab only whole): in a segment, a slab that reaches past the run may,
+ * when its other chunks are free (they go with it, their positions
+ * released; without check, after their last work is done); in a stitched
+ * view only slabs inside the run. 0, -EBUSY, or -errno of the wait.
+ */
+static int slabs_detachable(gmlake_ctx *ctx, const struct gml_view *v,
+			    const struct gml_block *b, bool check)
 {
-	for (uint32_t i = 0; i < b->n; i++) {
-		const struct gml_chunk *c = v->chunks[b->pos + i];
+	uint32_t lo, hi;
+	int ret;
 
-		if (c->slab_len && (c->slab_off > i ||
-				    i - c->slab_off + c->slab_len > b->n))
+	detach_range(v, b, &lo, &hi);
+	for (uint32_t p = lo; p < hi; p++) {
+		const struct gml_chunk *c = v->chunks[p];
+
+		if (p >= b->pos && p < b->pos + b->n)
+			continue;
+		if (v->stitched || c->owner)
 			return gml_set_error(-EBUSY, "the block shares a "
-					     "growth handle (slab) with other "
-					     "memory, and the driver unmaps "
-					     "a handle only whole");
+					     "growth handle (slab) with memory "
+					     "in use, and the driver unmaps a "
+					     "handle only whole");
+		if (!check && !gml_guard_ready(ctx, &c->guard, -1)) {
+			ret = gml_stream_wait(ctx, c->guard.stream,
+					      c->guard.seq);
+			if (ret)
+				return ret;
+		}
 	}
 	return 0;
 }
@@ -82,16 +121,17 @@ static int slabs_inside(const struct gml_view *v, const struct gml_block *b)
  * reserved: unmap its run; chunks of a stitched view go back to the free
  * pool of their segments, chunks of a segment (whose home is this range)
  * go back to the driver as spares, and the slabs under it whole, as
- * spare spans. The caller has the bytes elsewhere and the work on the
- * block is complete. With check, only see whether it would work. 0,
- * -EBUSY (a chunk is shared with a stitched range in use, or a slab with
- * other memory), or -errno with the block intact.
+ * spare spans (with the free chunks of theirs beyond the run). The caller
+ * has the bytes elsewhere and the work on the block is complete. With
+ * check, only see whether it would work. 0, -EBUSY (a chunk is shared
+ * with a stitched range in use, or a slab with memory in use), or -errno
+ * with the block intact.
  */
 int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 {
 	static const struct gml_guard none = { -1, 0 };
 	struct gml_view *v = b->view;
-	uint32_t i, len;
+	uint32_t i, p, lo, hi, s, len;
 	int ret;
 
 	if (ctx->nzombies)
@@ -99,7 +139,7 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	v->maxfree = GML_RUN_UNKNOWN;
 	if (v->chunks[b->pos]->spanned)
 		return check ? 0 : gml_span_detach(ctx, b);
-	ret = slabs_inside(v, b);
+	ret = slabs_detachable(ctx, v, b, check);
 	if (ret)
 		return ret;
 	for (i = 0; !v->stitched && i < b->n; i++) {
@@ -109,20 +149,21 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	}
 	if (check)
 		return 0;
-	for (i = 0; i < b->n; i += len) {
-		uint32_t p = b->pos + i;
-
-		len = gml_mapping_len(v, p);
+	detach_range(v, b, &lo, &hi);
+	for (p = lo; p < hi; p += len) {
+		mapping_at(v, p, &s, &len);
 		ret = gml_view_unmap_run(ctx, v, p, len);
 		if (ret) {
-			detach_undo(ctx, b, i);
+			detach_undo(ctx, v, lo, p);
 			return ret;
 		}
 	}
-	for (i = 0; i < b->n; i++) {
-		struct gml_chunk *c = v->chunks[b->pos + i];
+	for (p = lo; p < hi; p++) {
+		struct gml_chunk *c = v->chunks[p];
 
-		v->chunks[b->pos + i] = NULL;
+		/* Past the run, a free chunk of a slab: its position is
+		 * released (maxfree, unknown above, finds the runs again). */
+		v->chunks[p] = NULL;
 		c->owner = NULL;
 		c->guard = none;
 		gml_chunk_touch(c);

@@ -17,11 +17,14 @@
  * only whole (cuMemMap refuses an offset) and unmaps a mapping only whole,
  * so a stitch takes a slab only when all of it is free, and maps it as
  * one mapping at consecutive positions; a repair never remaps a slab's
- * position; a spill takes only blocks whose slabs lie inside them; a
- * fetch never moves a slab's chunk; and a slab goes back to the driver
- * whole, once every chunk of it is free. Stitches and repairs grow by
- * chunks, which they map elsewhere; so does all growth while an offload
- * tier is registered or gmlake_long_lived() is on, whose blocks spill.
+ * position; a fetch never moves a slab's chunk; a spill takes a slab
+ * whole with its block, and only where the rest of the slab is free (in
+ * a segment; resident.c); and a slab goes back to the driver whole, once
+ * every chunk of it is free. Stitches and repairs grow by chunks, which
+ * they map elsewhere; so does all growth while an offload tier is
+ * registered or gmlake_long_lived() is on: their blocks spill, and on the
+ * emulated device the optimizer tests' state then landed in slabs partly
+ * taken, where it could not.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"

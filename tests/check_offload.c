@@ -280,7 +280,8 @@ END_TEST
  * Blocks made before the ring, on growth handles (slabs) of 4 chunks: a
  * block whose slabs lie inside it spills (each slab unmapped whole, a
  * spare) and comes back with its bytes; one that shares a slab with
- * another block is refused with -EBUSY and stays as it was.
+ * another live block is refused with -EBUSY and stays as it was; once
+ * the rest of its slab is free, it spills and takes the slab along.
  */
 START_TEST(test_spill_slabs)
 {
@@ -288,7 +289,7 @@ START_TEST(test_spill_slabs)
 	struct gmlake_offload ring;
 	struct gmlake_stats st0, st;
 	gmlake_ctx *ctx;
-	void *a, *b, *x;
+	void *a, *b, *x, *y;
 
 	th_config(&cfg, 64 * TH_MiB);
 	cfg.host_limit = 64 * TH_MiB;
@@ -298,6 +299,9 @@ START_TEST(test_spill_slabs)
 	b = th_alloc_filled(ctx, 4 * TH_CHUNK, 2, NULL);   /* a slab */
 	th_verify_free(ctx, b, 4 * TH_CHUNK, 2, NULL);
 	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 3, NULL);   /* half b's slab */
+	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 4, NULL);   /* the other half */
+	ck_assert_ptr_eq(x, b);
+	ck_assert_ptr_eq(y, (char *)b + 2 * TH_CHUNK);
 	ring_init(&ring, ctx, 8);
 	th_stats(ctx, &st0);
 	ck_assert_int_eq(spill(&ring, a), 0);
@@ -310,6 +314,12 @@ START_TEST(test_spill_slabs)
 			 st0.resident_bytes.current - 9 * (int64_t)TH_CHUNK);
 	ck_assert_int_eq(spill(&ring, x), -EBUSY);
 	ck_assert_int_eq(gmlake_offload_state(ctx, x), GMLAKE_BLOCK_RESIDENT);
+	th_verify_ok(ctx, x, 2 * TH_CHUNK, 3, NULL);
+	th_verify_free(ctx, y, 2 * TH_CHUNK, 4, NULL);
+	th_sync(ctx, NULL);
+	ck_assert_int_eq(spill(&ring, x), 0);
+	th_check(ctx);
+	ck_assert_int_eq(fetch(&ring, x), 0);
 	th_verify_ok(ctx, x, 2 * TH_CHUNK, 3, NULL);
 	ck_assert_int_eq(fetch(&ring, a), 0);
 	th_check(ctx);
