@@ -174,6 +174,37 @@ static int seg_create(gmlake_ctx *ctx, uint32_t n, bool slabs,
 	return 0;
 }
 
+/*
+ * A slab of a failed growth that the driver will not unmap: with access
+ * granted it stays, a free slab at the segment's end (trim gives it back
+ * later); else its positions stay mapped with no chunk, unusable, and the
+ * handle is released (the driver frees it once unmapped).
+ */
+static void slab_keep(gmlake_ctx *ctx, struct gml_view *v, uint32_t p)
+{
+	struct gml_chunk *first = v->chunks[p];
+	uint32_t n = first->slab_len;
+	gml_handle h = first->handle;
+
+	v->n = p + n;
+	if (!gml_dev_set_access(&ctx->dev, v->va + (gml_va)p * ctx->chunk,
+				(size_t)n * ctx->chunk)) {
+		gml_count_access(ctx, (size_t)n * ctx->chunk, 1);
+		return;
+	}
+	gml_log(GMLAKE_LOG_ERROR, "cannot unmap or grant access to a slab "
+		"after a failed growth; its %u positions stay unusable", n);
+	for (uint32_t i = p; i < p + n; i++) {
+		free(v->chunks[i]);
+		v->chunks[i] = NULL;
+	}
+	if (gml_dev_mem_release(&ctx->dev, h))
+		return;		/* counted still: lost, said above */
+	gml_gauge_add(&ctx->st.chunks, -(int64_t)n);
+	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)n * (int64_t)ctx->chunk);
+	ctx->st.releases += n;
+}
+
 /* Undo a failed seg_extend of v from position n on: v keeps n. */
 static void seg_extend_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			    uint32_t k)
@@ -184,13 +215,8 @@ static void seg_extend_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 		if (c && c->slab_len) {
 			uint32_t len = c->slab_len;
 
-			/* Still mapped: the slab stays, free, without
-			 * access; trim gives it back. */
-			if (gml_slab_drop(ctx, v, i)) {
-				gml_log(GMLAKE_LOG_ERROR, "cannot unmap a slab "
-					"after a failed growth");
-				v->n = i + len;
-			}
+			if (gml_slab_drop(ctx, v, i))
+				slab_keep(ctx, v, i);
 			i += len - 1;
 			continue;
 		}
