@@ -78,8 +78,8 @@ When state comes back:
 Other uses of the state: optimizer.state_dict() and load_state_dict()
 are wrapped too. state_dict() first fetches all state (waiting for it),
 so that a checkpoint reads resident tensors; load_state_dict() fetches,
-loads (the optimizer makes new state tensors) and forgets the old
-records. Anything else that reads optimizer.state between steps must call
+loads (the optimizer makes new state tensors, long-lived as the first
+step's are) and forgets the old records. Anything else that reads optimizer.state between steps must call
 fetch_all() first: a spilled tensor's memory is not mapped, and a kernel
 reading it faults. State the wrapper cannot see is refused with a
 RuntimeError naming it: a CUDA tensor kept in an attribute of the
@@ -276,7 +276,11 @@ class OptimizerOffloader(Mover):
     def load_state_dict(self, *args, **kwargs):
         with self._lock:
             self.fetch_all()
-            out = self._load_fn(*args, **kwargs)
+            # The state it makes lives as long as the optimizer, as the
+            # first step's does: long-lived, one handle a large tensor.
+            groups = [list(g["params"]) for g in self.opt.param_groups]
+            with self._long_lived(groups, fresh=True):
+                out = self._load_fn(*args, **kwargs)
             self._forget()
         return out
 
@@ -407,15 +411,16 @@ class OptimizerOffloader(Mover):
         return out
 
     @contextlib.contextmanager
-    def _long_lived(self, bucket):
+    def _long_lived(self, bucket, fresh=False):
         """While the optimizer's step makes state for bucket's parameters
-        (its first step for them), libgmlake's long-lived mode on their
-        devices: that state lives as long as the optimizer, and a large
-        tensor of it then costs one handle, not one per 2 MiB chunk
+        (its first step for them; with fresh, whatever state they have,
+        as load_state_dict replaces it), libgmlake's long-lived mode on
+        their devices: that state lives as long as the optimizer, and a
+        large tensor of it then costs one handle, not one per 2 MiB chunk
         (gmlake_long_lived(3))."""
         state = self.opt.state
         devices = sorted({p.device.index or 0 for params in bucket
-                          for p in params if p not in state and
+                          for p in params if (fresh or p not in state) and
                           getattr(p.device, "type", None) == "cuda"})
         lib = self._lib() if devices else None
         on = []

@@ -100,7 +100,8 @@ class FakeAdam:
     def load_state_dict(self, sd):
         for p in sd["state"]:
             self.seed += 1
-            self.state[p] = {"exp_avg": self.case.tensor(STATE, self.seed)}
+            self.state[p] = {"exp_avg": self.case.tensor(self.state_bytes,
+                                                         self.seed)}
 
 
 class TestOptimizer(EmuCase):
@@ -208,6 +209,20 @@ class TestOptimizer(EmuCase):
             self.assertEqual(self.states(opt), [offload.SPILLED] * 5)
         self.assertEqual(off.stats["fetches"] + off.stats["prefetches"], 15)
         self.assertGreater(off.stats["prefetches"], 0)  # ahead in the step
+
+    def test_loaded_state_long_lived(self):
+        """The state load_state_dict makes is long-lived too, like the
+        first step's; the step after, with its state there, is not."""
+        opt, off, params = self.offloaded(nparams=2, keep_bytes=1 << 40)
+        opt.step()
+        sd = opt.state_dict()
+        steps = off.stats["long_lived_steps"]
+        opt.load_state_dict(sd)
+        self.assertEqual(off.stats["long_lived_steps"], steps + 1)
+        opt.step()      # state there: no long-lived step
+        off.synchronize()
+        self.assertEqual(off.stats["long_lived_steps"], steps + 1)
+        self.assertEqual(self.states(opt), [offload.RESIDENT] * 2)
 
     def test_first_step_state_in_one_handle_each(self):
         """The state the first step makes is long-lived: a large tensor
