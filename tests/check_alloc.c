@@ -950,6 +950,20 @@ START_TEST(test_slab_growth)
 }
 END_TEST
 
+/* n chunks filled with seed, which must take one new stitch; the
+ * readings before and after into *s0 and *s1. */
+static void *alloc_stitching(gmlake_ctx *ctx, size_t n, uint64_t seed,
+			     struct gmlake_stats *s0, struct gmlake_stats *s1)
+{
+	void *p;
+
+	th_stats(ctx, s0);
+	p = th_alloc_filled(ctx, n * TH_CHUNK, seed, NULL);
+	th_stats(ctx, s1);
+	ck_assert_uint_eq(s1->stitches, s0->stitches + 1);
+	return p;
+}
+
 /*
  * A stitch maps a free slab whole, one mapping; a slab partly taken is
  * not stitched (the shortfall grows instead), and its taken chunks keep
@@ -971,10 +985,7 @@ START_TEST(test_slab_stitch)
 	th_verify_free(ctx, c, 4 * TH_CHUNK, 3, NULL);
 
 	/* 8 chunks: the two free slabs, stitched. */
-	th_stats(ctx, &s0);
-	e = th_alloc_filled(ctx, 8 * TH_CHUNK, 5, NULL);
-	th_stats(ctx, &s1);
-	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+	e = alloc_stitching(ctx, 8, 5, &s0, &s1);
 	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 0);
 	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 2);
 	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 1);
@@ -985,10 +996,7 @@ START_TEST(test_slab_stitch)
 	/* Half of a's slab taken: the stitch takes c's and grows a slab. */
 	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
 	ck_assert_ptr_eq(x, a);
-	th_stats(ctx, &s0);
-	f = th_alloc_filled(ctx, 8 * TH_CHUNK, 7, NULL);
-	th_stats(ctx, &s1);
-	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+	f = alloc_stitching(ctx, 8, 7, &s0, &s1);
 	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 1);
 	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 3);
 	ck_assert_int_eq(reserved_chunks(ctx), 14);
