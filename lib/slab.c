@@ -7,10 +7,10 @@
  * a chunk in training), so growth by 2 MiB chunks costs a create and an
  * access per chunk: ViT's second step at its largest shape grew by 817
  * chunks and spent 40 ms of driver time doing it. Growth for a block
- * (alloc.c's tail growth, a new segment) therefore takes handles of
- * ctx->slab chunks (GMLAKE_GROW_HANDLE, 20 MiB by default as the large
- * pool of PyTorch's expandable segments), each mapped whole, and only the
- * remainder as chunks.
+ * (alloc.c's tail growth, a new segment, a stitch's shortfall) therefore
+ * takes handles of ctx->slab chunks (GMLAKE_GROW_HANDLE, 20 MiB by default
+ * as the large pool of PyTorch's expandable segments), each mapped whole,
+ * and only the remainder as chunks.
  *
  * A slab's positions have chunk structs like any other: first fit splits
  * them, owners and guards are per position. But the driver maps a handle
@@ -20,11 +20,11 @@
  * position; a fetch never moves a slab's chunk; a spill takes a slab
  * whole with its block, and only where the rest of the slab is free (in
  * a segment; resident.c); and a slab goes back to the driver whole, once
- * every chunk of it is free. Stitches and repairs grow by chunks, which
- * they map elsewhere; so does all growth while an offload tier is
- * registered or gmlake_long_lived() is on: their blocks spill, and on the
- * emulated device the optimizer tests' state then landed in slabs partly
- * taken, where it could not.
+ * every chunk of it is free. Repairs and fetches grow by chunks, which
+ * they map one by one elsewhere; so does all growth while an offload tier
+ * is registered or gmlake_long_lived() is on: their blocks spill, and on
+ * the emulated device the optimizer tests' state then landed in slabs
+ * partly taken, where it could not.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"

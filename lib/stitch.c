@@ -147,7 +147,7 @@ out_nomem:
 
 /*
  * A new stitched view of n chunks: the free runs, smallest first, and new
- * chunks for the shortfall. Stitching maps no new physical memory. Small
+ * memory for the shortfall (growth handles where it can, slab.c). Stitching maps no new physical memory. Small
  * runs go first so that large free runs stay whole for step 1: taking
  * the largest first made big views overlap the segments that hold other
  * big blocks, and each step repaired them. A free slab goes in whole or
