@@ -147,11 +147,11 @@ out_nomem:
 
 /*
  * A new stitched view of n chunks: the free runs, smallest first, and new
- * memory for the shortfall (growth handles where it can, slab.c). Stitching maps no new physical memory. Small
- * runs go first so that large free runs stay whole for step 1: taking
- * the largest first made big views overlap the segments that hold other
- * big blocks, and each step repaired them. A free slab goes in whole or
- * not at all.
+ * memory for the shortfall only (growth handles where it can, slab.c).
+ * Small runs go first so that large free runs stay whole for step 1:
+ * taking the largest first made big views overlap the segments that hold
+ * other big blocks, and each step repaired them. A free slab goes in
+ * whole or not at all.
  */
 int gml_stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 {
