@@ -52,18 +52,17 @@ static int check_config(const struct gmlake_config *cfg)
 	return 0;
 }
 
-/* Growth handles: whole chunks of it (slab.c); one chunk or less: none. */
-static int set_slab(gmlake_ctx *ctx)
+/* Growth handles (slab.c): whole chunks of grow_handle, at most
+ * GML_SLAB_MAX of them (small chunks, as an emulated device may have,
+ * would otherwise make the default refuse the context); one chunk or
+ * less: none. */
+static void set_slab(gmlake_ctx *ctx)
 {
 	size_t n = ctx->cfg.grow_handle / ctx->chunk;
 
 	if (n > GML_SLAB_MAX)
-		return gml_set_error(-EINVAL, "grow handle size %zu is more "
-				     "than %u chunks of %zu bytes",
-				     ctx->cfg.grow_handle, GML_SLAB_MAX,
-				     ctx->chunk);
+		n = GML_SLAB_MAX;
 	ctx->slab = n > 1 ? (uint32_t)n : 0;
-	return 0;
 }
 
 /* Chunk size: the granularity, or a power-of-two multiple of it. */
@@ -82,7 +81,8 @@ static int set_chunk(gmlake_ctx *ctx)
 	ctx->chunk = c;
 	ctx->chunk_shift = (uint32_t)__builtin_ctzl(c);
 	ctx->st.chunk_size = c;
-	return set_slab(ctx);
+	set_slab(ctx);
+	return 0;
 }
 
 GML_EXPORT int gmlake_ctx_init(gmlake_ctx **out,

@@ -892,15 +892,14 @@ static int64_t reserved_chunks(gmlake_ctx *ctx)
 /*
  * Growth for a block takes growth handles (slabs), mapped whole, and
  * chunks for the rest: one create, map and handle covered by set-access
- * per slab. Their chunks split by first fit; the bad sizes of the option
- * are refused.
+ * per slab. Their chunks split by first fit; sizes up to a chunk mean
+ * chunks, and a size past 1024 chunks is taken as 1024.
  */
 START_TEST(test_slab_growth)
 {
 	gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
 	struct gmlake_config cfg;
 	struct gmlake_stats s0, s1;
-	gmlake_ctx *bad;
 	void *a, *b, *x, *y;
 
 	th_stats(ctx, &s0);
@@ -942,11 +941,26 @@ START_TEST(test_slab_growth)
 	ck_assert_uint_eq(s1.access_handles - s0.access_handles, 4);
 	th_verify_free(ctx, a, 4 * TH_CHUNK, 5, NULL);
 	th_destroy(ctx);
-	th_config(&cfg, CAP_CHUNKS(16));
-	cfg.grow_handle = 1025 * TH_CHUNK;
-	ck_assert_int_eq(gmlake_ctx_init(&bad, &cfg), -EINVAL);
-	ck_assert_msg(strstr(gmlake_last_error(), "grow handle size"),
-		      "message: %s", gmlake_last_error());
+	/* More than 1024 chunks: 1024 (with 4 KiB chunks, the default's 20
+	 * MiB would be 5120). */
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.emu_granularity = 4096;
+	cfg.small_size = 4096;
+	cfg.grow_handle = 1025 * 4096;
+	ctx = th_ctx_cfg(&cfg);
+	th_stats(ctx, &s0);
+	a = th_alloc_filled(ctx, 1030 * 4096, 6, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 7);
+	th_verify_free(ctx, a, 1030 * 4096, 6, NULL);
+	th_destroy(ctx);
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.emu_granularity = 4096;
+	cfg.small_size = 4096;
+	ctx = th_ctx_cfg(&cfg);		/* the default 20 MiB */
+	a = th_alloc_filled(ctx, 1030 * 4096, 7, NULL);
+	th_verify_free(ctx, a, 1030 * 4096, 7, NULL);
+	th_destroy(ctx);
 }
 END_TEST
 
