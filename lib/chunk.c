@@ -198,11 +198,7 @@ static void slab_keep(gmlake_ctx *ctx, struct gml_view *v, uint32_t p)
 		free(v->chunks[i]);
 		v->chunks[i] = NULL;
 	}
-	if (gml_dev_mem_release(&ctx->dev, h))
-		return;		/* counted still: lost, said above */
-	gml_gauge_add(&ctx->st.chunks, -(int64_t)n);
-	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)n * (int64_t)ctx->chunk);
-	ctx->st.releases += n;
+	gml_span_release(ctx, h, n);	/* refused: counted still, lost */
 }
 
 /* Undo a failed seg_extend of v from position n on: v keeps n. */
@@ -348,6 +344,22 @@ int gml_grow(gmlake_ctx *ctx, uint32_t k, bool slabs, struct run *got)
 	return ret;
 }
 
+/* Unmap the unused stitched views that map free chunk c (waiting for
+ * their work): 0, -EAGAIN while one stays dying, or -errno. */
+int gml_chunk_unview(gmlake_ctx *ctx, struct gml_chunk *c)
+{
+	int ret;
+
+	while (c->nviews) {
+		ret = gml_view_evict(ctx, c->views[0], true);
+		if (ret)
+			return ret;
+		if (c->nviews && c->views[0]->dying)
+			return -EAGAIN;
+	}
+	return 0;
+}
+
 /*
  * Give a segment's free chunk back to the driver; a slab's goes with the
  * rest of its slab, once all of it is free. The number of chunks that
@@ -360,13 +372,9 @@ int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 
 	if (c->slab_len)
 		return gml_slab_release(ctx, seg, i);
-	while (c->nviews) {
-		ret = gml_view_evict(ctx, c->views[0], true);
-		if (ret)
-			return ret;
-		if (c->nviews && c->views[0]->dying)
-			return -EAGAIN;
-	}
+	ret = gml_chunk_unview(ctx, c);
+	if (ret)
+		return ret;
 	ret = gml_dev_mem_release(&ctx->dev, c->handle);
 	if (ret)
 		return ret;

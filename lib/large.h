@@ -29,6 +29,7 @@ void gml_del_view_ref(struct gml_chunk *c, struct gml_view *v);
 struct gml_view *gml_view_new(uint32_t n, bool stitched);
 void gml_count_mapping(gmlake_ctx *ctx, int64_t positions);
 int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v);
+uint32_t gml_mapping_start(const struct gml_view *v, uint32_t p);
 uint32_t gml_mapping_len(const struct gml_view *v, uint32_t p);
 int gml_view_map_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 		     uint32_t n, gml_handle h);
@@ -58,6 +59,7 @@ bool gml_best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
 int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,
 		   bool slabs);
 int gml_grow(gmlake_ctx *ctx, uint32_t k, bool slabs, struct run *got);
+int gml_chunk_unview(gmlake_ctx *ctx, struct gml_chunk *c);
 int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i);
 bool gml_chunk_releasable(const struct gml_chunk *c);
 void gml_chunk_handle_release(gmlake_ctx *ctx, gml_handle h);
@@ -90,6 +92,7 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 		   const struct gml_guard *g);
 bool gml_span_stale_unmap(gmlake_ctx *ctx, const struct gml_stale *e);
 void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n);
+bool gml_span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n);
 void gml_span_spares_release(gmlake_ctx *ctx);
 void gml_span_spares_fini(gmlake_ctx *ctx);
 

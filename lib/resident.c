@@ -39,38 +39,26 @@ static int unshare_chunk(gmlake_ctx *ctx, struct gml_chunk *c)
 	return 0;
 }
 
-/* The mapping of v that holds position p: [*start, *start + *len), a
- * slab's whole or one position. */
-static void mapping_at(const struct gml_view *v, uint32_t p, uint32_t *start,
-		       uint32_t *len)
-{
-	const struct gml_chunk *c = v->chunks[p];
-
-	*start = c->slab_len ? p - c->slab_off : p;
-	*len = c->slab_len ? c->slab_len : 1;
-}
-
 /* The positions a detach of b unmaps: its run, and the slabs at its ends
  * whole. */
 static void detach_range(const struct gml_view *v, const struct gml_block *b,
 			 uint32_t *lo, uint32_t *hi)
 {
-	uint32_t s, n;
+	uint32_t last = b->pos + b->n - 1;
 
-	mapping_at(v, b->pos, lo, &n);
-	mapping_at(v, b->pos + b->n - 1, &s, &n);
-	*hi = s + n;
+	*lo = gml_mapping_start(v, b->pos);
+	*hi = last + gml_mapping_len(v, last);
 }
 
 /* Map [lo, to) of v back after a failed detach (best effort). */
 static void detach_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t lo,
 			uint32_t to)
 {
-	uint32_t s, len;
+	uint32_t len;
 	bool ok = true;
 
 	for (uint32_t p = lo; p < to; p += len) {
-		mapping_at(v, p, &s, &len);
+		len = gml_mapping_len(v, p);
 		if (gml_view_map_run(ctx, v, p, len, v->chunks[p]->handle))
 			ok = false;
 	}
@@ -131,7 +119,7 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 {
 	static const struct gml_guard none = { -1, 0 };
 	struct gml_view *v = b->view;
-	uint32_t i, p, lo, hi, s, len;
+	uint32_t i, p, lo, hi, len;
 	int ret;
 
 	if (ctx->nzombies)
@@ -151,7 +139,7 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 		return 0;
 	detach_range(v, b, &lo, &hi);
 	for (p = lo; p < hi; p += len) {
-		mapping_at(v, p, &s, &len);
+		len = gml_mapping_len(v, p);
 		ret = gml_view_unmap_run(ctx, v, p, len);
 		if (ret) {
 			detach_undo(ctx, v, lo, p);

@@ -130,13 +130,8 @@ int gml_slab_drop(gmlake_ctx *ctx, struct gml_view *v, uint32_t p)
 		v->chunks[p + i] = NULL;
 	}
 	v->maxfree = GML_RUN_UNKNOWN;
-	if (gml_dev_mem_release(&ctx->dev, h)) {
+	if (!gml_span_release(ctx, h, n))
 		gml_span_put(ctx, h, n);
-		return 0;
-	}
-	gml_gauge_add(&ctx->st.chunks, -(int64_t)n);
-	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)n * (int64_t)ctx->chunk);
-	ctx->st.releases += n;
 	return 0;
 }
 
@@ -173,15 +168,9 @@ int gml_slab_release(gmlake_ctx *ctx, struct gml_view *v, uint32_t i)
 		if (!gml_chunk_releasable(v->chunks[k]))
 			return -EBUSY;
 	for (uint32_t k = p; k < p + n; k++) {
-		struct gml_chunk *c = v->chunks[k];
-
-		while (c->nviews) {	/* unused: releasable says so */
-			ret = gml_view_evict(ctx, c->views[0], true);
-			if (ret)
-				return ret;
-			if (c->nviews && c->views[0]->dying)
-				return -EAGAIN;
-		}
+		ret = gml_chunk_unview(ctx, v->chunks[k]);
+		if (ret)
+			return ret;
 	}
 	ret = gml_slab_drop(ctx, v, p);
 	return ret ? ret : (int)n;

@@ -45,9 +45,9 @@ bool gml_span_wanted(const struct gml_block *b)
 	return b->n >= GML_SPAN_MIN && b->fetches > 0;
 }
 
-/* Give a span back to the driver; false if it refused (the handle is
- * still the caller's, and still counted). */
-static bool span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n)
+/* Give a handle of n chunks (a span, a slab) back to the driver; false if
+ * it refused (the handle is still the caller's, and still counted). */
+bool gml_span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 {
 	if (gml_dev_mem_release(&ctx->dev, h))
 		return false;
@@ -67,7 +67,7 @@ void gml_span_put(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 						       cap * sizeof(*grown));
 
 		if (!grown) {
-			if (!span_release(ctx, h, n))
+			if (!gml_span_release(ctx, h, n))
 				gml_log(GMLAKE_LOG_WARN, "leaking a span of %u "
 					"chunks the driver would not release",
 					n);
@@ -87,7 +87,7 @@ void gml_span_spares_release(gmlake_ctx *ctx)
 	uint32_t k = 0;
 
 	for (uint32_t i = 0; i < ctx->nspan_spares; i++)
-		if (!span_release(ctx, ctx->span_spares[i].h,
+		if (!gml_span_release(ctx, ctx->span_spares[i].h,
 				  ctx->span_spares[i].n))
 			ctx->span_spares[k++] = ctx->span_spares[i];
 	ctx->nspan_spares = k;
@@ -182,7 +182,7 @@ int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
 			 * is, and the count goes with the handle. */
 			gml_log(GMLAKE_LOG_ERROR, "cannot unmap a span at %#lx "
 				"after a failed fetch", (unsigned long)b->ptr);
-			if (!span_release(ctx, h, b->n))
+			if (!gml_span_release(ctx, h, b->n))
 				gml_span_put(ctx, h, b->n);
 			goto out_free;
 		}

@@ -163,13 +163,22 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 	return 0;
 }
 
-/* Positions of v that the mapping at p covers: a slab's, from its first
- * position, or one. */
+/* The first position of the mapping of v that holds position p: a
+ * slab's first, else p. */
+uint32_t gml_mapping_start(const struct gml_view *v, uint32_t p)
+{
+	const struct gml_chunk *c = v->chunks[p];
+
+	return c && c->slab_len ? p - c->slab_off : p;
+}
+
+/* Positions from p to the end of the mapping that holds it: the rest of
+ * a slab, or one. */
 uint32_t gml_mapping_len(const struct gml_view *v, uint32_t p)
 {
 	const struct gml_chunk *c = v->chunks[p];
 
-	return c && c->slab_len ? c->slab_len : 1;
+	return c && c->slab_len ? (uint32_t)(c->slab_len - c->slab_off) : 1;
 }
 
 /* Unmap n positions of v from p that one mapping covers (a chunk: n 1; a
