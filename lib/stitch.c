@@ -223,32 +223,45 @@ out_free:
 }
 
 /*
- * The window of n positions of v with the fewest taken chunks, none of
- * them a slab's (a repair remaps single positions; a slab is mapped
- * whole): bad[] 1 at a taken chunk, 2 at a taken slab position.
- * UINT32_MAX where every window holds a taken slab position.
+ * The window of n positions of v that is cheapest to repair: the fewest
+ * handles to map anew. A taken single chunk is one; a slab with any taken
+ * position in the window is one too, the whole slab swapped for another
+ * free one (the driver maps and unmaps a slab only whole, slab.c), and a
+ * window may need at most max_slabs of those. bad[] marks 1 at a taken
+ * single chunk, 2 at a taken slab position; *slabs is the window's slab
+ * count. UINT32_MAX where no window qualifies.
  */
 static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
-			    int stream, uint8_t *bad, uint32_t *pos)
+			    int stream, uint32_t max_slabs, uint8_t *bad,
+			    uint16_t *taken, uint32_t *pos, uint32_t *slabs)
 {
-	uint32_t count = 0, slabs = 0, best = UINT32_MAX;
+	uint32_t singles = 0, nslabs = 0, best = UINT32_MAX;
 
 	*pos = 0;
+	*slabs = 0;
 	for (uint32_t i = 0; i < v->n; i++) {
 		bad[i] = !gml_usable(ctx, v->chunks[i], stream);
 		if (bad[i] && v->chunks[i] && v->chunks[i]->slab_len)
 			bad[i] = 2;
+		taken[i] = 0;
 	}
+	/* taken[s]: the window's taken positions of the slab mapped from s */
 	for (uint32_t i = 0; i < v->n; i++) {
-		count += bad[i] == 1;
-		slabs += bad[i] == 2;
+		singles += bad[i] == 1;
+		if (bad[i] == 2 && taken[gml_mapping_start(v, i)]++ == 0)
+			nslabs++;
 		if (i >= n) {
-			count -= bad[i - n] == 1;
-			slabs -= bad[i - n] == 2;
+			uint32_t o = i - n;
+
+			singles -= bad[o] == 1;
+			if (bad[o] == 2 && --taken[gml_mapping_start(v, o)] == 0)
+				nslabs--;
 		}
-		if (i + 1 >= n && !slabs && count < best) {
-			best = count;
+		if (i + 1 >= n && nslabs <= max_slabs &&
+		    singles + nslabs < best) {
+			best = singles + nslabs;
 			*pos = i + 1 - n;
+			*slabs = nslabs;
 		}
 	}
 	return best;
@@ -277,6 +290,47 @@ static uint32_t spare_chunks(gmlake_ctx *ctx, struct gml_view *v, int stream,
 	return got;
 }
 
+/* Whether the slab at position p of segment s is free whole, ready for
+ * stream, mapped nowhere in v; and whether another stitched view maps it. */
+static bool spare_slab(gmlake_ctx *ctx, struct gml_view *s, uint32_t p,
+		       struct gml_view *v, int stream, bool *viewed)
+{
+	struct gml_chunk *c = s->chunks[p];
+
+	if (!c || !c->slab_len || c->slab_off || !s->mapped[p])
+		return false;
+	*viewed = false;
+	for (uint32_t i = p; i < p + c->slab_len; i++) {
+		c = s->chunks[i];
+		if (c->owner || !gml_guard_ready(ctx, &c->guard, stream) ||
+		    gml_chunk_in_view(c, v))
+			return false;
+		*viewed |= c->nviews > 0;
+	}
+	return true;
+}
+
+/* Up to want free slabs for v's repair, as their first chunks (out NULL:
+ * only count them), those no other stitched view maps first. */
+static uint32_t spare_slabs(gmlake_ctx *ctx, struct gml_view *v, int stream,
+			    struct gml_chunk **out, uint32_t want)
+{
+	uint32_t got = 0;
+	bool viewed;
+
+	for (int pass = 0; pass < 2; pass++)
+		for (struct gml_view *s = gml_list_last(ctx->segs); s && got < want;
+		     s = s->prev)
+			for (uint32_t i = 0; i < s->n && got < want; i++)
+				if (spare_slab(ctx, s, i, v, stream, &viewed) &&
+				    viewed == (pass == 1)) {
+					if (out)
+						out[got] = s->chunks[i];
+					got++;
+				}
+	return got;
+}
+
 /* Swap the chunk at position i of v for c: unmap, map, no access yet. */
 static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
 			  struct gml_chunk *c)
@@ -296,84 +350,168 @@ static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
 	return gml_view_map_pos(ctx, v, i, c->handle);
 }
 
-/* Remap the bad positions of [pos, pos + n), one set-access per run. */
-static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
-			 uint32_t n, const uint8_t *bad, struct gml_chunk **spare)
+/*
+ * Swap the slab mapped at positions [p, p + len) of v for the free slab
+ * whose first chunk is c, of the same length: one unmap, one map, no
+ * access yet. On failure the positions not remapped are left NULL.
+ */
+static int remap_slab(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+		      struct gml_chunk *c)
 {
-	uint32_t k = 0, start = 0;
+	struct gml_chunk **src = c->seg->chunks + c->seg_pos;
+	uint32_t len = c->slab_len;
 	int ret;
 
-	for (uint32_t i = pos; i <= pos + n; i++) {
-		if (i < pos + n && bad[i]) {
-			ret = remap_position(ctx, v, i, spare[k++]);
-			if (ret)
-				return ret;
-			continue;
-		}
-		if (start < i && bad[i - 1] && i > pos) {
-			uint32_t first = i;
+	v->maxfree = GML_RUN_UNKNOWN;
+	ret = gml_view_unmap_run(ctx, v, p, len);
+	if (ret)
+		return ret;
+	for (uint32_t i = 0; i < len; i++) {
+		gml_del_view_ref(v->chunks[p + i], v);
+		v->chunks[p + i] = NULL;
+	}
+	for (uint32_t i = 0; i < len; i++) {
+		ret = gml_add_view_ref(src[i], v);
+		if (ret)
+			return gml_set_error(ret, "no host memory to repair a "
+					     "view");
+		v->chunks[p + i] = src[i];
+	}
+	return gml_view_map_run(ctx, v, p, len, c->handle);
+}
 
-			while (first > pos && bad[first - 1])
-				first--;
-			ret = gml_dev_set_access(&ctx->dev, v->va + (gml_va)first *
-					     ctx->chunk, (size_t)(i - first) *
-					     ctx->chunk);
-			if (ret)
-				return ret;
-			gml_count_access(ctx, (size_t)(i - first) *
-					 ctx->chunk, i - first);
+/*
+ * Remap the bad positions of [pos, pos + n): taken single chunks one by
+ * one from spare[], slabs with a taken position whole from slab[]; then
+ * one set-access per run of remapped positions. fresh[] (v->n, zeroed)
+ * marks what was remapped.
+ */
+static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
+			 uint32_t n, const uint8_t *bad, struct gml_chunk **spare,
+			 struct gml_chunk **slab, uint8_t *fresh)
+{
+	uint32_t k = 0, ks = 0;
+	int ret;
+
+	for (uint32_t i = pos; i < pos + n; i++) {
+		uint32_t p = gml_mapping_start(v, i), len;
+
+		if (!bad[i] || fresh[i])
+			continue;
+		if (bad[i] == 1) {
+			ret = remap_position(ctx, v, i, spare[k++]);
+			fresh[i] = 1;
+		} else {
+			len = v->chunks[i]->slab_len;
+			ret = remap_slab(ctx, v, p, slab[ks++]);
+			memset(fresh + p, 1, len);
 		}
-		start = i + 1;
+		if (ret)
+			return ret;
+	}
+	for (uint32_t i = 0, first; i < v->n; i++) {
+		uint64_t handles = 0;
+
+		if (!fresh[i])
+			continue;
+		for (first = i; i < v->n && fresh[i]; i += gml_mapping_len(v, i))
+			handles++;
+		ret = gml_dev_set_access(&ctx->dev, v->va + (gml_va)first *
+					 ctx->chunk, (size_t)(i - first) *
+					 ctx->chunk);
+		if (ret)
+			return ret;
+		gml_count_access(ctx, (size_t)(i - first) * ctx->chunk,
+				 handles);
 	}
 	return 0;
 }
 
+/* The handles a window of v maps: what stitching it anew would map. */
+static uint32_t window_handles(const struct gml_view *v, uint32_t pos,
+			       uint32_t n)
+{
+	uint32_t handles = 0;
+
+	for (uint32_t i = pos; i < pos + n; i += gml_mapping_len(v, i))
+		handles++;
+	return handles;
+}
+
 /*
- * Step 3: a cached stitched view that nobody uses and whose last work is
+ * Step 5: a cached stitched view that nobody uses and whose last work is
  * complete, with a window where few chunks are taken, is repaired instead
  * of stitching anew: when shapes drift from one training step to the next,
- * most of yesterday's stitch is still free. -ENOENT when a repair would
- * cost more than a new stitch (at H200 prices a repaired chunk costs about
- * 65 us for unmap, map and access, a stitched one 42 us for map and
- * access), so the caller stitches.
+ * most of yesterday's stitch is still free. A slab the window needs but
+ * another block holds part of is swapped whole for a free slab elsewhere.
+ * -ENOENT when a repair would cost more than a new stitch (at H200 prices
+ * a repaired handle costs about 65 us for unmap, map and access, a
+ * stitched one 42 us for map and access), so the caller stitches.
  */
 int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 {
 	struct gml_view *best = NULL;
 	struct run grown;
 	uint32_t pos, best_pos = 0, nbad, best_bad = UINT32_MAX, k;
-	struct gml_chunk **spare;
+	uint32_t slabs, best_slabs = 0, max_slabs;
+	struct gml_chunk **spare = NULL;
 	uint8_t *bad, *best_mask = NULL;
+	uint16_t *taken;
 	int ret = -ENOENT;
 
 	for (struct gml_view *v = ctx->stitched; v; v = v->next) {
 		if (v->live || v->n < n || !gml_guards_done(ctx, v))
 			continue;
-		bad = malloc(v->n);
-		if (!bad)
+		bad = malloc(2 * (size_t)v->n);	/* then fresh[] */
+		taken = malloc(v->n * sizeof(*taken));
+		if (!bad || !taken) {
+			free(bad);
+			free(taken);
 			break;
-		nbad = best_window(ctx, v, n, stream, bad, &pos);
+		}
+		nbad = best_window(ctx, v, n, stream, UINT32_MAX, bad, taken,
+				   &pos, &slabs);
+		if (slabs) {	/* as many swaps as there are free slabs */
+			max_slabs = spare_slabs(ctx, v, stream, NULL, slabs);
+			if (max_slabs < slabs)
+				nbad = best_window(ctx, v, n, stream,
+						   max_slabs, bad, taken,
+						   &pos, &slabs);
+		}
+		free(taken);
 		if (nbad < best_bad) {
 			free(best_mask);
 			best = v, best_pos = pos, best_bad = nbad, best_mask = bad;
+			best_slabs = slabs;
 		} else {
 			free(bad);
 		}
 	}
-	if (!best || (uint64_t)best_bad * 65 >= (uint64_t)n * 42)
+	if (!best || (uint64_t)best_bad * 65 >=
+		     (uint64_t)window_handles(best, best_pos, n) * 42)
 		goto out_free_mask;
+	ret = -ENOMEM;
 	spare = malloc((best_bad + 1) * sizeof(*spare));
 	if (!spare)
-		goto out_free_mask;
-	k = spare_chunks(ctx, best, stream, spare, best_bad);
-	if (k < best_bad) {
-		ret = gml_grow(ctx, best_bad - k, false, &grown);
+		goto out_nomem;
+	memset(best_mask + best->n, 0, best->n);
+	k = spare_slabs(ctx, best, stream, spare + (best_bad - best_slabs),
+			best_slabs);
+	if (k < best_slabs) {	/* counted above; nothing changed since */
+		ret = gml_set_error(-EAGAIN, "repair lost its spare slabs");
+		goto out_free_spare;
+	}
+	k = spare_chunks(ctx, best, stream, spare, best_bad - best_slabs);
+	if (k < best_bad - best_slabs) {
+		ret = gml_grow(ctx, best_bad - best_slabs - k, false, &grown);
 		if (ret)
 			goto out_free_spare;
-		for (uint32_t i = 0; k < best_bad; i++)
+		for (uint32_t i = 0; k < best_bad - best_slabs; i++)
 			spare[k++] = grown.view->chunks[grown.pos + i];
 	}
-	ret = repair_window(ctx, best, best_pos, n, best_mask, spare);
+	ret = repair_window(ctx, best, best_pos, n, best_mask, spare,
+			    spare + (best_bad - best_slabs),
+			    best_mask + best->n);
 	if (ret) {
 		/* A view with a hole cannot stay cached. */
 		gml_view_evict(ctx, best, true);
@@ -382,6 +520,9 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 	best->last_use = ++ctx->clock;
 	ctx->st.stitch_repairs++;
 	*got = (struct run){ best, best_pos, n };
+	goto out_free_spare;
+out_nomem:
+	ret = gml_set_error(-ENOMEM, "no host memory to repair a view");
 out_free_spare:
 	free(spare);
 out_free_mask:

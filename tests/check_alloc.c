@@ -1093,6 +1093,130 @@ START_TEST(test_slab_faults)
 }
 END_TEST
 
+/*
+ * Slabs A, C and F free, a stitched view over A and C cached, then part
+ * of A taken: the layout of a step whose shapes moved. Returns the view's
+ * address; *x is the block in A, *b, *d and *g the single chunks between.
+ */
+static void *slab_view_broken(gmlake_ctx *ctx, void **x, void **b, void **d,
+			      void **g)
+{
+	struct gmlake_stats s0, s1;
+	void *a, *c, *e, *f;
+
+	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);	/* A 0-3 */
+	*b = th_alloc_filled(ctx, 1 * TH_CHUNK, 2, NULL);
+	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);	/* C 5-8 */
+	*d = th_alloc_filled(ctx, 1 * TH_CHUNK, 4, NULL);
+	f = th_alloc_filled(ctx, 4 * TH_CHUNK, 5, NULL);	/* F 10-13 */
+	*g = th_alloc_filled(ctx, 1 * TH_CHUNK, 6, NULL);
+	ck_assert_int_eq(reserved_chunks(ctx), 15);
+	th_free(ctx, a);
+	th_free(ctx, c);
+	e = alloc_stitching(ctx, 8, 7, &s0, &s1);	/* over A and C */
+	th_free(ctx, e);
+	th_free(ctx, f);
+	*x = th_alloc_filled(ctx, 2 * TH_CHUNK, 8, NULL);
+	ck_assert_ptr_eq(*x, a);
+	return e;
+}
+
+/*
+ * A cached view whose slab another block took part of is repaired by
+ * swapping that slab whole for a free one (one unmap, one map, one
+ * set-access), not stitched anew; data in both stays intact.
+ */
+START_TEST(test_slab_repair)
+{
+	gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
+	struct gmlake_stats s0, s1;
+	void *x, *b, *d, *g, *e, *p, *y, *z;
+
+	e = slab_view_broken(ctx, &x, &b, &d, &g);
+	th_stats(ctx, &s0);
+	p = th_alloc_filled(ctx, 8 * TH_CHUNK, 9, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(p, e);
+	ck_assert_uint_eq(s1.stitch_repairs, s0.stitch_repairs + 1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 0);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_unmap), 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 1);
+	ck_assert_uint_eq(s1.access_handles - s0.access_handles, 1);
+	ck_assert_int_eq(reserved_chunks(ctx), 15);
+	th_check(ctx);
+	th_verify_ok(ctx, x, 2 * TH_CHUNK, 8, NULL);
+	th_verify_free(ctx, p, 8 * TH_CHUNK, 9, NULL);
+
+	/* The view maps F and C now. A taken whole and part of C: no free
+	 * slab is left outside the view, so the next 8 chunks stitch F and
+	 * growth instead. */
+	th_free(ctx, x);
+	y = th_alloc_filled(ctx, 4 * TH_CHUNK, 10, NULL);
+	z = th_alloc_filled(ctx, 2 * TH_CHUNK, 11, NULL);
+	ck_assert_ptr_eq(y, x);
+	ck_assert_ptr_eq(z, (char *)x + 5 * TH_CHUNK);
+	p = alloc_stitching(ctx, 8, 12, &s0, &s1);
+	ck_assert_uint_eq(s1.stitch_repairs, s0.stitch_repairs);
+	ck_assert_ptr_ne(p, e);
+	th_check(ctx);
+	th_verify_free(ctx, p, 8 * TH_CHUNK, 12, NULL);
+	th_verify_free(ctx, y, 4 * TH_CHUNK, 10, NULL);
+	th_verify_free(ctx, z, 2 * TH_CHUNK, 11, NULL);
+	th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, d, TH_CHUNK, 4, NULL);
+	th_verify_free(ctx, g, TH_CHUNK, 6, NULL);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A driver failure in each call of a slab swap: the request fails or is
+ * served another way, the view goes, nothing leaks, data stays intact. */
+START_TEST(test_slab_repair_faults)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_mem_unmap, GMLAKE_CALL_mem_map,
+		GMLAKE_CALL_set_access,
+	};
+	uint64_t nth;
+
+	for (nth = 1; nth <= 4; nth++) {
+		gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
+		void *x, *b, *d, *g, *e, *p;
+		uint64_t before;
+		bool fired;
+
+		e = slab_view_broken(ctx, &x, &b, &d, &g);
+		(void)e;
+		before = th_dev(ctx)->call_failures[calls[_i]];
+		gml_dev_fail_nth(th_dev(ctx), calls[_i], nth, EIO);
+		if (gmlake_alloc(ctx, &p, 8 * TH_CHUNK, NULL))
+			p = NULL;
+		if (p)
+			th_fill_ok(ctx, p, 8 * TH_CHUNK, 9, NULL);
+		if (p)
+			th_free(ctx, p);
+		fired = th_dev(ctx)->call_failures[calls[_i]] > before;
+		gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+		th_check(ctx);
+		th_verify_ok(ctx, x, 2 * TH_CHUNK, 8, NULL);
+		p = th_alloc_filled(ctx, 8 * TH_CHUNK, 11, NULL);
+		th_verify_free(ctx, p, 8 * TH_CHUNK, 11, NULL);
+		th_verify_free(ctx, x, 2 * TH_CHUNK, 8, NULL);
+		th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
+		th_verify_free(ctx, d, TH_CHUNK, 4, NULL);
+		th_verify_free(ctx, g, TH_CHUNK, 6, NULL);
+		TH_OK(ctx, gmlake_trim(ctx));
+		ck_assert_int_eq(reserved_chunks(ctx), 0);
+		th_destroy(ctx);
+		if (!fired)
+			break;
+	}
+	ck_assert_msg(nth > 1, "%s never failed", gmlake_call_name(calls[_i]));
+}
+END_TEST
+
 /* The whole device in one block after fragmentation, then pieces again. */
 START_TEST(test_stitch_whole_device)
 {
@@ -1936,6 +2060,8 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_grow_at_end);
 	tcase_add_test(tc, test_slab_growth);
 	tcase_add_test(tc, test_slab_stitch);
+	tcase_add_test(tc, test_slab_repair);
+	tcase_add_loop_test(tc, test_slab_repair_faults, 0, 3);
 	tcase_add_loop_test(tc, test_slab_faults, 0, 5);
 	if (emu)
 		tcase_add_test(tc, test_stitch_whole_device);
