@@ -18,7 +18,14 @@ tensor creation, the same for all):
           best case);
   window  a window of 64 live tensors of mixed sizes (4 KiB to 8 MiB,
           seeded), the oldest freed as each new one comes: the pattern of
-          a decode step with a growing KV cache.
+          a decode step with a growing KV cache;
+  view    x.t() of a live tensor, no allocation at all: the control. It
+          is the process's host speed, which moves with the core the
+          process landed on (a host-bound step's time follows it), not
+          with the allocator; a figure above is only the allocator's where
+          the view columns of the rows agree.
+
+Each row also says the CPU its process ended on.
 
 Prints a markdown table of nanoseconds per allocation + free (median of
 5 rounds).
@@ -81,7 +88,15 @@ def child():
                                        dtype=torch.uint8, device=dev)
         live.clear()
     out["window"] = per_op(window, N)
+    x = torch.empty((64, 64), device=dev)
+
+    def view(n):
+        for _ in range(n):
+            y = x.t()
+        del y
+    out["view"] = per_op(view, N)
     torch.cuda.synchronize()
+    out["cpu"] = bench.current_cpu()
     print(json.dumps(out))
     return 0
 
@@ -129,10 +144,12 @@ def main():
         rows[label] = json.loads(r.stdout.decode().strip().splitlines()[-1])
     shutil.rmtree(tmp, ignore_errors=True)
     cols = list(next(iter(rows.values())))
-    print("| allocator | " + " | ".join(c + " ns" for c in cols) + " |")
+    print("| allocator | " + " | ".join(c + (" ns" if c != "cpu" else "")
+                                        for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for label, r in rows.items():
-        print("| %s | %s |" % (label, " | ".join("%.0f" % r[c]
+        print("| %s | %s |" % (label, " | ".join("%.0f" % r[c] if c != "cpu"
+                                                  else str(r[c])
                                                   for c in cols)))
     return 0
 
