@@ -70,7 +70,9 @@ every allocator compiles from the same warm cache); BENCH_COMMIT (the
 commit the results name, where git cannot tell); BENCH_CPUS (host CPUs
 every child runs on, as taskset takes them, e.g. "0-7": the same cores
 for every allocator, since a host-bound step's time follows its core;
-each step's result keeps the CPU it ended on, step_cpus, either way).
+each step's result keeps the CPU it ended on, step_cpus, either way, and
+the process's host speed after it, step_host_ns: results.md's host speed
+table).
 """
 
 import argparse
@@ -352,12 +354,28 @@ def build_workload(name, size, seed):
     return state, state["warmup"] + STEPS[size][name]
 
 
+HOST_VIEWS = 2000   # views timed after each step (about 1.5 ms)
+
+
+def host_view_ns(x, n=HOST_VIEWS):
+    """Nanoseconds per x.t() over n of them: a view of a CPU tensor,
+    nothing allocated and no device involved, so this process's host
+    speed at the moment whatever the allocator (on the GPU machine one
+    process ran such a loop 2.2x slower than the next,
+    bench/results/host-ed27a83/)."""
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        x.t()
+    return (time.perf_counter_ns() - t0) / n
+
+
 def run_steps(name, args, mem, state, total, r):
     """Run and time the workload's steps into r: step_times (s),
-    step_shapes, and per step libgmlake's driver calls (step_calls) or
-    PyTorch's device allocations and frees (step_segments); the highest
-    driver-side use seen (returned). With args.warmup, one step at each
-    of the workload's shapes, nothing else recorded."""
+    step_shapes, step_host_ns (host_view_ns() after each step, untimed),
+    and per step libgmlake's driver calls (step_calls) or PyTorch's device
+    allocations and frees (step_segments); the highest driver-side use
+    seen (returned). With args.warmup, one step at each of the workload's
+    shapes, nothing else recorded."""
     torch = mem.torch
     used = mem.driver_used()
     if args.warmup:
@@ -367,6 +385,8 @@ def run_steps(name, args, mem, state, total, r):
         return used
     times, shapes, per_step = r["step_times"], r["step_shapes"], []
     cpus = r["step_cpus"] = []
+    host = r["step_host_ns"] = []
+    probe = torch.empty((64, 64))   # on the host: no allocator of ours
     r["step_calls" if args.allocator == "gmlake" else "step_segments"] = \
         per_step
     snap = mem.snapshot()
@@ -377,6 +397,7 @@ def run_steps(name, args, mem, state, total, r):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         cpus.append(current_cpu())
+        host.append(host_view_ns(probe))
         shapes.append(jsonable(shape))
         new = mem.snapshot()
         per_step.append(mem.delta(snap, new))

@@ -421,10 +421,18 @@ def merge(rounds):
     return out
 
 
+def host_speed(r, flags):
+    """Median ns per view (step_host_ns) after r's steady steps: the
+    process's host speed; None in results that did not time it."""
+    ns = [h for h, f in zip(r.get("step_host_ns") or [], flags) if not f]
+    return statistics.median(ns) if ns else None
+
+
 def _merge_one(m, k, r):
     flags = settle_flags(r)
     times = r.get("step_times") or []
     s = step_summary(times, flags)
+    s["host_ns"] = host_speed(r, flags)
     if not times and r.get("step_ms") is not None:
         s["median_ms"] = r["step_ms"]       # a merged format-1 result
     s["status"] = status(r)
@@ -618,6 +626,39 @@ def ratio_table(merged, round_ids):
                      " / ".join(_x(r["rounds"].get(k)) for k in round_ids),
                      _x(r["worst"]), _x(r["median"]), _x(r["reserved"])])
     return markdown_table(RATIO_HEADER, rows)
+
+
+HOST_HEADER = ["workload", "allocator", "ns per view, per round",
+               "libgmlake's / the reference's, per round"]
+
+
+def host_table(merged, round_ids):
+    """Each process's host speed (host_speed(), per round), and
+    libgmlake's over that of the faster reference allocator of the same
+    round (above 1: libgmlake's process was the slower host). None when
+    no result timed it."""
+    by = {(m["workload"], m["allocator"]): m for m in merged}
+
+    def ns(m, k):
+        return ((m or {}).get("rounds", {}).get(k) or {}).get("host_ns")
+
+    def relative(m, k):
+        ref, _ = _ref_mean(by, m["workload"], "mean_ms", k)
+        mine, theirs = ns(m, k), ns(by.get((m["workload"], ref)), k)
+        return mine / theirs if mine and theirs else None
+
+    if not any(ns(m, k) for m in merged for k in round_ids):
+        return None
+    rows = []
+    for m in merged:
+        if m.get("skipped"):
+            continue
+        rel = " / ".join(_x(relative(m, k)) for k in round_ids) \
+            if m["allocator"] == "gmlake" else ""
+        rows.append([m["workload"], _name(m["allocator"]),
+                     " / ".join(_cell(ns(m, k), "%.0f") for k in round_ids),
+                     rel])
+    return markdown_table(HOST_HEADER, rows)
 
 
 MEMORY_HEADER = ["workload", "allocator", "peak allocated GiB",
@@ -835,6 +876,16 @@ def results_markdown(data):
                   ratio_table(merged, ids),
                   "\n## Memory\n",
                   "The highest of the rounds.\n", memory_table(merged)]
+        host = host_table(merged, ids)
+        if host:
+            parts += ["\n## Host speed of each process\n",
+                      "The median time of x.t() on a CPU tensor (a view: "
+                      "nothing allocated, no device) after each steady "
+                      "step, timed apart from the step: the process's "
+                      "host speed, which moves between processes whatever "
+                      "the allocator. Where libgmlake's process was the "
+                      "slower host, a host-bound step's ratio above "
+                      "compares hosts as well as allocators.\n", host]
         driver = driver_table(merged)
         if driver:
             parts += ["\n## libgmlake driver calls\n",

@@ -358,6 +358,37 @@ class TestRounds(unittest.TestCase):
 
 class TestReport(unittest.TestCase):
 
+    def test_host_speed(self):
+        data = three_rounds()
+        # No result timed the host: no table.
+        self.assertIsNone(benchlib.host_table(
+            benchlib.merge(data["rounds"]), [1, 2, 3]))
+        self.assertNotIn("Host speed", benchlib.results_markdown(data))
+        # w1: the settling steps' views (the first two) are left out.
+        speed = {1: dict(default=700, expandable=700, gmlake=1400),
+                 2: dict(default=700, expandable=650, gmlake=650),
+                 3: dict(default=800, expandable=700, gmlake=None)}
+        for rnd in data["rounds"]:
+            for r in rnd["results"]:
+                ns = speed[rnd["round"]].get(r["allocator"])
+                if r["workload"] == "w1" and ns:
+                    r["step_host_ns"] = [5.0, 5.0] + [ns] * 4
+        flags = benchlib.settle_flags(data["rounds"][0]["results"][0])
+        self.assertEqual(benchlib.host_speed(
+            dict(step_host_ns=[5.0, 5.0, 1, 2, 3, 100]), flags), 2.5)
+        self.assertIsNone(benchlib.host_speed({}, flags))
+        merged = benchlib.merge(data["rounds"])
+        table = benchlib.host_table(merged, [1, 2, 3])
+        self.assertIn("| w1 | PyTorch default | 700 / 700 / 800 |  |", table)
+        # Round 1: libgmlake's process was the slower host, 2x the faster
+        # reference's (expandable); round 3: not timed.
+        self.assertIn("| w1 | libgmlake | 1400 / 650 / n/a | "
+                      "2.000x / 1.000x / n/a |", table)
+        self.assertIn("| w2 | libgmlake | n/a / n/a / n/a | "
+                      "n/a / n/a / n/a |", table)
+        self.assertIn("## Host speed of each process",
+                      benchlib.results_markdown(data))
+
     def test_markdown(self):
         text = benchlib.results_markdown(three_rounds())
         self.assertIn("GPU: GPU X (80.00 GiB); PyTorch: 2.11; CUDA: 13.0; "
@@ -597,6 +628,18 @@ class TestBenchCli(unittest.TestCase):
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.tmp = tmp.name
+
+    def test_host_view_ns(self):
+        class View:
+            calls = 0
+
+            def t(self):
+                View.calls += 1
+                return self
+
+        ns = self.bench.host_view_ns(View(), 500)
+        self.assertEqual(View.calls, 500)
+        self.assertGreater(ns, 0)
 
     def main(self, argv, fake=None, missing=()):
         """bench.main(argv) with run_allocator replaced by fake and the
