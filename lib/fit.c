@@ -19,12 +19,19 @@
 
 bool gml_usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream)
 {
-	if (!c || c->owner)
+	if (!c || c->owner || (c->slab_len && gml_slab_avoid(ctx)))
 		return false;
 	if (gml_guard_ready_scan(ctx, &c->guard, stream))
 		return true;
 	ctx->st.cross_stream_waits++;
 	return false;
+}
+
+/* Whether every free chunk is usable for the request now (one stream, no
+ * slab to avoid), so that a free run needs no scan. */
+static bool every_free_usable(const gmlake_ctx *ctx)
+{
+	return ctx->nstreams == 1 && !gml_slab_avoid(ctx);
 }
 
 static int free_run_cmp(const void *a, const void *b)
@@ -289,8 +296,9 @@ static void run_best_fit(gmlake_ctx *ctx, struct gml_view *v,
  * run of another view keeps on a tie). Every usable run lies inside one
  * free run; with one stream every free chunk is usable, so the first
  * sorted free run long enough is the answer. With several streams a free
- * chunk may still wait for another stream's work: each long enough free
- * run is searched.
+ * chunk may still wait for another stream's work, and a long-lived
+ * request under a tier avoids slabs: each long enough free run is
+ * searched then.
  */
 static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			  int stream, struct run *best)
@@ -310,7 +318,7 @@ static void view_best_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			hi = mid;
 	}
 	for (uint32_t k = lo; k < v->nruns; k++) {
-		if (ctx->nstreams == 1) {
+		if (every_free_usable(ctx)) {
 			found = (struct run){ v, v->runs[k].pos, v->runs[k].len };
 			break;
 		}
@@ -342,7 +350,7 @@ static void view_first_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			longest = r->len;
 		if (r->len < n)
 			continue;
-		if (ctx->nstreams == 1) {
+		if (every_free_usable(ctx)) {
 			*found = (struct run){ v, r->pos, r->len };
 			return;
 		}
@@ -378,7 +386,7 @@ static void view_top_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 
 		if (r->len < n)
 			continue;
-		if (ctx->nstreams == 1) {
+		if (every_free_usable(ctx)) {
 			*found = (struct run){ v, r->pos + r->len - n, r->len };
 			return;
 		}

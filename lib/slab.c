@@ -22,10 +22,15 @@
  * whole with its block, and only where the rest of the slab is free (in
  * a segment; resident.c); and a slab goes back to the driver whole, once
  * every chunk of it is free. Repairs and fetches grow by chunks, which
- * they map one by one elsewhere; so does all growth while an offload tier
- * is registered or gmlake_long_lived() is on: their blocks spill, and on
- * the emulated device the optimizer tests' state then landed in slabs
- * partly taken, where it could not.
+ * they map one by one elsewhere; so does all growth while
+ * gmlake_long_lived() is on.
+ *
+ * Long-lived blocks are what an offload tier parks (an optimizer's
+ * state), and a block that shares a slab with live memory cannot spill.
+ * So while a tier is registered and gmlake_long_lived() is on, no fit,
+ * stitch or repair gives a block a slab's position (gml_slab_avoid):
+ * such blocks live in single chunks and spans. Other blocks under a tier
+ * still take slabs, and spill where their slabs allow (-EBUSY where not).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -41,9 +46,16 @@
 /* Chunks per growth handle for a block now; 0 where growth is by chunks. */
 uint32_t gml_slab_chunks(const gmlake_ctx *ctx)
 {
-	if (ctx->slab < 2 || ctx->tier || ctx->long_lived)
+	if (ctx->slab < 2 || ctx->long_lived)
 		return 0;
 	return ctx->slab;
+}
+
+/* Whether a request now must not take a slab's position: a long-lived
+ * block while a tier is registered, so that it can spill. */
+bool gml_slab_avoid(const gmlake_ctx *ctx)
+{
+	return ctx->tier && ctx->long_lived;
 }
 
 /* Whether c is a handle of its own: mapped elsewhere, moved or released

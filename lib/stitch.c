@@ -471,8 +471,11 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		}
 		nbad = best_window(ctx, v, n, stream, UINT32_MAX, bad, taken,
 				   &pos, &slabs);
-		if (slabs) {	/* as many swaps as there are free slabs */
-			max_slabs = spare_slabs(ctx, v, stream, NULL, slabs);
+		/* As many swaps as there are free slabs; none where the
+		 * request must stay off slabs (gml_slab_avoid). */
+		if (slabs) {
+			max_slabs = gml_slab_avoid(ctx) ? 0 :
+				    spare_slabs(ctx, v, stream, NULL, slabs);
 			if (max_slabs < slabs)
 				nbad = best_window(ctx, v, n, stream,
 						   max_slabs, bad, taken,

@@ -336,6 +336,58 @@ START_TEST(test_spill_slabs)
 END_TEST
 
 /*
+ * Under a tier, growth still takes slabs (one handle per 4 chunks), but a
+ * long-lived block (an optimizer's state) stays off them: made while the
+ * freed slabs of another block are the lowest free memory, it lands
+ * elsewhere and spills. An ordinary block takes the slab and, sharing it
+ * with live memory, cannot spill (-EBUSY), as in test_spill_slabs.
+ */
+START_TEST(test_long_lived_off_slabs)
+{
+	struct gmlake_config cfg;
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	gmlake_ctx *ctx;
+	void *a, *s, *x, *y;
+
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.host_limit = 64 * TH_MiB;
+	cfg.grow_handle = 4 * TH_CHUNK;
+	ctx = th_ctx_cfg(&cfg);
+	ring_init(&ring, ctx, 8);
+	th_stats(ctx, &st0);
+	a = th_alloc_filled(ctx, 8 * TH_CHUNK, 1, NULL);   /* 2 slabs */
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create] -
+			  st0.calls[GMLAKE_CALL_mem_create], 2);
+	th_verify_free(ctx, a, 8 * TH_CHUNK, 1, NULL);
+	TH_OK(ctx, gmlake_long_lived(ctx, true));
+	s = th_alloc_filled(ctx, 2 * TH_CHUNK, 2, NULL);
+	TH_OK(ctx, gmlake_long_lived(ctx, false));
+	ck_assert_msg((char *)s + 2 * TH_CHUNK <= (char *)a ||
+		      (char *)s >= (char *)a + 8 * TH_CHUNK,
+		      "a long-lived block took a slab's positions");
+	th_check(ctx);
+	ck_assert_int_eq(spill(&ring, s), 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, s), GMLAKE_BLOCK_SPILLED);
+	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 3, NULL);
+	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 4, NULL);
+	ck_assert_ptr_eq(x, a);				/* first fit: a slab */
+	ck_assert_ptr_eq(y, (char *)a + 2 * TH_CHUNK);
+	ck_assert_int_eq(spill(&ring, x), -EBUSY);
+	th_verify_ok(ctx, x, 2 * TH_CHUNK, 3, NULL);
+	ck_assert_int_eq(fetch(&ring, s), 0);
+	th_check(ctx);
+	th_verify_free(ctx, s, 2 * TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, y, 2 * TH_CHUNK, 4, NULL);
+	th_verify_free(ctx, x, 2 * TH_CHUNK, 3, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * A fetch takes free chunks the cache holds before it makes new ones:
  * backward frees memory as it fetches, and new chunks would lift reserved
  * memory to where it was without offloading. The positions it empties are
@@ -2193,6 +2245,7 @@ static Suite *offload_suite(void)
 	tc = th_tcase(s, "Core");
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_spill_slabs);
+	tcase_add_test(tc, test_long_lived_off_slabs);
 	tcase_add_test(tc, test_span_cycle);
 	tcase_add_test(tc, test_span_stitched);
 	tcase_add_test(tc, test_span_from_cached_chunks);
