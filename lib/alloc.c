@@ -17,7 +17,8 @@
  *      device (order_fit: an event wait, no driver mapping),
  *   5. repair of a cached stitched view: remap only its positions whose
  *      chunks are taken (a slab partly taken: swapped whole for a free
- *      one), when that costs well under a new stitch,
+ *      one, or remapped to single chunks where no free one is left),
+ *      when that costs well under a new stitch,
  *   6. a new stitched view over free chunks, after growing the newest
  *      segment by only the shortfall when too few chunks are free,
  *   7. steps 1-6 again after each rung of the pressure ladder (pressure.c:

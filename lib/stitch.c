@@ -226,10 +226,10 @@ out_free:
  * The window of n positions of v that is cheapest to repair: the fewest
  * handles to map anew. A taken single chunk is one; a slab with any taken
  * position in the window is one too, the whole slab swapped for another
- * free one (the driver maps and unmaps a slab only whole, slab.c), and a
- * window may need at most max_slabs of those. bad[] marks 1 at a taken
- * single chunk, 2 at a taken slab position; *slabs is the window's slab
- * count. UINT32_MAX where no window qualifies.
+ * free one (the driver maps and unmaps a slab only whole, slab.c), up to
+ * max_slabs of them; a slab past those is ctx->slab, its positions
+ * remapped to single chunks. bad[] marks 1 at a taken single chunk, 2 at
+ * a taken slab position; *slabs is the window's slab count.
  */
 static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			    int stream, uint32_t max_slabs, uint8_t *bad,
@@ -257,11 +257,16 @@ static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			if (bad[o] == 2 && --taken[gml_mapping_start(v, o)] == 0)
 				nslabs--;
 		}
-		if (i + 1 >= n && nslabs <= max_slabs &&
-		    singles + nslabs < best) {
-			best = singles + nslabs;
-			*pos = i + 1 - n;
-			*slabs = nslabs;
+		if (i + 1 >= n) {
+			uint32_t swaps = nslabs < max_slabs ? nslabs : max_slabs;
+			uint64_t cost = (uint64_t)singles + swaps +
+					(uint64_t)(nslabs - swaps) * ctx->slab;
+
+			if (cost < best) {
+				best = (uint32_t)cost;
+				*pos = i + 1 - n;
+				*slabs = nslabs;
+			}
 		}
 	}
 	return best;
@@ -331,23 +336,51 @@ static uint32_t spare_slabs(gmlake_ctx *ctx, struct gml_view *v, int stream,
 	return got;
 }
 
-/* Swap the chunk at position i of v for c: unmap, map, no access yet. */
-static int remap_position(gmlake_ctx *ctx, struct gml_view *v, uint32_t i,
-			  struct gml_chunk *c)
+/* Unmap the mapping at [p, p + len) of v and drop its chunks (the
+ * positions left NULL), for a repair to map others there. */
+static int unmap_mapping(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+			 uint32_t len)
 {
 	int ret;
 
 	v->maxfree = GML_RUN_UNKNOWN;
-	ret = gml_view_unmap_run(ctx, v, i, 1);
+	ret = gml_view_unmap_run(ctx, v, p, len);
 	if (ret)
 		return ret;
-	gml_del_view_ref(v->chunks[i], v);
-	v->chunks[i] = NULL;
-	ret = gml_add_view_ref(c, v);
+	for (uint32_t i = 0; i < len; i++) {
+		gml_del_view_ref(v->chunks[p + i], v);
+		v->chunks[p + i] = NULL;
+	}
+	return 0;
+}
+
+/* Put chunk c at the empty position i of v's list (no mapping). */
+static int place_chunk(struct gml_view *v, uint32_t i, struct gml_chunk *c)
+{
+	int ret = gml_add_view_ref(c, v);
+
 	if (ret)
 		return gml_set_error(ret, "no host memory to repair a view");
 	v->chunks[i] = c;
-	return gml_view_map_pos(ctx, v, i, c->handle);
+	return 0;
+}
+
+/*
+ * Swap the mapping at [p, p + len) of v for the single chunks c[0..len),
+ * one by one: one unmap, len maps, no access yet. On failure the
+ * positions not remapped are left NULL.
+ */
+static int remap_singles(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
+			 uint32_t len, struct gml_chunk **c)
+{
+	int ret = unmap_mapping(ctx, v, p, len);
+
+	for (uint32_t i = 0; i < len && !ret; i++) {
+		ret = place_chunk(v, p + i, c[i]);
+		if (!ret)
+			ret = gml_view_map_pos(ctx, v, p + i, c[i]->handle);
+	}
+	return ret;
 }
 
 /*
@@ -360,35 +393,23 @@ static int remap_slab(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 {
 	struct gml_chunk **src = c->seg->chunks + c->seg_pos;
 	uint32_t len = c->slab_len;
-	int ret;
+	int ret = unmap_mapping(ctx, v, p, len);
 
-	v->maxfree = GML_RUN_UNKNOWN;
-	ret = gml_view_unmap_run(ctx, v, p, len);
-	if (ret)
-		return ret;
-	for (uint32_t i = 0; i < len; i++) {
-		gml_del_view_ref(v->chunks[p + i], v);
-		v->chunks[p + i] = NULL;
-	}
-	for (uint32_t i = 0; i < len; i++) {
-		ret = gml_add_view_ref(src[i], v);
-		if (ret)
-			return gml_set_error(ret, "no host memory to repair a "
-					     "view");
-		v->chunks[p + i] = src[i];
-	}
-	return gml_view_map_run(ctx, v, p, len, c->handle);
+	for (uint32_t i = 0; i < len && !ret; i++)
+		ret = place_chunk(v, p + i, src[i]);
+	return ret ? ret : gml_view_map_run(ctx, v, p, len, c->handle);
 }
 
 /*
  * Remap the bad positions of [pos, pos + n): taken single chunks one by
- * one from spare[], slabs with a taken position whole from slab[]; then
- * one set-access per run of remapped positions. fresh[] (v->n, zeroed)
- * marks what was remapped.
+ * one from spare[]; slabs with a taken position whole, the first nslab
+ * from slab[], the rest to single chunks from spare[]; then one
+ * set-access per run of remapped positions. fresh[] (v->n, zeroed) marks
+ * what was remapped.
  */
 static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
 			 uint32_t n, const uint8_t *bad, struct gml_chunk **spare,
-			 struct gml_chunk **slab, uint8_t *fresh)
+			 struct gml_chunk **slab, uint32_t nslab, uint8_t *fresh)
 {
 	uint32_t k = 0, ks = 0;
 	int ret;
@@ -399,11 +420,16 @@ static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
 		if (!bad[i] || fresh[i])
 			continue;
 		if (bad[i] == 1) {
-			ret = remap_position(ctx, v, i, spare[k++]);
+			ret = remap_singles(ctx, v, i, 1, spare + k++);
 			fresh[i] = 1;
 		} else {
 			len = v->chunks[i]->slab_len;
-			ret = remap_slab(ctx, v, p, slab[ks++]);
+			if (ks < nslab) {
+				ret = remap_slab(ctx, v, p, slab[ks++]);
+			} else {
+				ret = remap_singles(ctx, v, p, len, spare + k);
+				k += len;
+			}
 			memset(fresh + p, 1, len);
 		}
 		if (ret)
@@ -427,6 +453,28 @@ static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
 	return 0;
 }
 
+/* The single chunks repair_window() takes for [pos, pos + n) of v when
+ * nslab slabs are swapped whole: a taken single each, and every position
+ * of each slab past those. */
+static uint32_t window_singles(const struct gml_view *v, uint32_t pos,
+			       uint32_t n, const uint8_t *bad, uint32_t nslab)
+{
+	uint32_t need = 0, seen = 0, last = UINT32_MAX;
+
+	for (uint32_t i = pos; i < pos + n; i++) {
+		uint32_t p = gml_mapping_start(v, i);
+
+		if (bad[i] == 1)
+			need++;
+		else if (bad[i] == 2 && p != last) {	/* a slab, first seen */
+			last = p;
+			if (seen++ >= nslab)
+				need += v->chunks[i]->slab_len;
+		}
+	}
+	return need;
+}
+
 /* The handles a window of v maps: what stitching it anew would map. */
 static uint32_t window_handles(const struct gml_view *v, uint32_t pos,
 			       uint32_t n)
@@ -443,7 +491,9 @@ static uint32_t window_handles(const struct gml_view *v, uint32_t pos,
  * complete, with a window where few chunks are taken, is repaired instead
  * of stitching anew: when shapes drift from one training step to the next,
  * most of yesterday's stitch is still free. A slab the window needs but
- * another block holds part of is swapped whole for a free slab elsewhere.
+ * another block holds part of is swapped whole for a free slab elsewhere,
+ * or, once no free slab is left, remapped to single chunks (a handle
+ * each, in the price).
  * -ENOENT when a repair would cost more than a new stitch (at H200 prices
  * a repaired handle costs about 65 us for unmap, map and access, a
  * stitched one 42 us for map and access), so the caller stitches.
@@ -453,7 +503,7 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 	struct gml_view *best = NULL;
 	struct run grown;
 	uint32_t pos, best_pos = 0, nbad, best_bad = UINT32_MAX, k;
-	uint32_t slabs, best_slabs = 0, max_slabs;
+	uint32_t slabs, swaps, best_swaps = 0, max_slabs, need;
 	struct gml_chunk **spare = NULL;
 	uint8_t *bad, *best_mask = NULL;
 	uint16_t *taken;
@@ -471,8 +521,10 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		}
 		nbad = best_window(ctx, v, n, stream, UINT32_MAX, bad, taken,
 				   &pos, &slabs);
-		/* As many swaps as there are free slabs; none where the
-		 * request must stay off slabs (gml_slab_avoid). */
+		/* As many swaps as there are free slabs (none where the
+		 * request must stay off slabs, gml_slab_avoid); the window
+		 * chosen again if that is fewer than it needs. */
+		max_slabs = slabs;
 		if (slabs) {
 			max_slabs = gml_slab_avoid(ctx) ? 0 :
 				    spare_slabs(ctx, v, stream, NULL, slabs);
@@ -482,10 +534,11 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 						   &pos, &slabs);
 		}
 		free(taken);
+		swaps = slabs < max_slabs ? slabs : max_slabs;
 		if (nbad < best_bad) {
 			free(best_mask);
 			best = v, best_pos = pos, best_bad = nbad, best_mask = bad;
-			best_slabs = slabs;
+			best_swaps = swaps;
 		} else {
 			free(bad);
 		}
@@ -494,27 +547,26 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		     (uint64_t)window_handles(best, best_pos, n) * 42)
 		goto out_free_mask;
 	ret = -ENOMEM;
-	spare = malloc((best_bad + 1) * sizeof(*spare));
+	need = window_singles(best, best_pos, n, best_mask, best_swaps);
+	spare = malloc(((size_t)need + best_swaps + 1) * sizeof(*spare));
 	if (!spare)
 		goto out_nomem;
 	memset(best_mask + best->n, 0, best->n);
-	k = spare_slabs(ctx, best, stream, spare + (best_bad - best_slabs),
-			best_slabs);
-	if (k < best_slabs) {	/* counted above; nothing changed since */
+	k = spare_slabs(ctx, best, stream, spare + need, best_swaps);
+	if (k < best_swaps) {	/* counted above; nothing changed since */
 		ret = gml_set_error(-EAGAIN, "repair lost its spare slabs");
 		goto out_free_spare;
 	}
-	k = spare_chunks(ctx, best, stream, spare, best_bad - best_slabs);
-	if (k < best_bad - best_slabs) {
-		ret = gml_grow(ctx, best_bad - best_slabs - k, false, &grown);
+	k = spare_chunks(ctx, best, stream, spare, need);
+	if (k < need) {
+		ret = gml_grow(ctx, need - k, false, &grown);
 		if (ret)
 			goto out_free_spare;
-		for (uint32_t i = 0; k < best_bad - best_slabs; i++)
+		for (uint32_t i = 0; k < need; i++)
 			spare[k++] = grown.view->chunks[grown.pos + i];
 	}
 	ret = repair_window(ctx, best, best_pos, n, best_mask, spare,
-			    spare + (best_bad - best_slabs),
-			    best_mask + best->n);
+			    spare + need, best_swaps, best_mask + best->n);
 	if (ret) {
 		/* A view with a hole cannot stay cached. */
 		gml_view_evict(ctx, best, true);

@@ -1093,31 +1093,44 @@ START_TEST(test_slab_faults)
 }
 END_TEST
 
+/* A block a repair layout leaves live around its cached view. */
+struct held {
+	void *p;
+	size_t size;
+	uint64_t seed;
+};
+
+static void *hold(gmlake_ctx *ctx, struct held *h, size_t chunks,
+		  uint64_t seed)
+{
+	*h = (struct held){ th_alloc_filled(ctx, chunks * TH_CHUNK, seed, NULL),
+			    chunks * TH_CHUNK, seed };
+	return h->p;
+}
+
 /*
  * Slabs A, C and F free, a stitched view over A and C cached, then part
  * of A taken: the layout of a step whose shapes moved. Returns the view's
- * address; *x is the block in A, *b, *d and *g the single chunks between.
+ * address; h[0] is the block in A, h[1..3] the single chunks between.
  */
-static void *slab_view_broken(gmlake_ctx *ctx, void **x, void **b, void **d,
-			      void **g)
+static void *slab_view_broken(gmlake_ctx *ctx, struct held *h)
 {
 	struct gmlake_stats s0, s1;
 	void *a, *c, *e, *f;
 
 	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);	/* A 0-3 */
-	*b = th_alloc_filled(ctx, 1 * TH_CHUNK, 2, NULL);
+	hold(ctx, &h[1], 1, 2);
 	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);	/* C 5-8 */
-	*d = th_alloc_filled(ctx, 1 * TH_CHUNK, 4, NULL);
+	hold(ctx, &h[2], 1, 4);
 	f = th_alloc_filled(ctx, 4 * TH_CHUNK, 5, NULL);	/* F 10-13 */
-	*g = th_alloc_filled(ctx, 1 * TH_CHUNK, 6, NULL);
+	hold(ctx, &h[3], 1, 6);
 	ck_assert_int_eq(reserved_chunks(ctx), 15);
 	th_free(ctx, a);
 	th_free(ctx, c);
 	e = alloc_stitching(ctx, 8, 7, &s0, &s1);	/* over A and C */
 	th_free(ctx, e);
 	th_free(ctx, f);
-	*x = th_alloc_filled(ctx, 2 * TH_CHUNK, 8, NULL);
-	ck_assert_ptr_eq(*x, a);
+	ck_assert_ptr_eq(hold(ctx, &h[0], 2, 8), a);
 	return e;
 }
 
@@ -1130,9 +1143,11 @@ START_TEST(test_slab_repair)
 {
 	gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
 	struct gmlake_stats s0, s1;
-	void *x, *b, *d, *g, *e, *p, *y, *z;
+	struct held h[4];
+	void *x, *e, *p, *y, *z;
 
-	e = slab_view_broken(ctx, &x, &b, &d, &g);
+	e = slab_view_broken(ctx, h);
+	x = h[0].p;
 	th_stats(ctx, &s0);
 	p = th_alloc_filled(ctx, 8 * TH_CHUNK, 9, NULL);
 	th_stats(ctx, &s1);
@@ -1164,56 +1179,155 @@ START_TEST(test_slab_repair)
 	th_verify_free(ctx, p, 8 * TH_CHUNK, 12, NULL);
 	th_verify_free(ctx, y, 4 * TH_CHUNK, 10, NULL);
 	th_verify_free(ctx, z, 2 * TH_CHUNK, 11, NULL);
-	th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
-	th_verify_free(ctx, d, TH_CHUNK, 4, NULL);
-	th_verify_free(ctx, g, TH_CHUNK, 6, NULL);
+	for (int i = 1; i < 4; i++)
+		th_verify_free(ctx, h[i].p, h[i].size, h[i].seed, NULL);
 	th_destroy(ctx);
 }
 END_TEST
 
-/* A driver failure in each call of a slab swap: the request fails or is
- * served another way, the view goes, nothing leaks, data stays intact. */
-START_TEST(test_slab_repair_faults)
+/*
+ * A driver failure at each call number of one kind while an 8-chunk
+ * request repairs the layout's cached view: the request fails or is
+ * served another way, the view goes, nothing leaks, and the blocks the
+ * layout holds keep their data. nholds: how many it holds.
+ */
+static void repair_fault_walk(gmlake_ctx *(*make)(void),
+			      void *(*layout)(gmlake_ctx *, struct held *),
+			      int nholds, int call)
 {
-	static const int calls[] = {
-		GMLAKE_CALL_mem_unmap, GMLAKE_CALL_mem_map,
-		GMLAKE_CALL_set_access,
-	};
 	uint64_t nth;
 
 	for (nth = 1; nth <= 4; nth++) {
-		gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
-		void *x, *b, *d, *g, *e, *p;
+		gmlake_ctx *ctx = make();
+		struct held h[5];
 		uint64_t before;
 		bool fired;
+		void *p;
 
-		e = slab_view_broken(ctx, &x, &b, &d, &g);
-		(void)e;
-		before = th_dev(ctx)->call_failures[calls[_i]];
-		gml_dev_fail_nth(th_dev(ctx), calls[_i], nth, EIO);
+		(void)layout(ctx, h);
+		before = th_dev(ctx)->call_failures[call];
+		gml_dev_fail_nth(th_dev(ctx), call, nth, EIO);
 		if (gmlake_alloc(ctx, &p, 8 * TH_CHUNK, NULL))
 			p = NULL;
-		if (p)
+		if (p) {
 			th_fill_ok(ctx, p, 8 * TH_CHUNK, 9, NULL);
-		if (p)
 			th_free(ctx, p);
-		fired = th_dev(ctx)->call_failures[calls[_i]] > before;
+		}
+		fired = th_dev(ctx)->call_failures[call] > before;
 		gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
 		th_check(ctx);
-		th_verify_ok(ctx, x, 2 * TH_CHUNK, 8, NULL);
+		for (int i = 0; i < nholds; i++)
+			th_verify_ok(ctx, h[i].p, h[i].size, h[i].seed, NULL);
 		p = th_alloc_filled(ctx, 8 * TH_CHUNK, 11, NULL);
 		th_verify_free(ctx, p, 8 * TH_CHUNK, 11, NULL);
-		th_verify_free(ctx, x, 2 * TH_CHUNK, 8, NULL);
-		th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
-		th_verify_free(ctx, d, TH_CHUNK, 4, NULL);
-		th_verify_free(ctx, g, TH_CHUNK, 6, NULL);
+		for (int i = 0; i < nholds; i++)
+			th_verify_free(ctx, h[i].p, h[i].size, h[i].seed, NULL);
 		TH_OK(ctx, gmlake_trim(ctx));
 		ck_assert_int_eq(reserved_chunks(ctx), 0);
 		th_destroy(ctx);
 		if (!fired)
 			break;
 	}
-	ck_assert_msg(nth > 1, "%s never failed", gmlake_call_name(calls[_i]));
+	ck_assert_msg(nth > 1, "%s never failed", gmlake_call_name(call));
+}
+
+static gmlake_ctx *slab4_ctx(void)
+{
+	return slab_ctx(CAP_CHUNKS(64));
+}
+
+/* A driver failure in each call of a slab swap. */
+START_TEST(test_slab_repair_faults)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_mem_unmap, GMLAKE_CALL_mem_map,
+		GMLAKE_CALL_set_access,
+	};
+
+	repair_fault_walk(slab4_ctx, slab_view_broken, 4, calls[_i]);
+}
+END_TEST
+
+/*
+ * Slabs of 2 chunks A, C, D, E with taken single chunks h[1..4] between
+ * them; a stitched view over the four slabs, cached; then h[0] takes A's
+ * first chunk. No free slab is left outside the view: its repair must
+ * remap A's positions to single chunks. Returns the view.
+ */
+static void *slab_view_short(gmlake_ctx *ctx, struct held *h)
+{
+	struct gmlake_stats s0, s1;
+	void *big[4], *e;
+
+	for (int i = 0; i < 4; i++) {
+		big[i] = th_alloc_filled(ctx, 2 * TH_CHUNK, 20 + i, NULL);
+		hold(ctx, &h[1 + i], 1, 30 + i);
+	}
+	ck_assert_int_eq(reserved_chunks(ctx), 12);
+	for (int i = 0; i < 4; i++)
+		th_free(ctx, big[i]);
+	e = alloc_stitching(ctx, 8, 40, &s0, &s1);	/* the four slabs */
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 0);
+	th_free(ctx, e);
+	ck_assert_ptr_eq(hold(ctx, &h[0], 1, 41), big[0]);
+	return e;
+}
+
+static gmlake_ctx *slab2_ctx(void)
+{
+	struct gmlake_config cfg;
+
+	th_config(&cfg, CAP_CHUNKS(64));
+	cfg.grow_handle = 2 * TH_CHUNK;
+	return th_ctx_cfg(&cfg);
+}
+
+/*
+ * A cached view needs a slab swapped but no free slab is left: that
+ * slab's positions are remapped to single chunks (grown here, none being
+ * free), one unmap and a map per chunk, where a new stitch would map the
+ * whole view; the request gets the view's address again.
+ */
+START_TEST(test_slab_repair_singles)
+{
+	gmlake_ctx *ctx = slab2_ctx();
+	struct gmlake_stats s0, s1;
+	struct held h[5];
+	void *e, *p;
+
+	e = slab_view_short(ctx, h);
+	th_stats(ctx, &s0);
+	p = th_alloc_filled(ctx, 8 * TH_CHUNK, 42, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(p, e);
+	ck_assert_uint_eq(s1.stitch_repairs, s0.stitch_repairs + 1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 2);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_unmap), 1);
+	/* One set-access where the new chunks grew (their segment), one over
+	 * the view's remapped run: two handles each. */
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 2);
+	ck_assert_uint_eq(s1.access_handles - s0.access_handles, 4);
+	th_check(ctx);
+	th_verify_free(ctx, p, 8 * TH_CHUNK, 42, NULL);
+	for (int i = 0; i < 5; i++)
+		th_verify_free(ctx, h[i].p, h[i].size, h[i].seed, NULL);
+	th_check(ctx);
+	TH_OK(ctx, gmlake_trim(ctx));
+	ck_assert_int_eq(reserved_chunks(ctx), 0);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A driver failure in each call of that repair, the growth's create too. */
+START_TEST(test_slab_repair_singles_faults)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_mem_create, GMLAKE_CALL_mem_unmap,
+		GMLAKE_CALL_mem_map, GMLAKE_CALL_set_access,
+	};
+
+	repair_fault_walk(slab2_ctx, slab_view_short, 5, calls[_i]);
 }
 END_TEST
 
@@ -2062,6 +2176,8 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_slab_stitch);
 	tcase_add_test(tc, test_slab_repair);
 	tcase_add_loop_test(tc, test_slab_repair_faults, 0, 3);
+	tcase_add_test(tc, test_slab_repair_singles);
+	tcase_add_loop_test(tc, test_slab_repair_singles_faults, 0, 4);
 	tcase_add_loop_test(tc, test_slab_faults, 0, 5);
 	if (emu)
 		tcase_add_test(tc, test_stitch_whole_device);

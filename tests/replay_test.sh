@@ -23,9 +23,11 @@ max_driver=${REPLAY_MAX_DRIVER_PCT:-1.0}
 # each step allocates and frees a message tensor of 1,000-1,700 chunks per
 # layer, between node tensors a tenth that size that first fit places on
 # the big one's chunks. A repair swaps each slab the window needs but
-# another block holds part of for a free slab elsewhere; where too few
-# are free, a stitch lands instead: at 3 of its 21 steady steps (4.35% of
-# their time at H200 prices, priced per handle; 8.5% before slab swaps).
+# another block holds part of for a free slab elsewhere, and remaps the
+# slabs past the free ones to single chunks; where that costs more than a
+# stitch, a stitch lands instead: at 3 of its 21 steady steps, with
+# smaller repairs at 9 (3.44% of their time at H200 prices, priced per
+# handle; 4.35% with no remap to single chunks, 8.5% before slab swaps).
 #
 # known_frag_gaps takes the same form for fragmentation. Growth handles
 # (slabs, lib/slab.c; GMLAKE_GROW_HANDLE=20M) cut the priced steady driver
@@ -33,7 +35,7 @@ max_driver=${REPLAY_MAX_DRIVER_PCT:-1.0}
 # 65.2 -> 6.5) but a slab partly taken cannot be stitched, and three
 # traces end above 2.5%: eco_maskrcnn 2.68%, eco_sage 3.28% and plain
 # 2.92% (1.79, 1.76 and 0.81 with GMLAKE_GROW_HANDLE=0).
-known_gaps=${REPLAY_KNOWN_GAPS:-eco_sage:4.8}
+known_gaps=${REPLAY_KNOWN_GAPS:-eco_sage:3.8}
 known_frag_gaps=${REPLAY_KNOWN_FRAG_GAPS:-eco_maskrcnn:2.9 eco_sage:3.5 plain:3.1}
 
 GMLAKE_BACKEND=emu
