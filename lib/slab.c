@@ -17,11 +17,11 @@
  * only whole (cuMemMap refuses an offset) and unmaps a mapping only whole,
  * so a stitch takes a slab only when all of it is free, and maps it as
  * one mapping at consecutive positions; a repair swaps a slab that
- * another block holds part of whole, for a slab free whole elsewhere, or
- * where none is left for single chunks (stitch.c); a fetch never moves a slab's chunk; a spill takes a slab
- * whole with its block, and only where the rest of the slab is free (in
- * a segment; resident.c); and a slab goes back to the driver whole, once
- * every chunk of it is free. Repairs and fetches grow by chunks, which
+ * another block holds part of whole, for a slab free whole elsewhere or,
+ * where none is left, for single chunks (stitch.c); a fetch never moves
+ * a slab's chunk; a spill takes a slab whole with its block, and only
+ * where the rest of the slab is free (in a segment; resident.c); and a
+ * slab goes back to the driver whole, once every chunk of it is free. Repairs and fetches grow by chunks, which
  * they map one by one elsewhere; so does all growth while
  * gmlake_long_lived() is on.
  *
