@@ -388,6 +388,57 @@ START_TEST(test_long_lived_off_slabs)
 END_TEST
 
 /*
+ * The same for a cached stitched range over two slabs: a long-lived block
+ * of its size is not served from it (nor stitched or repaired onto
+ * slabs) and spills; an ordinary block of that size then takes the range
+ * again.
+ */
+START_TEST(test_long_lived_off_stitched_slabs)
+{
+	struct gmlake_config cfg;
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	gmlake_ctx *ctx;
+	void *a, *b, *c, *e, *s, *p;
+
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.host_limit = 64 * TH_MiB;
+	cfg.grow_handle = 4 * TH_CHUNK;
+	ctx = th_ctx_cfg(&cfg);
+	ring_init(&ring, ctx, 8);
+	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
+	b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);       /* a chunk */
+	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);   /* slab C */
+	th_free(ctx, a);
+	th_free(ctx, c);
+	th_stats(ctx, &st0);
+	e = th_alloc_filled(ctx, 8 * TH_CHUNK, 4, NULL);   /* over A and C */
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.stitches, st0.stitches + 1);
+	th_free(ctx, e);
+	TH_OK(ctx, gmlake_long_lived(ctx, true));
+	s = th_alloc_filled(ctx, 8 * TH_CHUNK, 5, NULL);
+	TH_OK(ctx, gmlake_long_lived(ctx, false));
+	ck_assert_ptr_ne(s, e);
+	ck_assert_msg((char *)s + 8 * TH_CHUNK <= (char *)a ||
+		      (char *)s >= (char *)c + 4 * TH_CHUNK,
+		      "a long-lived block took a slab's positions");
+	th_check(ctx);
+	ck_assert_int_eq(spill(&ring, s), 0);
+	p = th_alloc_filled(ctx, 8 * TH_CHUNK, 6, NULL);
+	ck_assert_ptr_eq(p, e);				/* best fit: the range */
+	ck_assert_int_eq(fetch(&ring, s), 0);
+	th_check(ctx);
+	th_verify_free(ctx, s, 8 * TH_CHUNK, 5, NULL);
+	th_verify_free(ctx, p, 8 * TH_CHUNK, 6, NULL);
+	th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * A fetch takes free chunks the cache holds before it makes new ones:
  * backward frees memory as it fetches, and new chunks would lift reserved
  * memory to where it was without offloading. The positions it empties are
@@ -2246,6 +2297,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_spill_slabs);
 	tcase_add_test(tc, test_long_lived_off_slabs);
+	tcase_add_test(tc, test_long_lived_off_stitched_slabs);
 	tcase_add_test(tc, test_span_cycle);
 	tcase_add_test(tc, test_span_stitched);
 	tcase_add_test(tc, test_span_from_cached_chunks);
