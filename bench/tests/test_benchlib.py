@@ -641,6 +641,51 @@ class TestBenchCli(unittest.TestCase):
         self.assertEqual(View.calls, 500)
         self.assertGreater(ns, 0)
 
+    def test_run_steps_times_the_host(self):
+        """run_steps() with a stand-in for torch and the allocator's
+        figures: every step gets its time, shape, CPU and host speed."""
+        class Tensor:
+            def t(self):
+                return self
+
+        class Torch:
+            class cuda:
+                @staticmethod
+                def synchronize():
+                    pass
+
+            @staticmethod
+            def empty(shape, **kw):
+                return Tensor()
+
+        class Mem:
+            torch = Torch
+
+            def driver_used(self):
+                return 5
+
+            def snapshot(self):
+                return {}
+
+            def delta(self, a, b):
+                return {}
+
+            def now(self):
+                return ""
+
+        shapes = iter([[1], [2], [1]])
+        state = dict(step=lambda: next(shapes), shapes=[[1], [2]])
+        args = mock.Mock(warmup=False, allocator="gmlake")
+        r = dict(step_times=[], step_shapes=[])
+        with mock.patch.object(self.bench, "emit"):
+            used = self.bench.run_steps("w", args, Mem(), state, 3, r)
+        self.assertEqual(used, 5)
+        self.assertEqual(r["step_shapes"], [[1], [2], [1]])
+        self.assertEqual(len(r["step_times"]), 3)
+        self.assertEqual(len(r["step_host_ns"]), 3)
+        self.assertTrue(all(ns > 0 for ns in r["step_host_ns"]))
+        self.assertEqual(r["step_calls"], [{}, {}, {}])
+
     def main(self, argv, fake=None, missing=()):
         """bench.main(argv) with run_allocator replaced by fake and the
         modules in `missing` not importable; returns (rc, stderr)."""
