@@ -386,7 +386,7 @@ def run_steps(name, args, mem, state, total, r):
     times, shapes, per_step = r["step_times"], r["step_shapes"], []
     cpus = r["step_cpus"] = []
     host = r["step_host_ns"] = []
-    probe = torch.empty((64, 64))   # on the host: no allocator of ours
+    probe = torch.empty((64, 64), device="cpu")  # no allocator of ours
     r["step_calls" if args.allocator == "gmlake" else "step_segments"] = \
         per_step
     snap = mem.snapshot()
