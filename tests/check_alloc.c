@@ -871,13 +871,18 @@ START_TEST(test_grow_at_end)
 END_TEST
 
 /* A context whose growth handles are four chunks. */
-static gmlake_ctx *slab_ctx(size_t capacity)
+static gmlake_ctx *slab_ctx_grow(size_t capacity, size_t grow_handle)
 {
 	struct gmlake_config cfg;
 
 	th_config(&cfg, capacity);
-	cfg.grow_handle = 4 * TH_CHUNK;
+	cfg.grow_handle = grow_handle;
 	return th_ctx_cfg(&cfg);
+}
+
+static gmlake_ctx *slab_ctx(size_t capacity)
+{
+	return slab_ctx_grow(capacity, 4 * TH_CHUNK);
 }
 
 /* Reserved memory, in chunks. */
@@ -1275,11 +1280,7 @@ static void *slab_view_short(gmlake_ctx *ctx, struct held *h)
 
 static gmlake_ctx *slab2_ctx(void)
 {
-	struct gmlake_config cfg;
-
-	th_config(&cfg, CAP_CHUNKS(64));
-	cfg.grow_handle = 2 * TH_CHUNK;
-	return th_ctx_cfg(&cfg);
+	return slab_ctx_grow(CAP_CHUNKS(64), 2 * TH_CHUNK);
 }
 
 /*

@@ -276,6 +276,17 @@ START_TEST(test_spill_fetch_segment)
 END_TEST
 
 /* A block stitched from non-contiguous chunks moves whole, same address. */
+/* 64 MiB of device and of host memory, growth handles of 4 chunks. */
+static gmlake_ctx *slab_tier_ctx(void)
+{
+	struct gmlake_config cfg;
+
+	th_config(&cfg, 64 * TH_MiB);
+	cfg.host_limit = 64 * TH_MiB;
+	cfg.grow_handle = 4 * TH_CHUNK;
+	return th_ctx_cfg(&cfg);
+}
+
 /*
  * Blocks made before the ring, on growth handles (slabs) of 4 chunks: a
  * block whose slabs lie inside it spills (each slab unmapped whole, a
@@ -285,16 +296,12 @@ END_TEST
  */
 START_TEST(test_spill_slabs)
 {
-	struct gmlake_config cfg;
 	struct gmlake_offload ring;
 	struct gmlake_stats st0, st;
 	gmlake_ctx *ctx;
 	void *a, *b, *x, *y;
 
-	th_config(&cfg, 64 * TH_MiB);
-	cfg.host_limit = 64 * TH_MiB;
-	cfg.grow_handle = 4 * TH_CHUNK;
-	ctx = th_ctx_cfg(&cfg);
+	ctx = slab_tier_ctx();
 	a = th_alloc_filled(ctx, 9 * TH_CHUNK, 1, NULL);   /* 2 slabs, a chunk */
 	b = th_alloc_filled(ctx, 4 * TH_CHUNK, 2, NULL);   /* a slab */
 	th_verify_free(ctx, b, 4 * TH_CHUNK, 2, NULL);
@@ -344,16 +351,12 @@ END_TEST
  */
 START_TEST(test_long_lived_off_slabs)
 {
-	struct gmlake_config cfg;
 	struct gmlake_offload ring;
 	struct gmlake_stats st0, st;
 	gmlake_ctx *ctx;
 	void *a, *s, *x, *y;
 
-	th_config(&cfg, 64 * TH_MiB);
-	cfg.host_limit = 64 * TH_MiB;
-	cfg.grow_handle = 4 * TH_CHUNK;
-	ctx = th_ctx_cfg(&cfg);
+	ctx = slab_tier_ctx();
 	ring_init(&ring, ctx, 8);
 	th_stats(ctx, &st0);
 	a = th_alloc_filled(ctx, 8 * TH_CHUNK, 1, NULL);   /* 2 slabs */
@@ -395,16 +398,12 @@ END_TEST
  */
 START_TEST(test_long_lived_off_stitched_slabs)
 {
-	struct gmlake_config cfg;
 	struct gmlake_offload ring;
 	struct gmlake_stats st0, st;
 	gmlake_ctx *ctx;
 	void *a, *b, *c, *e, *s, *p;
 
-	th_config(&cfg, 64 * TH_MiB);
-	cfg.host_limit = 64 * TH_MiB;
-	cfg.grow_handle = 4 * TH_CHUNK;
-	ctx = th_ctx_cfg(&cfg);
+	ctx = slab_tier_ctx();
 	ring_init(&ring, ctx, 8);
 	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
 	b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);       /* a chunk */
