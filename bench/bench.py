@@ -354,24 +354,10 @@ def build_workload(name, size, seed):
     return state, state["warmup"] + STEPS[size][name]
 
 
-HOST_VIEWS = 2000   # views timed after each step (about 1.5 ms)
-
-
-def host_view_ns(x, n=HOST_VIEWS):
-    """Nanoseconds per x.t() over n of them: a view of a CPU tensor,
-    nothing allocated and no device involved, so this process's host
-    speed at the moment whatever the allocator (on the GPU machine one
-    process ran such a loop 2.2x slower than the next,
-    bench/results/host-ed27a83/)."""
-    t0 = time.perf_counter_ns()
-    for _ in range(n):
-        x.t()
-    return (time.perf_counter_ns() - t0) / n
-
-
 def run_steps(name, args, mem, state, total, r):
     """Run and time the workload's steps into r: step_times (s),
-    step_shapes, step_host_ns (host_view_ns() after each step, untimed),
+    step_shapes, step_host_ns (benchlib.host_view_ns() after each step,
+    untimed),
     and per step libgmlake's driver calls (step_calls) or PyTorch's device
     allocations and frees (step_segments); the highest driver-side use
     seen (returned). With args.warmup, one step at each of the workload's
@@ -397,7 +383,7 @@ def run_steps(name, args, mem, state, total, r):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         cpus.append(current_cpu())
-        host.append(host_view_ns(probe))
+        host.append(benchlib.host_view_ns(probe))
         shapes.append(jsonable(shape))
         new = mem.snapshot()
         per_step.append(mem.delta(snap, new))

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import statistics
+import time
 
 ALLOCATORS = ("default", "expandable", "gmlake")
 ALLOCATOR_NAMES = {
@@ -419,6 +420,21 @@ def merge(rounds):
     order = {a: i for i, a in enumerate(ALLOCATORS)}
     out.sort(key=lambda m: (m["index"], order.get(m["allocator"], 99)))
     return out
+
+
+HOST_VIEWS = 2000   # views timed after each step (about 1.5 ms)
+
+
+def host_view_ns(x, n=HOST_VIEWS):
+    """Nanoseconds per x.t() over n of them: a view of a CPU tensor,
+    nothing allocated and no device involved, so this process's host
+    speed at the moment whatever the allocator (on the GPU machine one
+    process ran such a loop 2.2x slower than the next,
+    bench/results/host-ed27a83/)."""
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        x.t()
+    return (time.perf_counter_ns() - t0) / n
 
 
 def host_speed(r, flags):

@@ -48,6 +48,8 @@ import subprocess
 import sys
 import time
 
+import benchlib  # noqa: E402 (bench/, beside this file)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MODES = ("torch", "expandable", "gmlake", "offload", "offload_all",
@@ -146,6 +148,8 @@ def run(args):
         g = torch.Generator(device="cuda")
         g.manual_seed(args.seed)
         times, losses, before = [], [], None
+        opt_s, host_ns = [], []
+        probe = torch.empty((64, 64), device="cpu")  # no allocator of ours
         for k, seqs in enumerate(micro_shapes(args.seed, args.steps,
                                               args.accum)):
             t0 = time.perf_counter()
@@ -157,15 +161,19 @@ def run(args):
                     loss = model(input_ids=idx, labels=idx).loss
                 (loss / args.accum).backward()
                 total += loss.detach() / args.accum
+            t_opt = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            opt_s.append(time.perf_counter() - t_opt)
             losses.append(total.item())
             times.append(time.perf_counter() - t0)
+            host_ns.append(benchlib.host_view_ns(probe))
             print("step %d: %.3f s, loss %.4f" % (k, times[-1], losses[-1]),
                   file=sys.stderr, flush=True)
             if k == 0 and args.mode in GMLAKE_MODES:
                 before = gmlake_stats()
-        out.update(fits=True, step_s=times, loss=losses)
+        out.update(fits=True, step_s=times, loss=losses, opt_s=opt_s,
+                   host_ns=host_ns)
         if before is not None:
             after = gmlake_stats()
             out["gmlake_steady"] = {k: after[k] - before.get(k, 0)
@@ -298,22 +306,35 @@ def summary_line(r):
             " ".join("%.4f" % x for x in r["loss"]))
 
 
+def host_figures(r):
+    """The steps after the first: the mean host time of opt.step() and
+    zero_grad() in ms (the optimizer's launches and, with offload, the
+    offloader's Python), and the median ns per view of a CPU tensor after
+    each step (the process's host speed, benchlib.host_view_ns); "n/a"
+    where the run did not keep them."""
+    o, h = r.get("opt_s", [])[1:], sorted(r.get("host_ns", [])[1:])
+    return ("%.1f" % (sum(o) / len(o) * 1000) if o else "n/a",
+            "%.0f" % h[len(h) // 2] if h else "n/a")
+
+
 def table(results):
     rows = ["| mode | layers | params | fits | first step s | mean s "
-            "(steps 2+) | median s | spread s | peak reserved GiB | "
-            "loss first / last |", "|" + "---|" * 10]
+            "(steps 2+) | median s | spread s | opt.step host ms | host ns "
+            "per view | peak reserved GiB | loss first / last |",
+            "|" + "---|" * 12]
     for r in results:
         mean, med = steady(r)
         s = r.get("step_s", [])[1:]
         if r.get("fits"):
             cells = ["yes", "%.3f" % r["step_s"][0], "%.3f" % mean,
                      "%.3f" % med, "%.3f-%.3f" % (min(s), max(s)),
+                     *host_figures(r),
                      "%.1f" % (r["peak_reserved"] / GiB),
                      "%.4f / %.4f" % (r["loss"][0], r["loss"][-1])]
         else:
             why = "no (out of memory)" if r.get("oom") else \
                 "failed: " + r.get("error", "")[:80].replace("|", "/")
-            cells = [why] + [""] * 6
+            cells = [why] + [""] * 8
         rows.append("| %s | %d | %.2fB | %s |" % (
             r["mode"], r["layers"], r["params"] / 1e9, " | ".join(cells)))
     return "\n".join(rows) + "\n"

@@ -637,7 +637,7 @@ class TestBenchCli(unittest.TestCase):
                 View.calls += 1
                 return self
 
-        ns = self.bench.host_view_ns(View(), 500)
+        ns = benchlib.host_view_ns(View(), 500)
         self.assertEqual(View.calls, 500)
         self.assertGreater(ns, 0)
 

@@ -40,7 +40,13 @@ class TestPure(unittest.TestCase):
                   fits=False, oom=True, error="OutOfMemoryError: x")
         t = oo.table([r, no])
         self.assertIn("| offload | 4 | 1.07B | yes | 5.000 | 2.000 | 2.000 "
-                      "| 1.000-3.000 | 3.0 | 11.0000 / 9.5000 |", t)
+                      "| 1.000-3.000 | n/a | n/a | 3.0 | 11.0000 / 9.5000 |",
+                      t)
+        # The host figures leave the first step out: opt.step()'s mean
+        # and the host speed's median over the rest.
+        r.update(opt_s=[9.0, 0.010, 0.030, 0.020],
+                 host_ns=[9999.0, 1300.0, 1100.0, 2400.0])
+        self.assertIn("| 1.000-3.000 | 20.0 | 1300 | 3.0 |", oo.table([r]))
         self.assertIn("| torch | 40 | 8.36B | no (out of memory) |", t)
         self.assertIn("does not fit", oo.summary_line(no))
         self.assertIn("mean 2.000 s", oo.summary_line(r))
