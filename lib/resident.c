@@ -72,10 +72,11 @@ static void detach_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t lo,
 
 /*
  * Whether the slabs under block b can go with it (the driver unmaps a
- * slab only whole): in a segment, a slab that reaches past the run may,
- * when its other chunks are free (they go with it, their positions
- * released; without check, after their last work is done); in a stitched
- * view only slabs inside the run. 0, -EBUSY, or -errno of the wait.
+ * slab only whole): a slab that reaches past the run may, when its other
+ * chunks are free (they go with it, without check after their last work
+ * is done: in a segment their positions are released, in a stitched view
+ * they become holes, the chunks staying free in their segment). 0,
+ * -EBUSY, or -errno of the wait.
  */
 static int slabs_detachable(gmlake_ctx *ctx, const struct gml_view *v,
 			    const struct gml_block *b, bool check)
@@ -89,7 +90,7 @@ static int slabs_detachable(gmlake_ctx *ctx, const struct gml_view *v,
 
 		if (p >= b->pos && p < b->pos + b->n)
 			continue;
-		if (v->stitched || c->owner)
+		if (c->owner)
 			return gml_set_error(-EBUSY, "the block shares a "
 					     "growth handle (slab) with memory "
 					     "in use, and the driver unmaps a "

@@ -20,17 +20,18 @@
  * another block holds part of whole, for a slab free whole elsewhere or,
  * where none is left, for single chunks (stitch.c); a fetch never moves
  * a slab's chunk; a spill takes a slab whole with its block, and only
- * where the rest of the slab is free (in a segment; resident.c); and a
- * slab goes back to the driver whole, once every chunk of it is free. Repairs and fetches grow by chunks, which
- * they map one by one elsewhere; so does all growth while
- * gmlake_long_lived() is on.
+ * where the rest of the slab is free (resident.c); and a slab goes back
+ * to the driver whole, once every chunk of it is free. Repairs and
+ * fetches grow by chunks, which they map one by one elsewhere; so does
+ * all growth while gmlake_long_lived() is on.
  *
- * Long-lived blocks are what an offload tier parks (an optimizer's
- * state), and a block that shares a slab with live memory cannot spill.
- * So while a tier is registered and gmlake_long_lived() is on, no fit,
- * stitch or repair gives a block a slab's position (gml_slab_avoid):
- * such blocks live in single chunks and spans. Other blocks under a tier
- * still take slabs, and spill where their slabs allow (-EBUSY where not).
+ * A block that shares a slab with live memory cannot spill. So while a
+ * tier is registered a slab serves one block at a time (gml_slab_open):
+ * no fit, stitch or repair gives a block a position of a slab another
+ * block holds part of, and growth does not round a block up into a slab
+ * the next block would start in. Long-lived blocks, what an offload tier
+ * parks (an optimizer's state), take no slab position at all then
+ * (gml_slab_avoid): they live in single chunks and spans.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -56,6 +57,32 @@ uint32_t gml_slab_chunks(const gmlake_ctx *ctx)
 bool gml_slab_avoid(const gmlake_ctx *ctx)
 {
 	return ctx->tier && ctx->long_lived;
+}
+
+/*
+ * Whether slab chunk c may serve a block now: while a tier is registered,
+ * only where no block holds a position of its slab. A block that shared a
+ * slab with another could not spill (the driver unmaps a handle only
+ * whole), so under a tier a slab serves one block at a time; its other
+ * free positions wait until that block is freed or spilled.
+ */
+bool gml_slab_open(const gmlake_ctx *ctx, const struct gml_chunk *c)
+{
+	const struct gml_view *s = c->seg;
+	uint32_t first;
+
+	if (!c->slab_len || !ctx->tier)
+		return true;
+	if (!s || c->seg_pos < c->slab_off)
+		return false;
+	first = c->seg_pos - c->slab_off;
+	for (uint32_t j = 0; j < c->slab_len && first + j < s->n; j++) {
+		const struct gml_chunk *o = s->chunks[first + j];
+
+		if (o && o->owner)
+			return false;
+	}
+	return true;
 }
 
 /* Whether c is a handle of its own: mapped elsewhere, moved or released

@@ -346,8 +346,10 @@ END_TEST
  * Under a tier, growth still takes slabs (one handle per 4 chunks), but a
  * long-lived block (an optimizer's state) stays off them: made while the
  * freed slabs of another block are the lowest free memory, it lands
- * elsewhere and spills. An ordinary block takes the slab and, sharing it
- * with live memory, cannot spill (-EBUSY), as in test_spill_slabs.
+ * elsewhere and spills. An ordinary block takes a free slab, and the rest
+ * of that slab then serves no other block (the next one lands on the
+ * second slab), so it spills with the slab's free chunks, where blocks
+ * made before the ring (test_spill_slabs) could not.
  */
 START_TEST(test_long_lived_off_slabs)
 {
@@ -376,14 +378,98 @@ START_TEST(test_long_lived_off_slabs)
 	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 3, NULL);
 	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 4, NULL);
 	ck_assert_ptr_eq(x, a);				/* first fit: a slab */
-	ck_assert_ptr_eq(y, (char *)a + 2 * TH_CHUNK);
-	ck_assert_int_eq(spill(&ring, x), -EBUSY);
+	ck_assert_ptr_eq(y, (char *)a + 4 * TH_CHUNK);	/* not x's slab */
+	th_check(ctx);
+	ck_assert_int_eq(spill(&ring, x), 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, x), GMLAKE_BLOCK_SPILLED);
+	ck_assert_int_eq(fetch(&ring, x), 0);
+	th_check(ctx);
 	th_verify_ok(ctx, x, 2 * TH_CHUNK, 3, NULL);
 	ck_assert_int_eq(fetch(&ring, s), 0);
 	th_check(ctx);
 	th_verify_free(ctx, s, 2 * TH_CHUNK, 2, NULL);
 	th_verify_free(ctx, y, 2 * TH_CHUNK, 4, NULL);
 	th_verify_free(ctx, x, 2 * TH_CHUNK, 3, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * Under a tier a slab serves one block at a time: blocks of 6 chunks made
+ * in the freed slabs (4 chunks each) of a larger block each start at a
+ * slab no other block holds part of, so every one of them spills and
+ * comes back with its bytes. (Placed by first fit alone, the second would
+ * share the first one's second slab, and neither could spill: -EBUSY.)
+ */
+START_TEST(test_tier_one_block_a_slab)
+{
+	struct gmlake_offload ring;
+	gmlake_ctx *ctx;
+	void *big, *p[4];
+
+	ctx = slab_tier_ctx();
+	ring_init(&ring, ctx, 8);
+	big = th_alloc_filled(ctx, 24 * TH_CHUNK, 39, NULL);	/* 6 slabs */
+	th_verify_free(ctx, big, 24 * TH_CHUNK, 39, NULL);
+	for (int i = 0; i < 4; i++)
+		p[i] = th_alloc_filled(ctx, 6 * TH_CHUNK, 40 + i, NULL);
+	ck_assert_ptr_eq(p[0], big);
+	ck_assert_ptr_eq(p[1], (char *)big + 8 * TH_CHUNK);
+	th_check(ctx);
+	for (int i = 0; i < 4; i++) {
+		ck_assert_int_eq(spill(&ring, p[i]), 0);
+		ck_assert_int_eq(gmlake_offload_state(ctx, p[i]),
+				 GMLAKE_BLOCK_SPILLED);
+	}
+	th_check(ctx);
+	for (int i = 0; i < 4; i++)
+		ck_assert_int_eq(fetch(&ring, p[i]), 0);
+	th_check(ctx);
+	for (int i = 0; i < 4; i++)
+		th_verify_free(ctx, p[i], 6 * TH_CHUNK, 40 + i, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * A block that a cached stitched range over two slabs serves, smaller
+ * than the range, covers only part of its second slab; the rest of that
+ * slab is free, so the spill takes the slab's mapping in the range along
+ * (those positions become holes) and the block comes back with its bytes.
+ */
+START_TEST(test_spill_part_of_stitched_slab)
+{
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	gmlake_ctx *ctx;
+	void *a, *b, *c, *e, *p;
+
+	ctx = slab_tier_ctx();
+	ring_init(&ring, ctx, 8);
+	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
+	b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);       /* a chunk */
+	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);   /* slab C */
+	th_free(ctx, a);
+	th_free(ctx, c);
+	th_stats(ctx, &st0);
+	e = th_alloc_filled(ctx, 8 * TH_CHUNK, 4, NULL);   /* over A and C */
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.stitches, st0.stitches + 1);
+	th_free(ctx, e);
+	p = th_alloc_filled(ctx, 6 * TH_CHUNK, 5, NULL);
+	ck_assert_ptr_eq(p, e);				/* best fit: the range */
+	th_check(ctx);
+	ck_assert_int_eq(spill(&ring, p), 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
+	th_check(ctx);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_free(ctx, p, 6 * TH_CHUNK, 5, NULL);
+	th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
 	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_check(ctx);
 	th_destroy(ctx);
@@ -2296,6 +2382,8 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_spill_slabs);
 	tcase_add_test(tc, test_long_lived_off_slabs);
+	tcase_add_test(tc, test_tier_one_block_a_slab);
+	tcase_add_test(tc, test_spill_part_of_stitched_slab);
 	tcase_add_test(tc, test_long_lived_off_stitched_slabs);
 	tcase_add_test(tc, test_span_cycle);
 	tcase_add_test(tc, test_span_stitched);
