@@ -436,6 +436,29 @@ START_TEST(test_tier_one_block_a_slab)
 END_TEST
 
 /*
+ * A cached stitched range of 8 chunks over two free slabs, A and C (4
+ * chunks each, filled with 1 and 3 before), and between them a live chunk
+ * *b (filled with 2); returns the range (freed, filled with 4).
+ */
+static void *stitched_slabs(gmlake_ctx *ctx, void **a, void **b, void **c)
+{
+	struct gmlake_stats st0, st;
+	void *e;
+
+	*a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
+	*b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);       /* a chunk */
+	*c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);   /* slab C */
+	th_free(ctx, *a);
+	th_free(ctx, *c);
+	th_stats(ctx, &st0);
+	e = th_alloc_filled(ctx, 8 * TH_CHUNK, 4, NULL);    /* over A, C */
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.stitches, st0.stitches + 1);
+	th_free(ctx, e);
+	return e;
+}
+
+/*
  * A block that a cached stitched range over two slabs serves, smaller
  * than the range, covers only part of its second slab; the rest of that
  * slab is free, so the spill takes the slab's mapping in the range along
@@ -444,22 +467,12 @@ END_TEST
 START_TEST(test_spill_part_of_stitched_slab)
 {
 	struct gmlake_offload ring;
-	struct gmlake_stats st0, st;
 	gmlake_ctx *ctx;
 	void *a, *b, *c, *e, *p;
 
 	ctx = slab_tier_ctx();
 	ring_init(&ring, ctx, 8);
-	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
-	b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);       /* a chunk */
-	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);   /* slab C */
-	th_free(ctx, a);
-	th_free(ctx, c);
-	th_stats(ctx, &st0);
-	e = th_alloc_filled(ctx, 8 * TH_CHUNK, 4, NULL);   /* over A and C */
-	th_stats(ctx, &st);
-	ck_assert_uint_eq(st.stitches, st0.stitches + 1);
-	th_free(ctx, e);
+	e = stitched_slabs(ctx, &a, &b, &c);
 	p = th_alloc_filled(ctx, 6 * TH_CHUNK, 5, NULL);
 	ck_assert_ptr_eq(p, e);				/* best fit: the range */
 	th_check(ctx);
@@ -485,22 +498,12 @@ END_TEST
 START_TEST(test_long_lived_off_stitched_slabs)
 {
 	struct gmlake_offload ring;
-	struct gmlake_stats st0, st;
 	gmlake_ctx *ctx;
 	void *a, *b, *c, *e, *s, *p;
 
 	ctx = slab_tier_ctx();
 	ring_init(&ring, ctx, 8);
-	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
-	b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);       /* a chunk */
-	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);   /* slab C */
-	th_free(ctx, a);
-	th_free(ctx, c);
-	th_stats(ctx, &st0);
-	e = th_alloc_filled(ctx, 8 * TH_CHUNK, 4, NULL);   /* over A and C */
-	th_stats(ctx, &st);
-	ck_assert_uint_eq(st.stitches, st0.stitches + 1);
-	th_free(ctx, e);
+	e = stitched_slabs(ctx, &a, &b, &c);
 	TH_OK(ctx, gmlake_long_lived(ctx, true));
 	s = th_alloc_filled(ctx, 8 * TH_CHUNK, 5, NULL);
 	TH_OK(ctx, gmlake_long_lived(ctx, false));
