@@ -10,4 +10,7 @@
 GMLAKE_BACKEND=${GMLAKE_BACKEND:-emu}
 export GMLAKE_BACKEND
 [ "$GMLAKE_BACKEND" = emu ] || exit 77
-exec "$top_builddir/tools/offload_bench" -s 4 -t 16 -i 1 -v -q
+"$top_builddir/tools/offload_bench" -s 4 -t 16 -i 1 -v -q || exit 1
+# Blocks of 4-16 chunks on growth handles of 3 (not a multiple of any):
+# every one spills and comes back under a ring (lib/slab.c).
+GMLAKE_GROW_HANDLE=6M "$top_builddir/tools/offload_bench" -s 32 -t 128 -i 1 -v -q
