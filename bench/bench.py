@@ -357,11 +357,10 @@ def build_workload(name, size, seed):
 def run_steps(name, args, mem, state, total, r):
     """Run and time the workload's steps into r: step_times (s),
     step_shapes, step_host_ns (benchlib.host_view_ns() after each step,
-    untimed),
-    and per step libgmlake's driver calls (step_calls) or PyTorch's device
-    allocations and frees (step_segments); the highest driver-side use
-    seen (returned). With args.warmup, one step at each of the workload's
-    shapes, nothing else recorded."""
+    untimed), and per step libgmlake's driver calls (step_calls) or
+    PyTorch's device allocations and frees (step_segments); the highest
+    driver-side use seen (returned). With args.warmup, one step at each of
+    the workload's shapes, nothing else recorded."""
     torch = mem.torch
     used = mem.driver_used()
     if args.warmup:

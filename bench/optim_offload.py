@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 
-import benchlib  # noqa: E402 (bench/, beside this file)
+import benchlib  # bench/, beside this file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
