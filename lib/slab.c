@@ -73,9 +73,7 @@ bool gml_slab_open(const gmlake_ctx *ctx, const struct gml_chunk *c)
 
 	if (!c->slab_len || !ctx->tier)
 		return true;
-	if (!s || c->seg_pos < c->slab_off)
-		return false;
-	first = c->seg_pos - c->slab_off;
+	first = gml_mapping_start(s, c->seg_pos);	/* slabs stay home */
 	for (uint32_t j = 0; j < c->slab_len && first + j < s->n; j++) {
 		const struct gml_chunk *o = s->chunks[first + j];
 
