@@ -122,10 +122,8 @@ static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 	/* A block of a growth handle or more grows by whole handles where
 	 * the budget allows: the rest stays free at the top, where the next
 	 * growth starts. (Rounding small blocks up too left more slabs
-	 * partly used, which no stitch can take, on the replayed traces.)
-	 * Not under a tier: the rest would be a slab the block holds part
-	 * of, closed to other blocks (gml_slab_open). */
-	extra = g && n >= g && !ctx->tier ? (g - k % g) % g : 0;
+	 * partly used, which no stitch can take, on the replayed traces.) */
+	extra = g && n >= g ? (g - k % g) % g : 0;
 	if (extra && (extra > v->cap - v->n - k ||
 		      !grow_in_budget(ctx, n, k + extra)))
 		extra = 0;

@@ -228,19 +228,37 @@ static int view_count(struct tally *t, struct gml_view *v)
 }
 
 /*
- * A spilled block owns no chunk: its run is holes (no chunk, unmapped), so
- * nobody else can be handed its range, and it keeps a copy on the host.
+ * A spilled block's run is holes (no chunk, unmapped), so nobody else can
+ * be handed its range, and it keeps a copy on the host; but it owns the
+ * chunks it kept at its ends (a slab shared with memory in use), mapped,
+ * and never all of them.
  */
 static int check_spilled(gmlake_ctx *ctx, struct gml_block *b,
 			 struct tally *t)
 {
 	struct gml_view *v = b->view;
+	uint32_t kept = b->kept_lo + b->kept_hi;
 
-	for (uint32_t i = 0; i < b->n; i++)
-		if (v->chunks[b->pos + i] || v->mapped[b->pos + i])
+	if (kept >= b->n)
+		return gml_set_error(-EFAULT, "spilled block %#lx keeps its "
+				     "whole run", (unsigned long)b->ptr);
+	for (uint32_t i = 0; i < b->n; i++) {
+		const struct gml_chunk *c = v->chunks[b->pos + i];
+		bool mapped = v->mapped[b->pos + i];
+
+		if (i < b->kept_lo || i >= b->n - b->kept_hi) {
+			if (!c || c->owner != b || !mapped || !c->slab_len)
+				return gml_set_error(-EFAULT, "spilled block "
+						     "%#lx lost a kept slab "
+						     "chunk at +%u",
+						     (unsigned long)b->ptr, i);
+		} else if (c || mapped) {
 			return gml_set_error(-EFAULT, "spilled block %#lx still "
 					     "maps a chunk at +%u",
 					     (unsigned long)b->ptr, i);
+		}
+	}
+	t->blocks_n += kept;
 	if (!b->host && !b->inplace)
 		return gml_set_error(-EFAULT, "spilled block %#lx has no host "
 				     "copy", (unsigned long)b->ptr);
@@ -249,7 +267,7 @@ static int check_spilled(gmlake_ctx *ctx, struct gml_block *b,
 				     "offload LRU", (unsigned long)b->ptr);
 	t->spilled_bytes += (int64_t)b->size;
 	t->spilled_blocks++;
-	if (v->stitched && map_add(&t->spilled, v, b->n))
+	if (v->stitched && map_add(&t->spilled, v, b->n - kept))
 		return -ENOMEM;
 	return view_count(t, v);
 }

@@ -145,7 +145,7 @@ void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 		if (ctx->tier)
 			ctx->tier->block_gone(ctx, b);
 		if (b->off_state == GML_OFF_SPILLED) {
-			gml_large_free_spilled(ctx, b);
+			gml_large_free_spilled(ctx, b, g);
 			return;
 		}
 	}

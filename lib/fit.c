@@ -19,8 +19,7 @@
 
 bool gml_usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream)
 {
-	if (!c || c->owner || (c->slab_len && (gml_slab_avoid(ctx) ||
-					       !gml_slab_open(ctx, c))))
+	if (!c || c->owner || (c->slab_len && gml_slab_avoid(ctx)))
 		return false;
 	if (gml_guard_ready_scan(ctx, &c->guard, stream))
 		return true;
@@ -29,11 +28,10 @@ bool gml_usable(gmlake_ctx *ctx, const struct gml_chunk *c, int stream)
 }
 
 /* Whether every free chunk is usable for the request now (one stream, no
- * slab under a tier, whose free positions may be closed), so that a free
- * run needs no scan. */
+ * slab to avoid), so that a free run needs no scan. */
 static bool every_free_usable(const gmlake_ctx *ctx)
 {
-	return ctx->nstreams == 1 && !(ctx->tier && ctx->slab >= 2);
+	return ctx->nstreams == 1 && !gml_slab_avoid(ctx);
 }
 
 static int free_run_cmp(const void *a, const void *b)

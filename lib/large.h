@@ -72,7 +72,6 @@ int gml_seg_add_holes(struct gml_view *v, uint32_t k);
 /* slab.c: one handle under several positions of a segment */
 uint32_t gml_slab_chunks(const gmlake_ctx *ctx);
 bool gml_slab_avoid(const gmlake_ctx *ctx);
-bool gml_slab_open(const gmlake_ctx *ctx, const struct gml_chunk *c);
 bool gml_chunk_single(const struct gml_chunk *c);
 int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);
 int gml_slab_drop(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);

@@ -39,15 +39,61 @@ static int unshare_chunk(gmlake_ctx *ctx, struct gml_chunk *c)
 	return 0;
 }
 
-/* The positions a detach of b unmaps: its run, and the slabs at its ends
- * whole. */
-static void detach_range(const struct gml_view *v, const struct gml_block *b,
-			 uint32_t *lo, uint32_t *hi)
+/* Whether the mapping that starts at position p of v holds memory in use
+ * outside b's run (another block's positions of a slab). */
+static bool mapping_shared(const struct gml_view *v, const struct gml_block *b,
+			   uint32_t p)
 {
-	uint32_t last = b->pos + b->n - 1;
+	uint32_t end = p + gml_mapping_len(v, p);
 
-	*lo = gml_mapping_start(v, b->pos);
+	for (uint32_t q = p; q < end; q++)
+		if ((q < b->pos || q >= b->pos + b->n) && v->chunks[q] &&
+		    v->chunks[q]->owner)
+			return true;
+	return false;
+}
+
+/*
+ * The positions [lo, hi) a detach of b unmaps: its run, and the slabs at
+ * its ends whole; but a slab at an end that another block holds part of
+ * stays mapped, with b's positions in it (kept_lo at the start, kept_hi
+ * at the end of the run): the driver unmaps a handle only whole. lo >= hi
+ * when nothing of the run could go.
+ */
+static void detach_range(const struct gml_view *v, const struct gml_block *b,
+			 uint32_t *lo, uint32_t *hi, uint32_t *kept_lo,
+			 uint32_t *kept_hi)
+{
+	uint32_t end = b->pos + b->n, last = end - 1;
+	uint32_t first_map = gml_mapping_start(v, b->pos);
+	uint32_t last_map = gml_mapping_start(v, last);
+
+	*lo = first_map;
 	*hi = last + gml_mapping_len(v, last);
+	*kept_lo = *kept_hi = 0;
+	if (mapping_shared(v, b, first_map)) {
+		*lo = first_map + gml_mapping_len(v, first_map);
+		if (*lo > end)
+			*lo = end;
+		*kept_lo = *lo - b->pos;
+	}
+	if (last_map >= *lo && mapping_shared(v, b, last_map)) {
+		*hi = last_map;
+		*kept_hi = end - last_map;
+	}
+	if (*kept_lo + *kept_hi >= b->n)
+		*hi = *lo = end;	/* all of the run stays */
+}
+
+/* Whether a detach of b now would keep positions of its run mapped. */
+bool gml_large_keeps(const struct gml_block *b)
+{
+	uint32_t lo, hi, klo, khi;
+
+	if (b->view->chunks[b->pos]->spanned)
+		return false;
+	detach_range(b->view, b, &lo, &hi, &klo, &khi);
+	return klo || khi;
 }
 
 /* Map [lo, to) of v back after a failed detach (best effort). */
@@ -71,30 +117,29 @@ static void detach_undo(gmlake_ctx *ctx, struct gml_view *v, uint32_t lo,
 }
 
 /*
- * Whether the slabs under block b can go with it (the driver unmaps a
- * slab only whole): a slab that reaches past the run may, when its other
- * chunks are free (they go with it, without check after their last work
- * is done: in a segment their positions are released, in a stitched view
- * they become holes, the chunks staying free in their segment). 0,
- * -EBUSY, or -errno of the wait.
+ * Whether what a detach of b unmaps, [lo, hi), may go: past the run only
+ * free chunks of the slabs at its ends (they go with it, without check
+ * after their last work is done: in a segment their positions are
+ * released, in a stitched view they become holes, the chunks staying
+ * free in their segment). 0, -EBUSY when no position of the run could go
+ * (it lies in a slab another block holds part of), or -errno of the wait.
  */
 static int slabs_detachable(gmlake_ctx *ctx, const struct gml_view *v,
-			    const struct gml_block *b, bool check)
+			    const struct gml_block *b, uint32_t lo, uint32_t hi,
+			    bool check)
 {
-	uint32_t lo, hi;
 	int ret;
 
-	detach_range(v, b, &lo, &hi);
+	if (lo >= hi)
+		return gml_set_error(-EBUSY, "the block lies in a growth "
+				     "handle (slab) that memory in use shares, "
+				     "and the driver unmaps a handle only "
+				     "whole");
 	for (uint32_t p = lo; p < hi; p++) {
 		const struct gml_chunk *c = v->chunks[p];
 
 		if (p >= b->pos && p < b->pos + b->n)
 			continue;
-		if (c->owner)
-			return gml_set_error(-EBUSY, "the block shares a "
-					     "growth handle (slab) with memory "
-					     "in use, and the driver unmaps a "
-					     "handle only whole");
 		if (!check && !gml_guard_ready(ctx, &c->guard, -1)) {
 			ret = gml_stream_wait(ctx, c->guard.stream,
 					      c->guard.seq);
@@ -110,17 +155,19 @@ static int slabs_detachable(gmlake_ctx *ctx, const struct gml_view *v,
  * reserved: unmap its run; chunks of a stitched view go back to the free
  * pool of their segments, chunks of a segment (whose home is this range)
  * go back to the driver as spares, and the slabs under it whole, as
- * spare spans (with the free chunks of theirs beyond the run). The caller
+ * spare spans (with the free chunks of theirs beyond the run). A slab at
+ * an end of the run that another block holds part of stays, with b's
+ * positions in it kept (b->kept_lo, b->kept_hi; detach_range). The caller
  * has the bytes elsewhere and the work on the block is complete. With
  * check, only see whether it would work. 0, -EBUSY (a chunk is shared
- * with a stitched range in use, or a slab with memory in use), or -errno
- * with the block intact.
+ * with a stitched range in use, or the whole run lies in a slab shared
+ * with memory in use), or -errno with the block intact.
  */
 int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 {
 	static const struct gml_guard none = { -1, 0 };
 	struct gml_view *v = b->view;
-	uint32_t i, p, lo, hi, len;
+	uint32_t i, p, lo, hi, len, klo, khi;
 	int ret;
 
 	if (ctx->nzombies)
@@ -128,17 +175,21 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	v->maxfree = GML_RUN_UNKNOWN;
 	if (v->chunks[b->pos]->spanned)
 		return check ? 0 : gml_span_detach(ctx, b);
-	ret = slabs_detachable(ctx, v, b, check);
+	detach_range(v, b, &lo, &hi, &klo, &khi);
+	ret = slabs_detachable(ctx, v, b, lo, hi, check);
 	if (ret)
 		return ret;
-	for (i = 0; !v->stitched && i < b->n; i++) {
+	if ((klo || khi) && b->inplace)	/* host memory goes over all of it */
+		return gml_set_error(-EBUSY, "the block shares a growth handle "
+				     "with memory in use, and an in-place spill "
+				     "needs its whole run");
+	for (i = klo; !v->stitched && i < b->n - khi; i++) {
 		ret = unshare_chunk(ctx, v->chunks[b->pos + i]);
 		if (ret)
 			return ret;
 	}
 	if (check)
 		return 0;
-	detach_range(v, b, &lo, &hi);
 	for (p = lo; p < hi; p += len) {
 		len = gml_mapping_len(v, p);
 		ret = gml_view_unmap_run(ctx, v, p, len);
@@ -168,6 +219,8 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 		free(c->views);
 		free(c);
 	}
+	b->kept_lo = klo;
+	b->kept_hi = khi;
 	return 0;
 }
 
@@ -192,13 +245,33 @@ static uint32_t free_chunks(gmlake_ctx *ctx, struct gml_view *v,
 	return got;
 }
 
-/* Unmap [0, k) of got from b's run after a failed attach. */
-static void attach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t k)
+/* The positions of spilled block b a fetch maps: its run but the kept
+ * ones (gml_large_detach). */
+struct fetch_run {
+	uint32_t pos, n;
+	uintptr_t ptr;
+};
+
+static struct fetch_run fetch_run_of(const gmlake_ctx *ctx,
+				     const struct gml_block *b)
+{
+	struct fetch_run r = {
+		.pos = b->pos + b->kept_lo,
+		.n = b->n - b->kept_lo - b->kept_hi,
+		.ptr = b->ptr + (uintptr_t)b->kept_lo * ctx->chunk,
+	};
+
+	return r;
+}
+
+/* Unmap [0, k) of got from run r of b after a failed attach. */
+static void attach_undo(gmlake_ctx *ctx, struct gml_block *b,
+			const struct fetch_run *r, uint32_t k)
 {
 	struct gml_view *v = b->view;
 
 	for (uint32_t i = 0; i < k; i++) {
-		uint32_t p = b->pos + i;
+		uint32_t p = r->pos + i;
 
 		/* Twice: a spilled run must stay holes, and the caller
 		 * gives the chunks back. */
@@ -209,15 +282,15 @@ static void attach_undo(gmlake_ctx *ctx, struct gml_block *b, uint32_t k)
 
 /* Stitched run: free chunks of any segment, new ones for the shortfall. */
 static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
-			   struct gml_chunk **got)
+			   const struct fetch_run *r, struct gml_chunk **got)
 {
 	struct gml_view *v = b->view;
 	struct run grown;
 	uint32_t k, i;
 	int ret;
 
-	k = free_chunks(ctx, v, got, b->n, true);
-	k += free_chunks(ctx, v, got + k, b->n - k, false);
+	k = free_chunks(ctx, v, got, r->n, true);
+	k += free_chunks(ctx, v, got + k, r->n - k, false);
 	/* the second pass may list a chunk of the first again */
 	for (i = 0; i < k; i++)
 		for (uint32_t j = 0; j < i; j++)
@@ -225,24 +298,24 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 				got[i--] = got[--k];
 				break;
 			}
-	if (k < b->n) {
-		ret = gml_grow(ctx, b->n - k, false, &grown);
+	if (k < r->n) {
+		ret = gml_grow(ctx, r->n - k, false, &grown);
 		if (ret)
 			return ret;
-		for (i = 0; k < b->n; i++)
+		for (i = 0; k < r->n; i++)
 			got[k++] = grown.view->chunks[grown.pos + i];
 	}
-	for (i = 0; i < b->n; i++) {
-		uint32_t p = b->pos + i;
+	for (i = 0; i < r->n; i++) {
+		uint32_t p = r->pos + i;
 
 		ret = gml_view_map_pos(ctx, v, p, got[i]->handle);
 		if (ret)
 			goto out_undo;
 	}
-	ret = gml_dev_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	ret = gml_dev_set_access(&ctx->dev, r->ptr, (size_t)r->n * ctx->chunk);
 	if (ret)
 		goto out_undo;
-	for (i = 0; i < b->n; i++) {
+	for (i = 0; i < r->n; i++) {
 		ret = gml_add_view_ref(got[i], v);
 		if (ret) {
 			while (i--)
@@ -251,13 +324,13 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 			goto out_undo;
 		}
 	}
-	gml_count_access(ctx, (size_t)b->n * ctx->chunk, b->n);
-	for (i = 0; i < b->n; i++)
-		v->chunks[b->pos + i] = got[i];
-	v->holes -= b->n;
+	gml_count_access(ctx, (size_t)r->n * ctx->chunk, r->n);
+	for (i = 0; i < r->n; i++)
+		v->chunks[r->pos + i] = got[i];
+	v->holes -= r->n;
 	return 0;
 out_undo:
-	attach_undo(ctx, b, b->n);
+	attach_undo(ctx, b, r, r->n);
 	return ret;
 }
 
@@ -461,7 +534,7 @@ static int seg_chunk(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 
 /* Segment run: chunks made (or moved) to live at their new home. */
 static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
-			  struct gml_chunk **got)
+			  const struct fetch_run *r, struct gml_chunk **got)
 {
 	struct gml_view *v = b->view;
 	struct gml_chunk **ready = NULL;
@@ -469,14 +542,14 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 	bool settled;
 	int ret;
 
-	if (b->n > ctx->nspares) {
-		ready = calloc(b->n - ctx->nspares, sizeof(*ready));
+	if (r->n > ctx->nspares) {
+		ready = calloc(r->n - ctx->nspares, sizeof(*ready));
 		if (ready)	/* without: new chunks only */
 			nready = cached_chunks(ctx, ready,
-					       b->n - ctx->nspares);
+					       r->n - ctx->nspares);
 	}
-	for (k = 0; k < b->n; k++) {
-		uint32_t p = b->pos + k;
+	for (k = 0; k < r->n; k++) {
+		uint32_t p = r->pos + k;
 
 		ret = seg_chunk(ctx, v, p, ready, &nready, &got[k]);
 		if (ret)
@@ -487,23 +560,23 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 			goto out_undo;
 		}
 	}
-	ret = gml_dev_set_access(&ctx->dev, b->ptr, (size_t)b->n * ctx->chunk);
+	ret = gml_dev_set_access(&ctx->dev, r->ptr, (size_t)r->n * ctx->chunk);
 	if (ret)
 		goto out_undo;
-	gml_count_access(ctx, (size_t)b->n * ctx->chunk, b->n);
-	for (k = 0; k < b->n; k++)
-		v->chunks[b->pos + k] = got[k];
+	gml_count_access(ctx, (size_t)r->n * ctx->chunk, r->n);
+	for (k = 0; k < r->n; k++)
+		v->chunks[r->pos + k] = got[k];
 	free(ready);
 	return 0;
 out_undo:
 	free(ready);
-	attach_undo(ctx, b, k);
+	attach_undo(ctx, b, r, k);
 	/* Chunks taken before their last work ran serve elsewhere only
 	 * once it has; released, their memory lives while mapped. */
 	settled = ctx->nstale == stale0 || !gml_streams_wait_all(ctx);
 	for (uint32_t i = 0; i < k; i++) {
 		/* Only an unmapped chunk may serve elsewhere. */
-		if (v->mapped[b->pos + i] || !settled)
+		if (v->mapped[r->pos + i] || !settled)
 			gml_chunk_handle_release(ctx, got[i]->handle);
 		else
 			gml_spare_put(ctx, got[i]->handle);
@@ -514,14 +587,16 @@ out_undo:
 }
 
 /*
- * Map chunks at spilled block b's run again (same address): free chunks
- * for a stitched run, chunks at their new home for a segment run. The
+ * Map chunks at spilled block b's run again (same address), but at the
+ * positions the spill kept: free chunks for a stitched run, chunks at
+ * their new home for a segment run. The
  * block owns them afterwards; its bytes are for the caller to bring back.
  * 0, or -ENOMEM / -errno with the block still spilled.
  */
 int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 {
-	struct gml_chunk **got = calloc(b->n, sizeof(*got));
+	struct fetch_run r = fetch_run_of(ctx, b);
+	struct gml_chunk **got = calloc(r.n, sizeof(*got));
 	int ret;
 
 	if (!got)
@@ -531,31 +606,49 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 	if (ctx->nstale)
 		gml_stale_reap(ctx, false);
 	b->view->maxfree = GML_RUN_UNKNOWN;
-	if (gml_span_wanted(b) && gml_span_attach(ctx, b) == 0) {
+	if (r.n == b->n && gml_span_wanted(b) &&
+	    gml_span_attach(ctx, b) == 0) {
 		b->fetches++;
 		free(got);
 		return 0;
 	}
 	if (b->view->stitched)
-		ret = attach_stitched(ctx, b, got);
+		ret = attach_stitched(ctx, b, &r, got);
 	else
-		ret = attach_segment(ctx, b, got);
-	for (uint32_t i = 0; !ret && i < b->n; i++) {
+		ret = attach_segment(ctx, b, &r, got);
+	for (uint32_t i = 0; !ret && i < r.n; i++) {
 		got[i]->owner = b;
 		gml_chunk_touch(got[i]);
 	}
-	if (!ret)
+	if (!ret) {
 		b->fetches++;
+		b->kept_lo = b->kept_hi = 0;
+	}
 	free(got);
 	return ret;
 }
 
-/* Free a spilled block: its run stays holes; a stitched view with holes
- * and no live block leaves the cache. */
-void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b)
+/* Free a spilled block: its run stays holes, but its kept positions free
+ * chunks guarded by g; a stitched view with holes and no live block
+ * leaves the cache. */
+void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b,
+			    const struct gml_guard *g)
 {
 	struct gml_view *v = b->view;
+	uint32_t tail = b->pos + b->n - b->kept_hi;
 
+	for (uint32_t p = b->pos; p < b->pos + b->kept_lo; p++) {
+		v->chunks[p]->owner = NULL;
+		v->chunks[p]->guard = *g;
+	}
+	for (uint32_t p = tail; p < b->pos + b->n; p++) {
+		v->chunks[p]->owner = NULL;
+		v->chunks[p]->guard = *g;
+	}
+	if (b->kept_lo)
+		gml_run_touch(v, b->pos, b->kept_lo, false);
+	if (b->kept_hi)
+		gml_run_touch(v, tail, b->kept_hi, false);
 	v->live--;
 	free(b);
 	if (!v->stitched)

@@ -32,7 +32,8 @@
  *
  * Invariants (lib/check.c verifies them): a live resident large block
  * owns every chunk under its run; a spilled one owns none and its run is
- * all holes; no chunk has two owners; a free chunk has no owner; a cached
+ * all holes, but for the kept positions at its ends (a slab another block
+ * holds part of, which the driver unmaps only whole); no chunk has two owners; a free chunk has no owner; a cached
  * stitched view has holes only while it has live blocks (under a spilled
  * block, or left by a freed spilled or span block; it leaves the cache
  * with its last live block).
@@ -187,6 +188,10 @@ struct gml_block {
 	struct gml_block *oprev, *onext; /* that LRU, oldest first */
 	uint32_t fetches;		/* fetched so often: from the second
 					   fetch, into a span (span.c) */
+	uint32_t kept_lo, kept_hi;	/* spilled: positions at the start and
+					   end of the run that stayed mapped
+					   and owned, in a slab another block
+					   holds part of (resident.c) */
 };
 
 struct gml_schunk {
@@ -296,10 +301,13 @@ void gml_reap_dying(gmlake_ctx *ctx, bool wait);
 void gml_views_fini(gmlake_ctx *ctx);
 bool gml_chunk_in_view(const struct gml_chunk *c, const struct gml_view *v);
 /* Offload: take a block's chunks away, its range kept (0, -EBUSY, -errno);
- * map chunks at its range again; free a spilled block's run. */
+ * whether a detach would keep positions of it; map chunks at its range
+ * again; free a spilled block's run. */
 int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check);
+bool gml_large_keeps(const struct gml_block *b);
 int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b);
-void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b);
+void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b,
+			    const struct gml_guard *g);
 void gml_zombies_reap(gmlake_ctx *ctx);
 /* Spilled chunks and spans kept for the next fetch or segment, released
  * after cfg.spare_keep_ms unused, on trim, under pressure and at destroy. */

@@ -374,6 +374,11 @@ static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 		return ret;
 	b = req->b;
 	ret = gml_large_detach(ctx, b, true);
+	if (!ret && req->inplace && gml_large_keeps(b))
+		ret = gml_set_error(-EBUSY, "offload: block %#lx shares a "
+				    "growth handle with memory in use, and an "
+				    "in-place spill maps host memory over all "
+				    "of it", (unsigned long)b->ptr);
 	if (ret)
 		goto out_unlock;
 	b->off_state = GML_OFF_SPILLING;

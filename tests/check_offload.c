@@ -346,10 +346,8 @@ END_TEST
  * Under a tier, growth still takes slabs (one handle per 4 chunks), but a
  * long-lived block (an optimizer's state) stays off them: made while the
  * freed slabs of another block are the lowest free memory, it lands
- * elsewhere and spills. An ordinary block takes a free slab, and the rest
- * of that slab then serves no other block (the next one lands on the
- * second slab), so it spills with the slab's free chunks, where blocks
- * made before the ring (test_spill_slabs) could not.
+ * elsewhere and spills. An ordinary block takes the slab and, lying in it
+ * beside live memory, cannot spill (-EBUSY), as in test_spill_slabs.
  */
 START_TEST(test_long_lived_off_slabs)
 {
@@ -378,13 +376,10 @@ START_TEST(test_long_lived_off_slabs)
 	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 3, NULL);
 	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 4, NULL);
 	ck_assert_ptr_eq(x, a);				/* first fit: a slab */
-	ck_assert_ptr_eq(y, (char *)a + 4 * TH_CHUNK);	/* not x's slab */
+	ck_assert_ptr_eq(y, (char *)a + 2 * TH_CHUNK);	/* and its rest */
+	ck_assert_int_eq(spill(&ring, x), -EBUSY);
+	ck_assert_int_eq(gmlake_offload_state(ctx, x), GMLAKE_BLOCK_RESIDENT);
 	th_check(ctx);
-	ck_assert_int_eq(spill(&ring, x), 0);
-	ck_assert_int_eq(gmlake_offload_state(ctx, x), GMLAKE_BLOCK_SPILLED);
-	ck_assert_int_eq(fetch(&ring, x), 0);
-	th_check(ctx);
-	th_verify_ok(ctx, x, 2 * TH_CHUNK, 3, NULL);
 	ck_assert_int_eq(fetch(&ring, s), 0);
 	th_check(ctx);
 	th_verify_free(ctx, s, 2 * TH_CHUNK, 2, NULL);
@@ -397,15 +392,19 @@ START_TEST(test_long_lived_off_slabs)
 END_TEST
 
 /*
- * Under a tier a slab serves one block at a time: blocks of 6 chunks made
- * in the freed slabs (4 chunks each) of a larger block each start at a
- * slab no other block holds part of, so every one of them spills and
- * comes back with its bytes. (Placed by first fit alone, the second would
- * share the first one's second slab, and neither could spill: -EBUSY.)
+ * Blocks of 6 chunks made in the freed slabs (4 chunks each) of a larger
+ * block, one after the other: each shares a slab with its neighbour, so a
+ * spill unmaps its own slab and keeps its positions in the shared one
+ * mapped (the driver unmaps a handle only whole). All four spill, two
+ * slabs stay for four blocks; they come back with their bytes; a spilled
+ * block freed gives its kept chunks back to the free pool, and once the
+ * neighbour is gone too, the other spills with all of that slab. In place (host memory
+ * mapped over the whole run), a block that would keep chunks is refused.
  */
-START_TEST(test_tier_one_block_a_slab)
+START_TEST(test_spill_keeps_shared_slab)
 {
-	struct gmlake_offload ring;
+	struct gmlake_offload ring, inplace;
+	struct gmlake_stats st0, st;
 	gmlake_ctx *ctx;
 	void *big, *p[4];
 
@@ -415,19 +414,46 @@ START_TEST(test_tier_one_block_a_slab)
 	th_verify_free(ctx, big, 24 * TH_CHUNK, 39, NULL);
 	for (int i = 0; i < 4; i++)
 		p[i] = th_alloc_filled(ctx, 6 * TH_CHUNK, 40 + i, NULL);
-	ck_assert_ptr_eq(p[0], big);
-	ck_assert_ptr_eq(p[1], (char *)big + 8 * TH_CHUNK);
+	for (int i = 0; i < 4; i++)	/* first fit: back to back */
+		ck_assert_ptr_eq(p[i], (char *)big + 6 * i * TH_CHUNK);
+	ck_assert_int_eq(gmlake_offload_init(&inplace, ctx, 4,
+					     GMLAKE_OFFLOAD_INPLACE), 0);
+	ck_assert_int_eq(spill(&inplace, p[0]), -EBUSY);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p[0]), GMLAKE_BLOCK_RESIDENT);
+	TH_OK(ctx, gmlake_offload_exit(&inplace));
 	th_check(ctx);
+	th_stats(ctx, &st0);
 	for (int i = 0; i < 4; i++) {
 		ck_assert_int_eq(spill(&ring, p[i]), 0);
 		ck_assert_int_eq(gmlake_offload_state(ctx, p[i]),
 				 GMLAKE_BLOCK_SPILLED);
+		th_check(ctx);
 	}
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap] -
+			  st0.calls[GMLAKE_CALL_mem_unmap], 4);
+	ck_assert_int_eq(st.spilled_blocks.current, 4);
+	ck_assert_int_eq(fetch(&ring, p[1]), 0);
 	th_check(ctx);
-	for (int i = 0; i < 4; i++)
-		ck_assert_int_eq(fetch(&ring, p[i]), 0);
+	th_verify_ok(ctx, p[1], 6 * TH_CHUNK, 41, NULL);
+	ck_assert_int_eq(fetch(&ring, p[0]), 0);
 	th_check(ctx);
-	for (int i = 0; i < 4; i++)
+	th_verify_ok(ctx, p[0], 6 * TH_CHUNK, 40, NULL);
+	th_free(ctx, p[3]);				/* spilled, freed */
+	th_check(ctx);
+	ck_assert_int_eq(fetch(&ring, p[2]), 0);
+	th_verify_ok(ctx, p[2], 6 * TH_CHUNK, 42, NULL);
+	th_stats(ctx, &st0);
+	/* p[2] holds 4 single chunks now (a fetch maps no slab) and 2 of a
+	 * slab whose rest is free: 4 unmaps, and one for the slab whole. */
+	ck_assert_int_eq(spill(&ring, p[2]), 0);
+	th_check(ctx);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_unmap] -
+			  st0.calls[GMLAKE_CALL_mem_unmap], 5);
+	ck_assert_int_eq(fetch(&ring, p[2]), 0);
+	th_check(ctx);
+	for (int i = 0; i < 3; i++)
 		th_verify_free(ctx, p[i], 6 * TH_CHUNK, 40 + i, NULL);
 	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_check(ctx);
@@ -2385,7 +2411,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_fetch_segment);
 	tcase_add_test(tc, test_spill_slabs);
 	tcase_add_test(tc, test_long_lived_off_slabs);
-	tcase_add_test(tc, test_tier_one_block_a_slab);
+	tcase_add_test(tc, test_spill_keeps_shared_slab);
 	tcase_add_test(tc, test_spill_part_of_stitched_slab);
 	tcase_add_test(tc, test_long_lived_off_stitched_slabs);
 	tcase_add_test(tc, test_span_cycle);
