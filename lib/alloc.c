@@ -116,6 +116,14 @@ static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 			break;
 		len++;
 	}
+	/* Under a tier, a block of a handle or more that would hold only
+	 * the ends of two handles (the free top of one another block holds
+	 * part of, and less than a handle new) leaves nothing a spill can
+	 * unmap once the next block takes the rest: it grows whole where
+	 * the budget allows, and the free top serves smaller blocks. */
+	if (ctx->tier && g && n >= g && len < g && n - len < g &&
+	    n <= v->cap - v->n && grow_in_budget(ctx, n, n))
+		len = 0;
 	k = n - len;
 	if (!k || k > v->cap - v->n || !grow_in_budget(ctx, n, k))
 		return -ENOENT;

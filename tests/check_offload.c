@@ -462,6 +462,51 @@ START_TEST(test_spill_keeps_shared_slab)
 END_TEST
 
 /*
+ * Blocks of 5 chunks made one after another at the top, under a tier, on
+ * slabs of 4 (rounding up to whole slabs allowed by an earlier peak): a
+ * block that would take the free top of its neighbour's last slab and
+ * less than a slab new would hold only the ends of two slabs, nothing a
+ * spill can unmap once the next block takes the rest; each grows whole
+ * instead, and every one spills and comes back.
+ */
+START_TEST(test_tail_blocks_spill)
+{
+	struct gmlake_offload ring;
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx;
+	void *big, *p[4];
+
+	th_config(&cfg, 128 * TH_MiB);
+	cfg.host_limit = 64 * TH_MiB;
+	cfg.grow_handle = 4 * TH_CHUNK;
+	ctx = th_ctx_cfg(&cfg);
+	ring_init(&ring, ctx, 8);
+	big = th_alloc_filled(ctx, 40 * TH_CHUNK, 9, NULL);	/* the peak */
+	th_free(ctx, big);
+	TH_OK(ctx, gmlake_trim(ctx));
+	for (int i = 0; i < 4; i++)
+		p[i] = th_alloc_filled(ctx, 5 * TH_CHUNK, 50 + i, NULL);
+	for (int i = 0; i < 4; i++) {
+		int ret = spill(&ring, p[i]);
+
+		ck_assert_msg(ret == 0, "block %d: spill %d (%s)", i, ret,
+			      gmlake_last_error());
+		ck_assert_int_eq(gmlake_offload_state(ctx, p[i]),
+				 GMLAKE_BLOCK_SPILLED);
+		th_check(ctx);
+	}
+	for (int i = 0; i < 4; i++) {
+		ck_assert_int_eq(fetch(&ring, p[i]), 0);
+		th_check(ctx);
+		th_verify_free(ctx, p[i], 5 * TH_CHUNK, 50 + i, NULL);
+	}
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * A cached stitched range of 8 chunks over two free slabs, A and C (4
  * chunks each, filled with 1 and 3 before), and between them a live chunk
  * *b (filled with 2); returns the range (freed, filled with 4).
@@ -2412,6 +2457,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_slabs);
 	tcase_add_test(tc, test_long_lived_off_slabs);
 	tcase_add_test(tc, test_spill_keeps_shared_slab);
+	tcase_add_test(tc, test_tail_blocks_spill);
 	tcase_add_test(tc, test_spill_part_of_stitched_slab);
 	tcase_add_test(tc, test_long_lived_off_stitched_slabs);
 	tcase_add_test(tc, test_span_cycle);
