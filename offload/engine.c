@@ -104,25 +104,73 @@ static int tend_chunks(struct gml_offload *off)
 	return ms;
 }
 
-/* Requests handed in: spills and fetches first, then prefetches. */
+/* A FIFO of requests, linked through next. */
+struct req_fifo {
+	struct gml_off_req *head, **tail;
+};
+
+static void fifo_push(struct req_fifo *q, struct gml_off_req *req)
+{
+	req->next = NULL;
+	*q->tail = req;
+	q->tail = &req->next;
+}
+
+static struct gml_off_req *fifo_pop(struct req_fifo *q)
+{
+	struct gml_off_req *req = q->head;
+
+	q->head = req->next;
+	if (!q->head)
+		q->tail = &q->head;
+	return req;
+}
+
+/* Whether a request in q came before req for req's block. */
+static bool fifo_has_earlier(const struct req_fifo *q,
+			     const struct gml_off_req *req)
+{
+	for (const struct gml_off_req *r = q->head; r; r = r->next)
+		if (r->b && r->b == req->b && r->seq < req->seq)
+			return true;
+	return false;
+}
+
+/*
+ * Requests handed in: spills and fetches first, then prefetches. Spills
+ * and fetches start in turn, one of each, so that both copy streams get
+ * work at once (issuing a large copy can block the thread until the
+ * copy engine takes it: a batch's spills started before its fetches left
+ * the host-to-device stream idle meanwhile). Requests on one block start
+ * in the order they came (seq).
+ */
 static void start_incoming(struct gml_offload *off, struct gml_off_req *list)
 {
-	struct gml_off_req *later = NULL, **tail = &later, *req, *next;
+	struct req_fifo q[3] = { { NULL, &q[0].head }, { NULL, &q[1].head },
+				 { NULL, &q[2].head } };
+	struct gml_off_req *req, *next;
+	uint32_t seq = 0;
+	int turn = 0;
 
 	for (req = list; req; req = next) {
 		next = req->next;
-		if (req->op == GMLAKE_OFFLOAD_PREFETCH) {
-			req->next = NULL;
-			*tail = req;
-			tail = &req->next;
+		req->seq = seq++;
+		fifo_push(&q[req->op == GMLAKE_OFFLOAD_PREFETCH ? 2 :
+			     req->op == GMLAKE_OFFLOAD_FETCH], req);
+	}
+	while (q[0].head || q[1].head) {
+		struct req_fifo *mine = &q[turn], *other = &q[!turn];
+
+		turn = !turn;
+		if (!mine->head)
 			continue;
-		}
-		start(off, req);
+		if (other->head && mine->head->seq > other->head->seq &&
+		    fifo_has_earlier(other, mine->head))
+			continue;	/* the other's turn; its head is older */
+		start(off, fifo_pop(mine));
 	}
-	for (req = later; req; req = next) {
-		next = req->next;
-		start(off, req);
-	}
+	while (q[2].head)
+		start(off, fifo_pop(&q[2]));
 }
 
 /* Sleep until woken (or timeout_ms passes; -1: no limit). */

@@ -74,6 +74,7 @@ struct gml_off_req {
 	struct gml_ring *ring;		/* complete's: the ring to post to */
 	uint8_t op;			/* enum gmlake_offload_op */
 	bool inplace;
+	uint32_t seq;			/* the engine's: order in its batch */
 	uintptr_t ptr;
 	uint64_t user_data;
 	/* Bound at submit (gml_off_bind) to the block at ptr then, which

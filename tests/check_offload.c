@@ -870,6 +870,58 @@ START_TEST(test_spill_fetch_stitched)
 }
 END_TEST
 
+/*
+ * The engine starts a batch's spills and fetches in turn, but requests on
+ * one block in the order they came: with x resident, spill(a), spill(x),
+ * fetch(x) has the fetch find x moving (-EBUSY), where a fetch started
+ * before x's spill would have found it resident (0) and x would end
+ * spilled behind a successful fetch.
+ */
+START_TEST(test_batch_keeps_block_order)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	struct gmlake_offload ring;
+	struct gmlake_offload_sqe *sqe;
+	struct gmlake_offload_cqe *cqe;
+	void *p[2];
+	int res[3];
+
+	for (int i = 0; i < 2; i++)
+		p[i] = th_alloc_filled(ctx, 2 * TH_CHUNK, 60 + i, NULL);
+	ring_init(&ring, ctx, 4);
+	for (int i = 0; i < 3; i++) {
+		sqe = gmlake_offload_get_sqe(&ring);
+		ck_assert_ptr_nonnull(sqe);
+		if (i < 2)
+			gmlake_offload_prep_spill(sqe, p[i]);
+		else
+			gmlake_offload_prep_fetch(sqe, p[1]);
+		gmlake_offload_sqe_set_data(sqe, (uint64_t)i);
+	}
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 3);
+	for (int got = 0; got < 3; got++) {
+		uint64_t i;
+
+		ck_assert_int_eq(gmlake_offload_wait_cqe(&ring, &cqe), 0);
+		i = gmlake_offload_cqe_get_data(cqe);
+		ck_assert_uint_lt(i, 3);
+		res[i] = cqe->res;
+		gmlake_offload_cqe_seen(&ring, cqe);
+	}
+	ck_assert_int_eq(res[0], 0);
+	ck_assert_int_eq(res[1], 0);
+	ck_assert_int_eq(res[2], -EBUSY);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p[1]), GMLAKE_BLOCK_SPILLED);
+	th_check(ctx);
+	for (int i = 0; i < 2; i++) {
+		ck_assert_int_eq(fetch(&ring, p[i]), 0);
+		th_verify_free(ctx, p[i], 2 * TH_CHUNK, 60 + i, NULL);
+	}
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
 /* Many requests in flight, both directions at once, any order. */
 START_TEST(test_many_in_flight)
 {
@@ -2469,6 +2521,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_fetch_evicts_unused_stitched);
 	tcase_add_test(tc, test_fetch_takes_busy_chunks);
 	tcase_add_test(tc, test_many_in_flight);
+	tcase_add_test(tc, test_batch_keeps_block_order);
 	tcase_add_test(tc, test_ring_errors);
 	tcase_add_test(tc, test_destroy_spilled);
 	tcase_add_loop_test(tc, test_destroy_rings_open, 0, 2);
