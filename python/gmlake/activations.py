@@ -655,8 +655,10 @@ class offload_activations:
     mapping work, which on the H200 made it 0.71-0.75x save_on_cpu's step
     on the bench's GPT (0.72x over three rounds) where the same-address
     spill took 1.5x. Then lag, prefetch and inplace do not apply,
-    max_inflight defaults to 256 MiB and prefetch_bytes (256 MiB) bounds
-    what backward fetches ahead.
+    max_inflight defaults to 256 MiB, prefetch_bytes (256 MiB) bounds
+    what backward fetches ahead, and drain (True) waits at the end of
+    each forward (learned from the one before) for the copies still
+    going out, so that the loss does not run beside them.
     True moves libgmlake's blocks and brings them back at the same
     address (the options above; it needs gmlake.torch.enable(),
     libgmlake as PyTorch's allocator).
@@ -665,7 +667,7 @@ class offload_activations:
     def __init__(self, lag=None, prefetch=None, inplace=None,
                  min_bytes=MiB, leaves=False, offloader=None,
                  max_inflight=_DEFAULT, budget=None, same_address=None,
-                 prefetch_bytes=None):
+                 prefetch_bytes=None, drain=None):
         if same_address is None:
             same_address = isinstance(offloader, Offloader)
         self.same_address = bool(same_address)
@@ -678,6 +680,9 @@ class offload_activations:
                 raise ValueError("prefetch_bytes is for same_address="
                                  "False; the same-address offloader's "
                                  "prefetch counts storages")
+            if drain is not None:
+                raise ValueError("drain is for same_address=False (the "
+                                 "copying offloader)")
             self.opts = dict(lag=lag, prefetch=prefetch, inplace=inplace,
                              min_bytes=min_bytes, leaves=leaves,
                              max_inflight=max_inflight, budget=budget)
@@ -695,7 +700,8 @@ class offload_activations:
                              max_inflight=(COPY_WINDOW if max_inflight is
                                            _DEFAULT else max_inflight),
                              prefetch=(COPY_WINDOW if prefetch_bytes is None
-                                       else prefetch_bytes))
+                                       else prefetch_bytes),
+                             drain=True if drain is None else drain)
             CopyOffloader.configure(_Check(), **self.opts)
             if offloader is not None and \
                     not isinstance(offloader, CopyOffloader):

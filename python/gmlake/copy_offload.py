@@ -24,6 +24,16 @@ does, without its stalls:
 * Copies in flight hold device memory, so when more than max_inflight
   bytes are still copying out, pack waits for the oldest first: forward
   then runs at the bus's pace instead of keeping everything.
+* The end of forward. Copies still going out when forward ends hold
+  their tensors through the loss, typically the step's peak (nothing is
+  packed or unpacked there to see them done), where save_on_cpu holds
+  none. So the offloader counts the copies of each forward, and in the
+  next one, over the copies that made up the last max_inflight bytes of
+  the previous, keeps one copy in flight at a time and waits for the
+  last (drain=True, the default): the loss then starts with nothing held.
+  That costs the host a wait per copy there, about the bus time of one
+  window a step; a forward longer than the one before merely drains
+  early, and the first forward, with nothing learned yet, does not.
 * budget=BYTES: saved tensors stay on the device, the newest first,
   while their bytes fit in the budget; the oldest are copied out when a
   newer one needs the room. Backward needs the newest first, so only what
@@ -198,9 +208,11 @@ class CopyOffloader:
     """
 
     def __init__(self, min_bytes=MiB, leaves=False, budget=None,
-                 prefetch=COPY_WINDOW, max_inflight=COPY_WINDOW, ops=None):
+                 prefetch=COPY_WINDOW, max_inflight=COPY_WINDOW, drain=True,
+                 ops=None):
         self.configure(min_bytes=min_bytes, leaves=leaves, budget=budget,
-                       prefetch=prefetch, max_inflight=max_inflight)
+                       prefetch=prefetch, max_inflight=max_inflight,
+                       drain=drain)
         self._ops = ops
         self._lock = threading.RLock()
         self._side = {}
@@ -214,12 +226,17 @@ class CopyOffloader:
         self._out_bytes = 0
         self._backward = False  # an unpack came after the last pack
         self._copied = []       # refs in pack order, for the prefetch
+        # This forward's copies out (sizes), and from the one before the
+        # count of all of them and of those in its last window (drain).
+        self._fwd_sizes = []
+        self._last_fwd = self._tail = 0
         self._compact_at = 64
         self._index = 0
         self.stats = collections.Counter()
 
     def configure(self, min_bytes=MiB, leaves=False, budget=None,
-                  prefetch=COPY_WINDOW, max_inflight=COPY_WINDOW):
+                  prefetch=COPY_WINDOW, max_inflight=COPY_WINDOW,
+                  drain=True):
         for name, v in (("min_bytes", min_bytes), ("prefetch", prefetch)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError("%s must be a byte count >= 0, not %r" %
@@ -234,11 +251,12 @@ class CopyOffloader:
         self.budget = budget
         self.prefetch = prefetch
         self.max_inflight = max_inflight
+        self.drain = bool(drain)
 
     def options(self):
         return dict(min_bytes=self.min_bytes, leaves=self.leaves,
                     budget=self.budget, prefetch=self.prefetch,
-                    max_inflight=self.max_inflight)
+                    max_inflight=self.max_inflight, drain=self.drain)
 
     @property
     def ops(self):
@@ -268,6 +286,8 @@ class CopyOffloader:
             return t
         t = t.detach()
         with self._lock:
+            if self._backward:
+                self._fwd_sizes = []    # a new forward
             self._backward = False
             self.reap()
             self._index += 1
@@ -288,6 +308,8 @@ class CopyOffloader:
         with self._lock:
             self.stats["unpacks"] += 1
             self.reap()
+            if not self._backward:
+                self._forward_ended()
             self._backward = True
             if rec.dev is not None:         # kept on the device
                 t = rec.dev
@@ -349,7 +371,9 @@ class CopyOffloader:
             # Stay on the device; unpack raises autograd's error.
             self.stats["modified"] += 1
             return
-        self._throttle(rec.nbytes)
+        left = self._last_fwd - len(self._fwd_sizes)  # this one included
+        tail = self.drain and 0 < left <= self._tail
+        self._throttle(rec.nbytes, 0 if tail else self.max_inflight)
         side = self.side(rec.device)
         self.ops.after(side, self.ops.current(rec.device))
         rec.host, ev = self.ops.to_host(t, side)
@@ -357,6 +381,11 @@ class CopyOffloader:
         rec.out = t
         self._outflight.append((ev, rec.nbytes, t, weakref.ref(rec)))
         self._out_bytes += rec.nbytes
+        self._fwd_sizes.append(rec.nbytes)
+        if tail and left == 1:
+            self.stats["drains"] += 1
+            while self._outflight:
+                self._settle([self._reap_out(True)])
         self._copied.append(weakref.ref(rec))
         if len(self._copied) >= self._compact_at:
             self._copied = [r for r in self._copied
@@ -396,9 +425,21 @@ class CopyOffloader:
                 self._ahead.add(rec)
                 self.stats["kept_for_backward"] += 1
 
-    def _throttle(self, nbytes):
+    def _forward_ended(self):
+        """Backward began: learn the forward's copy count and how many of
+        its last copies made up a window, for the next forward's drain."""
+        sizes = self._fwd_sizes
+        self._last_fwd = len(sizes)
+        total = tail = 0
+        for n in reversed(sizes):
+            if total >= (self.max_inflight or 0):
+                break
+            total += n
+            tail += 1
+        self._tail = max(tail, 1) if sizes else 0
+
+    def _throttle(self, nbytes, limit):
         self.reap()
-        limit = self.max_inflight
         while limit is not None and self._outflight and \
                 self._out_bytes + nbytes > limit:
             self._settle([self._reap_out(True)])

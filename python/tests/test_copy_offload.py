@@ -261,6 +261,39 @@ class CopyOffloadTest(unittest.TestCase):
         off.pack(Tensor(2 * MiB))
         self.assertEqual(ops.host_waits, 1)
 
+    def test_drain_at_the_end_of_forward(self):
+        off, ops = offloader(max_inflight=5 * MiB, prefetch=0)
+
+        def forward(fill):
+            ps = [off.pack(Tensor(2 * MiB, fill=fill + i)) for i in range(6)]
+            return ps, len(off._outflight)
+
+        # The first forward learns: its last copies stay in flight.
+        ps, left = forward(0)
+        self.assertGreater(left, 0)
+        waits = ops.host_waits
+        ops.run()
+        for i in reversed(range(6)):
+            self.assertEqual(bytes(off.unpack(ps[i]).data[:1]),
+                             bytes([i]))
+        # The next one: its last 3 copies (the window's 5 MiB) go one at
+        # a time and the last is waited for, so nothing is in flight
+        # when forward ends. Waits: the window's at the third copy, then
+        # two to empty it at the fourth, one at the fifth and sixth, and
+        # one for the sixth itself.
+        ps, left = forward(10)
+        self.assertEqual(left, 0)
+        self.assertEqual(off.stats["drains"], 1)
+        self.assertEqual(ops.host_waits - waits, 6)
+        for i in reversed(range(6)):
+            self.assertEqual(bytes(off.unpack(ps[i]).data[:1]),
+                             bytes([10 + i]))
+        # drain=False: as the first forward.
+        off.configure(max_inflight=5 * MiB, prefetch=0, drain=False)
+        ps, left = forward(20)
+        self.assertGreater(left, 0)
+        self.assertEqual(off.stats["drains"], 1)
+
     def test_graph_freed_without_backward_lets_go(self):
         off, ops = offloader(budget=64 * MiB)
         t = Tensor(8 * MiB)
