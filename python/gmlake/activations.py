@@ -658,7 +658,10 @@ class offload_activations:
     max_inflight defaults to 256 MiB, prefetch_bytes (256 MiB) bounds
     what backward fetches ahead, and drain (True) waits at the end of
     each forward (learned from the one before) for the copies still
-    going out, so that the loss does not run beside them.
+    going out, so that the loss does not run beside them. Its leaves
+    rule is narrower (a copy never takes memory away): only parameters
+    and leaves that require grad stay; saved tensors that require no
+    grad (normalization statistics, attention's logsumexp) move.
     True moves libgmlake's blocks and brings them back at the same
     address (the options above; it needs gmlake.torch.enable(),
     libgmlake as PyTorch's allocator).
@@ -753,7 +756,7 @@ class offload_activations:
                 self._hooks.__exit__(*exc)
             finally:
                 off.configure(**self._saved)
-                off.reap()
+                off.scope_ended()
             return False
         try:
             self._hooks.__exit__(*exc)

@@ -27,13 +27,18 @@ does, without its stalls:
 * The end of forward. Copies still going out when forward ends hold
   their tensors through the loss, typically the step's peak (nothing is
   packed or unpacked there to see them done), where save_on_cpu holds
-  none. So the offloader counts the copies of each forward, and in the
-  next one, over the copies that made up the last max_inflight bytes of
-  the previous, keeps one copy in flight at a time and waits for the
-  last (drain=True, the default): the loss then starts with nothing held.
-  That costs the host a wait per copy there, about the bus time of one
-  window a step; a forward longer than the one before merely drains
-  early, and the first forward, with nothing learned yet, does not.
+  none. So the offloader counts the packs of each forward (every saved
+  tensor, moved or not: how many are over min_bytes can change with the
+  shapes, how many are saved does not), and in the next one, over the
+  packs that copied out the last max_inflight bytes of the previous,
+  keeps one copy in flight at a time and, at the last pack, waits for
+  the copies going out (drain=True, the default): the loss then starts
+  with nothing held. That costs the host a wait per copy there, about
+  the bus time of one window a step. Past the count of the forward
+  before, copies stay one at a time, and the end of each
+  offload_activations block waits for them (the forward may end there);
+  a shorter forward ends with its last copies in flight; the first
+  forward, with nothing learned yet, does not drain.
 * budget=BYTES: saved tensors stay on the device, the newest first,
   while their bytes fit in the budget; the oldest are copied out when a
   newer one needs the room. Backward needs the newest first, so only what
@@ -55,9 +60,13 @@ does, without its stalls:
   bus.
 
 Tensors that stay as they are: not dense or not on a CUDA device,
-smaller than min_bytes, or leaves (parameters, inputs, buffers, and
-views of them)
-unless leaves=True. The host copy is contiguous, so a strided tensor
+smaller than min_bytes, or, unless leaves=True, parameters (frozen ones
+too), leaves that require grad, and views of them: their memory stays
+on the device whatever is saved. Saved tensors that require no grad
+move like the rest, as with save_on_cpu: normalization statistics,
+attention's logsumexp (2 MiB a layer on the bench's GPT), masks, and
+inputs and buffers too (for those a copy costs bus time and saves
+nothing). The host copy is contiguous, so a strided tensor
 comes back contiguous, as with save_on_cpu.
 
 The CUDA work goes through a small table of operations (_TorchOps) so
@@ -91,6 +100,12 @@ class _TorchOps:
 
     def device_of(self, t):
         return t.device.index if t.device.index is not None else 0
+
+    def lives_on(self, t):
+        """Whether t's memory outlives the step without autograd: a
+        parameter (trainable or frozen) or a leaf that requires grad."""
+        return isinstance(t, self.torch.nn.Parameter) or \
+            (t.is_leaf and t.requires_grad)
 
     def side_stream(self, device):
         return self.torch.cuda.Stream(device)
@@ -269,7 +284,7 @@ class CopyOffloader:
             return False
         if not self.leaves:
             base = getattr(t, "_base", None)
-            if getattr(base if base is not None else t, "is_leaf", True):
+            if self.ops.lives_on(base if base is not None else t):
                 return False
         return t.numel() * t.element_size() >= max(self.min_bytes, 1)
 
@@ -281,14 +296,20 @@ class CopyOffloader:
 
     def pack(self, t):
         self.stats["packs"] += 1
-        if not self.eligible(t):
-            self.stats["kept_as_is"] += 1
-            return t
-        t = t.detach()
+        eligible = self.eligible(t)
         with self._lock:
             if self._backward:
                 self._fwd_sizes = []    # a new forward
             self._backward = False
+            # Every pack counts for the drain, moved or not: the count
+            # of saved tensors does not change with the shapes, the
+            # count of those over min_bytes can.
+            self._fwd_sizes.append(0)
+            if not eligible:
+                self.stats["kept_as_is"] += 1
+                self._drain_end()
+                return t
+            t = t.detach()
             self.reap()
             self._index += 1
             rec = _Saved(self._index, self.ops.device_of(t),
@@ -300,7 +321,19 @@ class CopyOffloader:
                 if old is None:
                     break
                 self._copy_out(old)
+            self._drain_end()
             return rec
+
+    def scope_ended(self):
+        """An offload_activations block ended. In the drain's window, or
+        past the end the forward before had, wait for the copies going
+        out: this forward may end here, before the pack that would."""
+        with self._lock:
+            if self._in_tail() and self._outflight:
+                self.stats["drains_at_exit"] += 1
+                self.synchronize()
+            else:
+                self.reap()
 
     def unpack(self, rec):
         if not isinstance(rec, _Saved):
@@ -371,9 +404,8 @@ class CopyOffloader:
             # Stay on the device; unpack raises autograd's error.
             self.stats["modified"] += 1
             return
-        left = self._last_fwd - len(self._fwd_sizes)  # this one included
-        tail = self.drain and 0 < left <= self._tail
-        self._throttle(rec.nbytes, 0 if tail else self.max_inflight)
+        self._throttle(rec.nbytes, 0 if self._in_tail() else
+                       self.max_inflight)
         side = self.side(rec.device)
         self.ops.after(side, self.ops.current(rec.device))
         rec.host, ev = self.ops.to_host(t, side)
@@ -381,11 +413,7 @@ class CopyOffloader:
         rec.out = t
         self._outflight.append((ev, rec.nbytes, t, weakref.ref(rec)))
         self._out_bytes += rec.nbytes
-        self._fwd_sizes.append(rec.nbytes)
-        if tail and left == 1:
-            self.stats["drains"] += 1
-            while self._outflight:
-                self._settle([self._reap_out(True)])
+        self._fwd_sizes[-1] += rec.nbytes
         self._copied.append(weakref.ref(rec))
         if len(self._copied) >= self._compact_at:
             self._copied = [r for r in self._copied
@@ -425,9 +453,25 @@ class CopyOffloader:
                 self._ahead.add(rec)
                 self.stats["kept_for_backward"] += 1
 
+    def _in_tail(self):
+        """Whether this forward's packs have reached the drain's window
+        (learned from the forward before) or gone past its end."""
+        left = self._last_fwd - len(self._fwd_sizes)  # after this pack
+        return self.drain and not self._backward and self._last_fwd > 0 \
+            and left < self._tail
+
+    def _drain_end(self):
+        """At the forward's last pack (the count of the one before), wait
+        for every copy going out, so the loss starts with none held."""
+        if self.drain and self._last_fwd > 0 and \
+                len(self._fwd_sizes) == self._last_fwd and self._outflight:
+            self.stats["drains"] += 1
+            self.synchronize()
+
     def _forward_ended(self):
-        """Backward began: learn the forward's copy count and how many of
-        its last copies made up a window, for the next forward's drain."""
+        """Backward began: learn the forward's pack count and how many of
+        its last packs copied out a window's bytes, for the next
+        forward's drain."""
         sizes = self._fwd_sizes
         self._last_fwd = len(sizes)
         total = tail = 0

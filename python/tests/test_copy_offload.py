@@ -26,10 +26,13 @@ class Dev:
 class Tensor:
     """A fake tensor: nbytes of data (a bytearray), a version counter."""
 
-    def __init__(self, nbytes, fill=0, device=True, leaf=False):
+    def __init__(self, nbytes, fill=0, device=True, leaf=False,
+                 grad=True, param=False):
         self.data = bytearray([fill % 256]) * nbytes
         self.device = Dev() if device else None
         self.is_leaf = leaf
+        self.requires_grad = grad
+        self.param = param
         self._base = None
         self._version = 0
 
@@ -79,6 +82,9 @@ class Ops:
 
     def device_of(self, t):
         return 0
+
+    def lives_on(self, t):
+        return t.param or (t.is_leaf and t.requires_grad)
 
     def side_stream(self, device):
         s = Stream("side")
@@ -149,14 +155,30 @@ class CopyOffloadTest(unittest.TestCase):
         off, ops = offloader()
         small = Tensor(MiB - 1)
         leaf = Tensor(4 * MiB, leaf=True)
+        frozen = Tensor(4 * MiB, leaf=True, grad=False, param=True)
+        view = Tensor(4 * MiB)
+        view._base = leaf
         host = Tensor(4 * MiB, device=False)
-        for t in (small, leaf, host):
+        for t in (small, leaf, frozen, view, host):
             self.assertIs(off.pack(t), t)
             self.assertIs(off.unpack(t), t)
         self.assertEqual(ops.log, [])
         off2, ops2 = offloader(leaves=True)
         self.assertIsNot(off2.pack(leaf), leaf)
         self.assertEqual(len(ops2.log), 1)
+
+    def test_saved_tensors_without_grad_move(self):
+        # Normalization statistics and attention's logsumexp: leaves to
+        # autograd (no grad), not parameters, held only by the graph.
+        off, ops = offloader(prefetch=0)
+        stats = Tensor(2 * MiB, fill=7, leaf=True, grad=False)
+        rec = off.pack(stats)
+        self.assertIsNot(rec, stats)
+        self.assertEqual(ops.log, [("out", "side", 2 * MiB)])
+        ops.run()
+        got = off.unpack(rec)
+        self.assertIsNot(got, stats)
+        self.assertEqual(bytes(got.data[:1]), b"\x07")
 
     def test_budget_keeps_the_newest(self):
         off, ops = offloader(budget=5 * MiB, prefetch=0)
@@ -293,6 +315,57 @@ class CopyOffloadTest(unittest.TestCase):
         ps, left = forward(20)
         self.assertGreater(left, 0)
         self.assertEqual(off.stats["drains"], 1)
+
+    def test_drain_counts_packs_not_copies(self):
+        # The small saved tensors stay at one shape and move at the next
+        # (attention's logsumexp grows with the batch): the drain must
+        # still end at the forward's last pack.
+        off, ops = offloader(max_inflight=5 * MiB, prefetch=0)
+
+        def forward(small, fill):
+            ps = []
+            for i in range(4):
+                ps.append(off.pack(Tensor(2 * MiB, fill=fill + i)))
+                ps.append(off.pack(Tensor(small, fill=fill + i)))
+            return ps, len(off._outflight)
+
+        ps, left = forward(MiB // 2, 0)
+        self.assertEqual(off.stats["copied_out"], 4)
+        self.assertGreater(left, 0)
+        ops.run()
+        for p in reversed(ps):
+            off.unpack(p)
+        ps, left = forward(3 * MiB // 2, 10)
+        self.assertEqual(off.stats["copied_out"], 4 + 8)
+        self.assertEqual(left, 0)
+        self.assertEqual(off.stats["drains"], 1)
+        for i, p in reversed(list(enumerate(ps))):
+            self.assertEqual(bytes(off.unpack(p).data[:1]),
+                             bytes([10 + i // 2]))
+
+    def test_block_end_waits_past_the_learned_end(self):
+        off, ops = offloader(max_inflight=5 * MiB, prefetch=0)
+
+        def forward(n):
+            return [off.pack(Tensor(2 * MiB, fill=i)) for i in range(n)]
+
+        ps = forward(3)
+        # Nothing learned yet: the end of a block only reaps.
+        off.scope_ended()
+        self.assertEqual(len(off._outflight), 2)
+        ops.run()
+        for p in reversed(ps):
+            off.unpack(p)
+        # A longer forward: drained at its third pack, then one copy at
+        # a time, and the end of the block waits for the last.
+        ps = forward(5)
+        self.assertEqual(off.stats["drains"], 1)
+        self.assertEqual(len(off._outflight), 1)
+        off.scope_ended()
+        self.assertEqual(len(off._outflight), 0)
+        self.assertEqual(off.stats["drains_at_exit"], 1)
+        for i, p in reversed(list(enumerate(ps))):
+            self.assertEqual(bytes(off.unpack(p).data[:1]), bytes([i]))
 
     def test_graph_freed_without_backward_lets_go(self):
         off, ops = offloader(budget=64 * MiB)
