@@ -639,8 +639,9 @@ class offload_activations:
     lag (4): saved tensors packed after a storage before it is spilled;
     prefetch (lag): spilled storages fetched ahead in backward; inplace
     (False): spill in place, so that a stray read sees the right bytes;
-    min_bytes (1 MiB): smaller storages stay; leaves (False): spill leaf
-    tensors (parameters, inputs) too; max_inflight (1 GiB): bytes of
+    min_bytes (1 MiB; 64 KiB for the copying offloader): smaller
+    storages stay; leaves (False): spill leaf tensors (parameters,
+    inputs) too; max_inflight (1 GiB): bytes of
     spills in flight before pack waits for some to complete (None: never
     wait); budget (None): bytes of saved tensors that may stay on the
     device, the newest (the ones backward needs first) staying, the
@@ -668,7 +669,7 @@ class offload_activations:
     """
 
     def __init__(self, lag=None, prefetch=None, inplace=None,
-                 min_bytes=MiB, leaves=False, offloader=None,
+                 min_bytes=None, leaves=False, offloader=None,
                  max_inflight=_DEFAULT, budget=None, same_address=None,
                  prefetch_bytes=None, drain=None):
         if same_address is None:
@@ -677,6 +678,7 @@ class offload_activations:
         if self.same_address:
             lag = 4 if lag is None else lag
             inplace = False if inplace is None else inplace
+            min_bytes = MiB if min_bytes is None else min_bytes
             if max_inflight is _DEFAULT:
                 max_inflight = MAX_INFLIGHT
             if prefetch_bytes is not None:
@@ -697,8 +699,10 @@ class offload_activations:
                                  "same-address offloader's: pass "
                                  "same_address=True (the copying one, the "
                                  "default, takes prefetch_bytes)")
-            from .copy_offload import CopyOffloader, COPY_WINDOW
-            self.opts = dict(min_bytes=min_bytes, leaves=leaves,
+            from .copy_offload import (CopyOffloader, COPY_MIN_BYTES,
+                                       COPY_WINDOW)
+            self.opts = dict(min_bytes=(COPY_MIN_BYTES if min_bytes is None
+                                        else min_bytes), leaves=leaves,
                              budget=budget,
                              max_inflight=(COPY_WINDOW if max_inflight is
                                            _DEFAULT else max_inflight),

@@ -153,7 +153,7 @@ class CopyOffloadTest(unittest.TestCase):
 
     def test_small_leaf_and_host_tensors_stay(self):
         off, ops = offloader()
-        small = Tensor(MiB - 1)
+        small = Tensor(copy_offload.COPY_MIN_BYTES - 1)
         leaf = Tensor(4 * MiB, leaf=True)
         frozen = Tensor(4 * MiB, leaf=True, grad=False, param=True)
         view = Tensor(4 * MiB)
@@ -320,7 +320,8 @@ class CopyOffloadTest(unittest.TestCase):
         # The small saved tensors stay at one shape and move at the next
         # (attention's logsumexp grows with the batch): the drain must
         # still end at the forward's last pack.
-        off, ops = offloader(max_inflight=5 * MiB, prefetch=0)
+        off, ops = offloader(min_bytes=MiB, max_inflight=5 * MiB,
+                             prefetch=0)
 
         def forward(small, fill):
             ps = []
@@ -428,8 +429,10 @@ class CopyOffloadTest(unittest.TestCase):
         self.assertEqual(ctx.opts["budget"], 8 * MiB)
         self.assertEqual(ctx.opts["prefetch"], copy_offload.COPY_WINDOW)
         self.assertEqual(ctx.opts["max_inflight"], copy_offload.COPY_WINDOW)
+        self.assertEqual(ctx.opts["min_bytes"], copy_offload.COPY_MIN_BYTES)
         same = activations.offload_activations(same_address=True)
         self.assertEqual(same.opts["lag"], 4)
+        self.assertEqual(same.opts["min_bytes"], MiB)
         self.assertEqual(same.opts["max_inflight"], activations.MAX_INFLIGHT)
 
     def test_context_installs_the_hooks_and_reaps_at_exit(self):
