@@ -15,8 +15,11 @@
  * A slab's positions have chunk structs like any other: first fit splits
  * them, owners and guards are per position. But the driver maps a handle
  * only whole (cuMemMap refuses an offset) and unmaps a mapping only whole,
- * so a stitch takes a slab only when all of it is free, and maps it as
- * one mapping at consecutive positions; a repair swaps a slab that
+ * so a stitch maps a slab as one mapping at consecutive positions, and
+ * takes a slab only when all of it is free, or, at an end of its view,
+ * the free positions at one end of a slab another block holds the rest
+ * of, whose taken positions the view maps outside the block (stitch.c);
+ * a repair swaps a slab that
  * another block holds part of whole, for a slab free whole elsewhere or,
  * where none is left, for single chunks (stitch.c); a fetch never moves
  * a slab's chunk; a spill takes a slab whole with its block, and only

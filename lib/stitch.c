@@ -146,7 +146,68 @@ out_nomem:
 }
 
 /*
- * A new stitched view of n chunks: the free runs, smallest first, and new
+ * A slab that other blocks hold part of, free at one end: a stitch may map
+ * it whole at an end of its view, the block starting (head) or ending
+ * (tail) in its free positions, the taken ones mapped outside the block.
+ * The driver maps a handle only whole (slab.c), and a stitch could take
+ * nothing else of such a slab: at the peak of the replayed traces all the
+ * free memory left sat in slabs partly taken. With the ends the traces'
+ * fragmentation fell (plain 2.92 to 2.23%, Mask R-CNN 2.68 to 2.36%,
+ * SAGE 3.28 to 2.92%).
+ */
+struct slab_end {
+	struct gml_view *seg;
+	uint32_t pos, len, free;
+};
+
+/* The free positions usable on stream at the top (head) or the bottom of
+ * the slab at [p, p + len) of s. */
+static uint32_t slab_free_end(gmlake_ctx *ctx, struct gml_view *s,
+			      uint32_t p, uint32_t len, int stream, bool head)
+{
+	uint32_t k = 0;
+
+	while (k < len &&
+	       gml_usable(ctx, s->chunks[head ? p + len - 1 - k : p + k],
+			  stream))
+		k++;
+	return k;
+}
+
+/* The partly taken slab with the most free positions at its top (head) or
+ * bottom, at most need, other than skip's: false when there is none. */
+static bool best_end(gmlake_ctx *ctx, uint32_t need, int stream, bool head,
+		     const struct slab_end *skip, struct slab_end *out)
+{
+	*out = (struct slab_end){ 0 };
+	for (struct gml_view *s = ctx->segs; s; s = s->next)
+		for (uint32_t i = 0, step; i < s->n; i += step) {
+			struct gml_chunk *c = s->chunks[i];
+			uint32_t f;
+
+			step = c && c->slab_len && !c->slab_off ?
+			       c->slab_len : 1;
+			if (step == 1 || (skip && skip->seg == s &&
+					  skip->pos == i))
+				continue;
+			f = slab_free_end(ctx, s, i, step, stream, head);
+			if (f > out->free && f < step && f <= need)
+				*out = (struct slab_end){ s, i, step, f };
+		}
+	return out->free > 0;
+}
+
+/* Append the n chunks of s from p to v's from *k. */
+static void put_chunks(struct gml_view *v, uint32_t *k,
+		       const struct gml_view *s, uint32_t p, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++)
+		v->chunks[(*k)++] = s->chunks[p + i];
+}
+
+/*
+ * A new stitched view of n chunks: the free runs, smallest first, then
+ * the free ends of two slabs partly taken (struct slab_end), and new
  * memory for the shortfall only (growth handles where it can, slab.c).
  * Small runs go first so that large free runs stay whole for step 1:
  * taking the largest first made big views overlap the segments that hold
@@ -155,51 +216,69 @@ out_nomem:
  */
 int gml_stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 {
+	struct slab_end head = { 0 }, tail = { 0 };
 	struct run grown = { 0 };
 	struct gml_view *v;
 	struct run *runs;
-	size_t nruns;
+	size_t nruns, used = 0;
 	uint64_t nfree;
-	uint32_t k = 0;
+	uint32_t k = 0, lead, total, grow;
 	int ret;
 
 	ret = collect_runs(ctx, stream, &runs, &nruns, &nfree);
 	if (ret)
 		return gml_set_error(ret, "no host memory to stitch");
-	if (nfree == 0 || n * ctx->chunk < ctx->cfg.stitch_min) {
+	if (n * ctx->chunk < ctx->cfg.stitch_min) {
 		free(runs);
 		return gml_grow(ctx, n, true, got);
 	}
-	v = gml_view_new(n, true);
+	/* Which runs go in, and how much of the last. */
+	for (size_t r = 0; r < nruns && k < n; r++) {
+		if (runs[r].len > n - k) {
+			if (runs[r].view->chunks[runs[r].pos]->slab_len) {
+				runs[r].len = 0;
+				continue;
+			}
+			runs[r].len = n - k;
+		}
+		k += runs[r].len;
+		used = r + 1;
+	}
+	if (k < n && best_end(ctx, n - k, stream, true, NULL, &head))
+		k += head.free;
+	if (k < n && best_end(ctx, n - k, stream, false,
+			      head.free ? &head : NULL, &tail))
+		k += tail.free;
+	if (k == 0) {
+		free(runs);
+		return gml_grow(ctx, n, true, got);
+	}
+	grow = n - k;
+	lead = head.free ? head.len - head.free : 0;
+	total = lead + n + (tail.free ? tail.len - tail.free : 0);
+	v = gml_view_new(total, true);
 	if (!v) {
 		ret = gml_set_error(-ENOMEM, "no host memory to stitch");
 		goto out_free;
 	}
-	for (size_t r = 0; r < nruns && k < n; r++) {
-		struct gml_chunk **src = runs[r].view->chunks + runs[r].pos;
-		uint32_t take = runs[r].len;
-
-		if (take > n - k) {
-			if (src[0]->slab_len)
-				continue;
-			take = n - k;
-		}
-		for (uint32_t i = 0; i < take; i++)
-			v->chunks[k++] = src[i];
-	}
-	if (k < n) {
-		ret = gml_grow(ctx, n - k, true, &grown);
-		if (ret) {
-			memset(v->chunks, 0, n * sizeof(*v->chunks));
+	if (grow) {
+		ret = gml_grow(ctx, grow, true, &grown);
+		if (ret)
 			goto out_discard;
-		}
-		for (uint32_t i = 0; k < n; i++)
-			v->chunks[k++] = grown.view->chunks[grown.pos + i];
 	}
-	for (uint32_t i = 0; i < n; i++) {
+	k = 0;
+	if (head.free)
+		put_chunks(v, &k, head.seg, head.pos, head.len);
+	for (size_t r = 0; r < used; r++)
+		put_chunks(v, &k, runs[r].view, runs[r].pos, runs[r].len);
+	if (grow)
+		put_chunks(v, &k, grown.view, grown.pos, grow);
+	if (tail.free)
+		put_chunks(v, &k, tail.seg, tail.pos, tail.len);
+	for (uint32_t i = 0; i < total; i++) {
 		ret = gml_add_view_ref(v->chunks[i], v);
 		if (ret) {
-			for (uint32_t j = i; j < n; j++)
+			for (uint32_t j = i; j < total; j++)
 				v->chunks[j] = NULL;
 			gml_set_error(ret, "no host memory to stitch");
 			goto out_discard;
@@ -213,7 +292,7 @@ int gml_stitch(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 	ctx->nstitched++;
 	gml_gauge_add(&ctx->st.stitched_cached, 1);
 	ctx->st.stitches++;
-	*got = (struct run){ v, 0, n };
+	*got = (struct run){ v, lead, n };
 	return 0;
 out_discard:
 	gml_view_discard(ctx, v);

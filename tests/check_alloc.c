@@ -984,9 +984,10 @@ static void *alloc_stitching(gmlake_ctx *ctx, size_t n, uint64_t seed,
 }
 
 /*
- * A stitch maps a free slab whole, one mapping; a slab partly taken is
- * not stitched (the shortfall grows instead), and its taken chunks keep
- * it from the driver at a trim until the last one is free.
+ * A stitch maps a free slab whole, one mapping; a slab partly taken goes
+ * in only at an end of the view, mapped whole, its free positions in the
+ * block and its taken ones outside (the shortfall grows); its taken
+ * chunks keep it from the driver at a trim until the last one is free.
  */
 START_TEST(test_slab_stitch)
 {
@@ -1012,13 +1013,16 @@ START_TEST(test_slab_stitch)
 	th_check(ctx);
 	th_verify_free(ctx, e, 8 * TH_CHUNK, 5, NULL);
 
-	/* Half of a's slab taken: the stitch takes c's and grows a slab. */
+	/* Half of a's slab taken: the stitch takes c's slab and the free
+	 * top of a's, and grows two chunks (before: a slab of four). Maps:
+	 * the two slabs, and each new chunk in its segment and the view. */
 	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
 	ck_assert_ptr_eq(x, a);
 	f = alloc_stitching(ctx, 8, 7, &s0, &s1);
-	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 1);
-	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 3);
-	ck_assert_int_eq(reserved_chunks(ctx), 14);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 2);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 6);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 2);
+	ck_assert_int_eq(reserved_chunks(ctx), 12);
 	th_check(ctx);
 	th_verify_ok(ctx, x, 2 * TH_CHUNK, 6, NULL);
 	th_verify_free(ctx, f, 8 * TH_CHUNK, 7, NULL);
@@ -1036,6 +1040,91 @@ START_TEST(test_slab_stitch)
 	TH_OK(ctx, gmlake_trim(ctx));
 	ck_assert_int_eq(reserved_chunks(ctx), 0);
 	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * Slabs A and C with two chunks taken in each, A's free at its bottom and
+ * C's at its top: a block of four stitches C's free top and A's free
+ * bottom, each slab mapped whole at an end of the view, with no new
+ * memory, and the blocks in the slabs keep their bytes. nth > 0: that
+ * mem_map or set_access call fails (_i), and the request fails or
+ * grows instead, nothing lost.
+ */
+static void slab_ends_case(int call, uint64_t nth, bool *fired)
+{
+	gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
+	struct gmlake_stats s0, s1;
+	void *a, *b, *c, *d, *x, *y, *z, *e = NULL;
+	uint64_t before;
+	int ret;
+
+	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);	/* slab A */
+	b = th_alloc_filled(ctx, 1 * TH_CHUNK, 2, NULL);
+	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);	/* slab C */
+	d = th_alloc_filled(ctx, 1 * TH_CHUNK, 4, NULL);
+	th_free(ctx, a);
+	th_free(ctx, c);
+	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 5, NULL);
+	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
+	z = th_alloc_filled(ctx, 2 * TH_CHUNK, 7, NULL);
+	ck_assert_ptr_eq(x, a);
+	ck_assert_ptr_eq(y, (char *)a + 2 * TH_CHUNK);
+	ck_assert_ptr_eq(z, c);
+	th_free(ctx, x);	/* A: bottom free; C: top free */
+	before = th_dev(ctx)->call_failures[call];
+	if (nth)
+		gml_dev_fail_nth(th_dev(ctx), call, nth, EIO);
+	th_stats(ctx, &s0);
+	ret = gmlake_alloc(ctx, &e, 4 * TH_CHUNK, NULL);
+	th_stats(ctx, &s1);
+	*fired = th_dev(ctx)->call_failures[call] > before;
+	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+	if (!nth) {
+		ck_assert_int_eq(ret, 0);
+		ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+		ck_assert_uint_eq(calls_between(&s0, &s1,
+						GMLAKE_CALL_mem_create), 0);
+		ck_assert_uint_eq(calls_between(&s0, &s1,
+						GMLAKE_CALL_mem_map), 2);
+		ck_assert_uint_eq(calls_between(&s0, &s1,
+						GMLAKE_CALL_set_access), 1);
+		ck_assert_int_eq(reserved_chunks(ctx), 10);
+	}
+	if (ret)
+		e = NULL;
+	th_check(ctx);
+	if (e)
+		th_fill_ok(ctx, e, 4 * TH_CHUNK, 8, NULL);
+	th_verify_ok(ctx, y, 2 * TH_CHUNK, 6, NULL);
+	th_verify_ok(ctx, z, 2 * TH_CHUNK, 7, NULL);
+	if (e)
+		th_verify_free(ctx, e, 4 * TH_CHUNK, 8, NULL);
+	th_verify_free(ctx, y, 2 * TH_CHUNK, 6, NULL);
+	th_verify_free(ctx, z, 2 * TH_CHUNK, 7, NULL);
+	th_verify_free(ctx, b, 1 * TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, d, 1 * TH_CHUNK, 4, NULL);
+	th_check(ctx);
+	TH_OK(ctx, gmlake_trim(ctx));
+	ck_assert_int_eq(reserved_chunks(ctx), 0);
+	th_destroy(ctx);
+}
+
+START_TEST(test_slab_stitch_ends)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_mem_map, GMLAKE_CALL_set_access,
+	};
+	bool fired;
+	uint64_t nth;
+
+	slab_ends_case(calls[_i], 0, &fired);
+	for (nth = 1; nth <= 4; nth++) {
+		slab_ends_case(calls[_i], nth, &fired);
+		if (!fired)
+			break;
+	}
+	ck_assert_msg(nth > 1, "%s never failed", gmlake_call_name(calls[_i]));
 }
 END_TEST
 
@@ -2175,6 +2264,7 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_grow_at_end);
 	tcase_add_test(tc, test_slab_growth);
 	tcase_add_test(tc, test_slab_stitch);
+	tcase_add_loop_test(tc, test_slab_stitch_ends, 0, 2);
 	tcase_add_test(tc, test_slab_repair);
 	tcase_add_loop_test(tc, test_slab_repair_faults, 0, 3);
 	tcase_add_test(tc, test_slab_repair_singles);
