@@ -19,15 +19,14 @@
  * takes a slab only when all of it is free, or, at an end of its view,
  * the free positions at one end of a slab another block holds the rest
  * of, whose taken positions the view maps outside the block (stitch.c);
- * a repair swaps a slab that
- * another block holds part of whole, for a slab free whole elsewhere or,
- * where none is left, for single chunks (stitch.c); a fetch never moves
- * a slab's chunk; a spill takes a slab whole with its block, and only
- * where the rest of the slab is free, else the block keeps its positions
- * in it mapped (resident.c); and a slab goes back to the driver whole,
- * once every chunk of it is free. Repairs and fetches grow by chunks,
- * which they map one by one elsewhere; so does all growth while
- * gmlake_long_lived() is on.
+ * a repair swaps a slab that another block holds part of whole, for a
+ * slab free whole elsewhere or, where none is left, for single chunks
+ * (stitch.c); a fetch never moves a slab's chunk; a spill takes a slab
+ * whole with its block, and only where the rest of the slab is free, else
+ * the block keeps its positions in it mapped (resident.c); and a slab goes
+ * back to the driver whole, once every chunk of it is free. Repairs and
+ * fetches grow by chunks, which they map one by one elsewhere; so does all
+ * growth while gmlake_long_lived() is on.
  *
  * So a block spills all but its positions in slabs at its ends that
  * another block holds part of, and a block that lies inside such a slab

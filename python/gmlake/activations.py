@@ -641,12 +641,11 @@ class offload_activations:
     (False): spill in place, so that a stray read sees the right bytes;
     min_bytes (1 MiB; 64 KiB for the copying offloader): smaller
     storages stay; leaves (False): spill leaf tensors (parameters,
-    inputs) too; max_inflight (1 GiB): bytes of
-    spills in flight before pack waits for some to complete (None: never
-    wait); budget (None): bytes of saved tensors that may stay on the
-    device, the newest (the ones backward needs first) staying, the
-    oldest spilled, so only what the budget needs crosses the bus (None:
-    everything spills); offloader: an Offloader of one's own (default:
+    inputs) too; max_inflight (1 GiB): bytes of spills in flight before
+    pack waits for some to complete (None: never wait); budget (None):
+    bytes of saved tensors that may stay on the device, the newest (the
+    ones backward needs first) staying, the oldest spilled, so only what
+    the budget needs crosses the bus (None: everything spills); offloader: an Offloader of one's own (default:
     one per process, shared; the options above are applied to it for the
     time of the block).
 

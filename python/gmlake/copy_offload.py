@@ -60,14 +60,14 @@ does, without its stalls:
   bus.
 
 Tensors that stay as they are: not dense or not on a CUDA device,
-smaller than min_bytes (64 KiB), or, unless leaves=True, parameters (frozen ones
-too), leaves that require grad, and views of them: their memory stays
-on the device whatever is saved. Saved tensors that require no grad
-move like the rest, as with save_on_cpu: normalization statistics,
-attention's logsumexp (2 MiB a layer on the bench's GPT), masks, and
-inputs and buffers too (for those a copy costs bus time and saves
-nothing). The host copy is contiguous, so a strided tensor
-comes back contiguous, as with save_on_cpu.
+smaller than min_bytes (64 KiB), or, unless leaves=True, parameters
+(frozen ones too), leaves that require grad, and views of them: their
+memory stays on the device whatever is saved. Saved tensors that
+require no grad move like the rest, as with save_on_cpu: normalization
+statistics, attention's logsumexp (2 MiB a layer on the bench's GPT),
+masks, and inputs and buffers too (for those a copy costs bus time and
+saves nothing). The host copy is contiguous, so a strided tensor comes
+back contiguous, as with save_on_cpu.
 
 The CUDA work goes through a small table of operations (_TorchOps) so
 that the tests can run the bookkeeping on the CPU.
