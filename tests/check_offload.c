@@ -561,6 +561,61 @@ START_TEST(test_spill_part_of_stitched_slab)
 END_TEST
 
 /*
+ * A block stitched from the free ends of two slabs that other blocks hold
+ * the rest of (C's top, A's bottom; each slab mapped whole at an end of
+ * the range): while both slabs are shared, all of the block stays on the
+ * device (-EBUSY, unchanged); once C's other block is freed, a spill takes
+ * C's slab along and keeps the positions in A; the block comes back with
+ * its bytes, and the neighbours keep theirs throughout.
+ */
+START_TEST(test_spill_stitched_ends)
+{
+	struct gmlake_offload ring;
+	struct gmlake_stats st0, st;
+	gmlake_ctx *ctx;
+	void *a, *b, *c, *x, *y, *z, *e;
+
+	ctx = slab_tier_ctx();
+	ring_init(&ring, ctx, 8);
+	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
+	b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);
+	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);   /* slab C */
+	th_free(ctx, a);
+	th_free(ctx, c);
+	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 4, NULL);
+	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 5, NULL);
+	z = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
+	ck_assert_ptr_eq(x, a);
+	ck_assert_ptr_eq(z, c);
+	th_free(ctx, x);
+	th_stats(ctx, &st0);
+	e = th_alloc_filled(ctx, 4 * TH_CHUNK, 7, NULL);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.stitches, st0.stitches + 1);
+	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create] -
+			  st0.calls[GMLAKE_CALL_mem_create], 0);
+	th_check(ctx);
+	ck_assert_int_eq(spill(&ring, e), -EBUSY);
+	ck_assert_int_eq(gmlake_offload_state(ctx, e), GMLAKE_BLOCK_RESIDENT);
+	th_check(ctx);
+	th_verify_ok(ctx, e, 4 * TH_CHUNK, 7, NULL);
+	th_verify_free(ctx, z, 2 * TH_CHUNK, 6, NULL);
+	ck_assert_int_eq(spill(&ring, e), 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, e), GMLAKE_BLOCK_SPILLED);
+	th_check(ctx);
+	th_verify_ok(ctx, y, 2 * TH_CHUNK, 5, NULL);
+	ck_assert_int_eq(fetch(&ring, e), 0);
+	th_check(ctx);
+	th_verify_free(ctx, e, 4 * TH_CHUNK, 7, NULL);
+	th_verify_free(ctx, y, 2 * TH_CHUNK, 5, NULL);
+	th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * The same for a cached stitched range over two slabs: a long-lived block
  * of its size is not served from it (nor stitched or repaired onto
  * slabs) and spills; an ordinary block of that size then takes the range
@@ -2511,6 +2566,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_spill_keeps_shared_slab);
 	tcase_add_test(tc, test_tail_blocks_spill);
 	tcase_add_test(tc, test_spill_part_of_stitched_slab);
+	tcase_add_test(tc, test_spill_stitched_ends);
 	tcase_add_test(tc, test_long_lived_off_stitched_slabs);
 	tcase_add_test(tc, test_span_cycle);
 	tcase_add_test(tc, test_span_stitched);
