@@ -1055,23 +1055,12 @@ static void slab_ends_case(int call, uint64_t nth, bool *fired)
 {
 	gmlake_ctx *ctx = slab_ctx(CAP_CHUNKS(64));
 	struct gmlake_stats s0, s1;
-	void *a, *b, *c, *d, *x, *y, *z, *e = NULL;
+	struct th_slab_ends l;
+	void *e = NULL;
 	uint64_t before;
 	int ret;
 
-	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);	/* slab A */
-	b = th_alloc_filled(ctx, 1 * TH_CHUNK, 2, NULL);
-	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);	/* slab C */
-	d = th_alloc_filled(ctx, 1 * TH_CHUNK, 4, NULL);
-	th_free(ctx, a);
-	th_free(ctx, c);
-	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 5, NULL);
-	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
-	z = th_alloc_filled(ctx, 2 * TH_CHUNK, 7, NULL);
-	ck_assert_ptr_eq(x, a);
-	ck_assert_ptr_eq(y, (char *)a + 2 * TH_CHUNK);
-	ck_assert_ptr_eq(z, c);
-	th_free(ctx, x);	/* A: bottom free; C: top free */
+	th_slab_ends(ctx, &l);	/* A: bottom free; C: top free */
 	before = th_dev(ctx)->call_failures[call];
 	if (nth)
 		gml_dev_fail_nth(th_dev(ctx), call, nth, EIO);
@@ -1096,14 +1085,14 @@ static void slab_ends_case(int call, uint64_t nth, bool *fired)
 	th_check(ctx);
 	if (e)
 		th_fill_ok(ctx, e, 4 * TH_CHUNK, 8, NULL);
-	th_verify_ok(ctx, y, 2 * TH_CHUNK, 6, NULL);
-	th_verify_ok(ctx, z, 2 * TH_CHUNK, 7, NULL);
+	th_verify_ok(ctx, l.y, 2 * TH_CHUNK, 6, NULL);
+	th_verify_ok(ctx, l.z, 2 * TH_CHUNK, 7, NULL);
 	if (e)
 		th_verify_free(ctx, e, 4 * TH_CHUNK, 8, NULL);
-	th_verify_free(ctx, y, 2 * TH_CHUNK, 6, NULL);
-	th_verify_free(ctx, z, 2 * TH_CHUNK, 7, NULL);
-	th_verify_free(ctx, b, 1 * TH_CHUNK, 2, NULL);
-	th_verify_free(ctx, d, 1 * TH_CHUNK, 4, NULL);
+	th_verify_free(ctx, l.y, 2 * TH_CHUNK, 6, NULL);
+	th_verify_free(ctx, l.z, 2 * TH_CHUNK, 7, NULL);
+	th_verify_free(ctx, l.b, 1 * TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, l.d, 1 * TH_CHUNK, 4, NULL);
 	th_check(ctx);
 	TH_OK(ctx, gmlake_trim(ctx));
 	ck_assert_int_eq(reserved_chunks(ctx), 0);

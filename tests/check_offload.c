@@ -572,24 +572,15 @@ START_TEST(test_spill_stitched_ends)
 {
 	struct gmlake_offload ring;
 	struct gmlake_stats st0, st;
+	struct th_slab_ends l;
 	gmlake_ctx *ctx;
-	void *a, *b, *c, *x, *y, *z, *e;
+	void *e;
 
 	ctx = slab_tier_ctx();
 	ring_init(&ring, ctx, 8);
-	a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);   /* slab A */
-	b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);
-	c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);   /* slab C */
-	th_free(ctx, a);
-	th_free(ctx, c);
-	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 4, NULL);
-	y = th_alloc_filled(ctx, 2 * TH_CHUNK, 5, NULL);
-	z = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
-	ck_assert_ptr_eq(x, a);
-	ck_assert_ptr_eq(z, c);
-	th_free(ctx, x);
+	th_slab_ends(ctx, &l);
 	th_stats(ctx, &st0);
-	e = th_alloc_filled(ctx, 4 * TH_CHUNK, 7, NULL);
+	e = th_alloc_filled(ctx, 4 * TH_CHUNK, 8, NULL);
 	th_stats(ctx, &st);
 	ck_assert_uint_eq(st.stitches, st0.stitches + 1);
 	ck_assert_uint_eq(st.calls[GMLAKE_CALL_mem_create] -
@@ -598,17 +589,18 @@ START_TEST(test_spill_stitched_ends)
 	ck_assert_int_eq(spill(&ring, e), -EBUSY);
 	ck_assert_int_eq(gmlake_offload_state(ctx, e), GMLAKE_BLOCK_RESIDENT);
 	th_check(ctx);
-	th_verify_ok(ctx, e, 4 * TH_CHUNK, 7, NULL);
-	th_verify_free(ctx, z, 2 * TH_CHUNK, 6, NULL);
+	th_verify_ok(ctx, e, 4 * TH_CHUNK, 8, NULL);
+	th_verify_free(ctx, l.z, 2 * TH_CHUNK, 7, NULL);
 	ck_assert_int_eq(spill(&ring, e), 0);
 	ck_assert_int_eq(gmlake_offload_state(ctx, e), GMLAKE_BLOCK_SPILLED);
 	th_check(ctx);
-	th_verify_ok(ctx, y, 2 * TH_CHUNK, 5, NULL);
+	th_verify_ok(ctx, l.y, 2 * TH_CHUNK, 6, NULL);
 	ck_assert_int_eq(fetch(&ring, e), 0);
 	th_check(ctx);
-	th_verify_free(ctx, e, 4 * TH_CHUNK, 7, NULL);
-	th_verify_free(ctx, y, 2 * TH_CHUNK, 5, NULL);
-	th_verify_free(ctx, b, TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, e, 4 * TH_CHUNK, 8, NULL);
+	th_verify_free(ctx, l.y, 2 * TH_CHUNK, 6, NULL);
+	th_verify_free(ctx, l.b, TH_CHUNK, 2, NULL);
+	th_verify_free(ctx, l.d, TH_CHUNK, 4, NULL);
 	TH_OK(ctx, gmlake_offload_exit(&ring));
 	th_check(ctx);
 	th_destroy(ctx);

@@ -465,6 +465,36 @@ static TH_UNUSED void th_two_holes(gmlake_ctx *ctx, const size_t sizes[4],
 	th_free(ctx, out[2]);
 }
 
+/*
+ * Two growth handles (slabs) of 4 chunks, each half taken, free at
+ * opposite ends (a context whose GMLAKE_GROW_HANDLE is 4 chunks): slab A
+ * (l->a) with its bottom two chunks free and its top held by l->y
+ * (pattern 6), single chunk l->b (2), slab C (l->c) with its bottom held
+ * by l->z (7) and its top free, single chunk l->d (4).
+ */
+struct th_slab_ends {
+	void *a, *b, *c, *d, *y, *z;
+};
+
+static TH_UNUSED void th_slab_ends(gmlake_ctx *ctx, struct th_slab_ends *l)
+{
+	void *x;
+
+	l->a = th_alloc_filled(ctx, 4 * TH_CHUNK, 1, NULL);
+	l->b = th_alloc_filled(ctx, TH_CHUNK, 2, NULL);
+	l->c = th_alloc_filled(ctx, 4 * TH_CHUNK, 3, NULL);
+	l->d = th_alloc_filled(ctx, TH_CHUNK, 4, NULL);
+	th_free(ctx, l->a);
+	th_free(ctx, l->c);
+	x = th_alloc_filled(ctx, 2 * TH_CHUNK, 5, NULL);
+	l->y = th_alloc_filled(ctx, 2 * TH_CHUNK, 6, NULL);
+	l->z = th_alloc_filled(ctx, 2 * TH_CHUNK, 7, NULL);
+	ck_assert_ptr_eq(x, l->a);
+	ck_assert_ptr_eq(l->y, (char *)l->a + 2 * TH_CHUNK);
+	ck_assert_ptr_eq(l->z, l->c);
+	th_free(ctx, x);
+}
+
 /* th_verify_ok() then th_free(): a block is checked one last time. */
 static TH_UNUSED void th_verify_free(gmlake_ctx *ctx, void *p, size_t size,
 				     uint64_t seed, gmlake_stream_t s)
