@@ -566,6 +566,38 @@ static uint32_t window_handles(const struct gml_view *v, uint32_t pos,
 }
 
 /*
+ * Whether repairing v's window [pos, pos + n) for a request of n would
+ * remap positions that v's last repair remapped for a request of another
+ * size: two requests taking turns with one view would each undo the
+ * other's repair every step, with driver work each time, where a view of
+ * their own (stitched once) is reused for free.
+ */
+static bool repair_undoes(const struct gml_view *v, uint32_t pos,
+			  uint32_t n, const uint8_t *bad)
+{
+	if (!v->fix_n || v->fix_n == n)
+		return false;
+	for (uint32_t i = pos; i < pos + n; i++)
+		if (bad[i] && i >= v->fix_lo && i < v->fix_hi)
+			return true;
+	return false;
+}
+
+/* Remember what the repair of v for a request of n remapped (fresh[]). */
+static void repair_note(struct gml_view *v, uint32_t n, const uint8_t *fresh)
+{
+	v->fix_n = n;
+	v->fix_lo = v->n;
+	v->fix_hi = 0;
+	for (uint32_t i = 0; i < v->n; i++)
+		if (fresh[i]) {
+			if (i < v->fix_lo)
+				v->fix_lo = i;
+			v->fix_hi = i + 1;
+		}
+}
+
+/*
  * Step 5: a cached stitched view that nobody uses and whose last work is
  * complete, with a window where few chunks are taken, is repaired instead
  * of stitching anew: when shapes drift from one training step to the next,
@@ -614,7 +646,7 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		}
 		free(taken);
 		swaps = slabs < max_slabs ? slabs : max_slabs;
-		if (nbad < best_bad) {
+		if (nbad < best_bad && !repair_undoes(v, pos, n, bad)) {
 			free(best_mask);
 			best = v, best_pos = pos, best_bad = nbad, best_mask = bad;
 			best_swaps = swaps;
@@ -651,6 +683,7 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		gml_view_evict(ctx, best, true);
 		goto out_free_spare;
 	}
+	repair_note(best, n, best_mask + best->n);
 	best->last_use = ++ctx->clock;
 	ctx->st.stitch_repairs++;
 	*got = (struct run){ best, best_pos, n };

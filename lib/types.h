@@ -109,6 +109,9 @@ struct gml_view {
 	uint32_t holes;			/* stitched: positions emptied by a
 					   spill (offload/) */
 	uint64_t last_use;		/* LRU clock of stitched views */
+	uint32_t fix_n;			/* stitched: the request its last
+					   repair served (0: none yet) */
+	uint32_t fix_lo, fix_hi;	/* the positions it remapped */
 	struct gml_guard *guards;	/* last free per stream, for unmap */
 	uint32_t nguards;
 	struct gml_view *prev, *next;	/* ctx->segs or ctx->stitched */

@@ -758,6 +758,75 @@ START_TEST(test_stitch_fragmented)
 END_TEST
 
 /*
+ * Two request sizes taking turns with one cached view must not undo each
+ * other's repair step after step: a request of another size that would
+ * remap what the view's last repair remapped stitches a view of its own,
+ * which its next turn then reuses with no driver call.
+ */
+START_TEST(test_repair_other_size_stitches)
+{
+	void *p[16], *t[8], *big, *x, *y, *six;
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *ctx = fragmented(p, 32);
+	int i;
+
+	/* V: the 8 odd chunks, positions 0-7. x takes position 3 (p[7]'s
+	 * chunk, fourth in first-fit order). */
+	big = th_alloc(ctx, 16 * TH_MiB, NULL);
+	th_free(ctx, big);
+	for (i = 0; i < 3; i++)
+		t[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+	x = th_alloc(ctx, 2 * TH_MiB, NULL);
+	for (i = 0; i < 3; i++)
+		th_free(ctx, t[i]);
+
+	/* 8 chunks repair V: position 3 gets a new chunk G. */
+	th_stats(ctx, &s0);
+	big = th_alloc_filled(ctx, 16 * TH_MiB, 1, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitch_repairs, s0.stitch_repairs + 1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	th_free(ctx, big);
+	th_free(ctx, x);
+
+	/* y takes G: first fit gives the 8 free chunks of the first
+	 * segment (p[7]'s now outside V) before it. */
+	for (i = 0; i < 8; i++)
+		t[i] = th_alloc(ctx, 2 * TH_MiB, NULL);
+	y = th_alloc_filled(ctx, 2 * TH_MiB, 2, NULL);
+	for (i = 0; i < 8; i++)
+		th_free(ctx, t[i]);
+
+	/* 6 chunks: every window of V holds position 3, which the repair
+	 * for 8 remapped: a stitch of its own, not a repair. */
+	th_stats(ctx, &s0);
+	six = th_alloc_filled(ctx, 12 * TH_MiB, 3, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitch_repairs, s0.stitch_repairs);
+	ck_assert_uint_eq(s1.stitches, s0.stitches + 1);
+	th_check(ctx);
+	th_verify_ok(ctx, y, 2 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, six, 12 * TH_MiB, 3, NULL);
+
+	/* Its next turn reuses that view: no driver call. */
+	th_free(ctx, six);
+	th_stats(ctx, &s0);
+	six = th_alloc_filled(ctx, 12 * TH_MiB, 4, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitch_reuses, s0.stitch_reuses + 1);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_map), 0);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_unmap), 0);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 0);
+	th_verify_free(ctx, six, 12 * TH_MiB, 4, NULL);
+	th_verify_free(ctx, y, 2 * TH_MiB, 2, NULL);
+	verify_even(ctx, p);
+	for (i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * A cached stitched range whose chunk went to another block must not be
  * handed out: its tail would alias that block.
  */
@@ -2249,6 +2318,7 @@ static Suite *alloc_suite(bool emu)
 	tc = th_tcase(s, "Stitch");
 	tcase_add_test(tc, test_stitch_fragmented);
 	tcase_add_test(tc, test_stitch_cache_no_alias);
+	tcase_add_test(tc, test_repair_other_size_stitches);
 	tcase_add_test(tc, test_grow_shortfall);
 	tcase_add_test(tc, test_grow_at_end);
 	tcase_add_test(tc, test_slab_growth);
