@@ -61,6 +61,11 @@ offloader record its records at backward's largest resident_bytes
 (results.json, offload.probe); BENCH_OFFLOAD='{"budget": 1073741824}'
 gives gpt_offload's and llama_offload's offload_activations() those
 options ('{"same_address": true, "lag": 2}': the same-address one);
+BENCH_TRACE=DIR records each workload's allocations in every child
+(its own allocator's history, a 977-byte marker before each step) into
+DIR/WORKLOAD-ALLOCATOR.trace.gz for gmlake-replay: the run the bench
+measured, which a bench/capture_eco.py run may not be (an earlier
+workload in the same process, other settings);
 BENCH_CHILD_TIMEOUT (seconds a child may run; default from its
 workloads, child_timeout()); a child still running after BENCH_DUMP_AFTER
 seconds (default: 20 s before its timeout) prints every thread's Python
@@ -377,6 +382,10 @@ def run_steps(name, args, mem, state, total, r):
     snap = mem.snapshot()
     for i in range(total):
         torch.cuda.synchronize()
+        if os.environ.get("BENCH_TRACE"):
+            # the step's line in the recorded trace (trace_end)
+            torch.empty(benchlib.STEP_MARK, dtype=torch.uint8,
+                        device="cuda")
         t0 = time.perf_counter()
         shape = state["step"]()
         torch.cuda.synchronize()
@@ -397,6 +406,39 @@ def run_steps(name, args, mem, state, total, r):
     return used
 
 
+def trace_start(torch):
+    """With BENCH_TRACE=DIR, record the workload's allocations (from
+    before its build, as bench/capture_eco.py does)."""
+    if os.environ.get("BENCH_TRACE"):
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context=None, stacks="python",
+            max_entries=8_000_000)
+
+
+def trace_end(torch, name, args, r):
+    """With BENCH_TRACE=DIR, write what this child's allocator was asked
+    for to DIR/NAME-ALLOCATOR.trace.gz, a step line per step, for
+    gmlake-replay: the exact run the bench measured, whatever differs
+    from a capture_eco.py run (its process's earlier workloads, its
+    settings)."""
+    out = os.environ.get("BENCH_TRACE")
+    if not out:
+        return
+    from gmlake import snapshot_to_trace as s2t
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    settle = benchlib.settle_flags(r)
+    events, peak_alloc, peak_reserved = s2t.convert(
+        snap["device_traces"][torch.cuda.current_device()],
+        step_mark=benchlib.STEP_MARK, settle=settle)
+    os.makedirs(out, exist_ok=True)
+    s2t.write(os.path.join(out, "%s-%s.trace.gz" % (name, args.allocator)),
+              events, ["pytorch %s" % torch.__version__,
+                       "workload=%s" % name, "steps=%d" % len(settle),
+                       "peak_alloc=%d" % peak_alloc,
+                       "peak_reserved=%d" % peak_reserved])
+
+
 def run_workload(name, index, args, mem):
     import torch
     r = dict(workload=name, index=index, allocator=args.allocator,
@@ -410,12 +452,14 @@ def run_workload(name, index, args, mem):
     emit("progress", dict(workload=name, step=0, steps=None))
     try:
         with guard(args.allocator):
+            trace_start(torch)
             state, total = build_workload(name, args.size, args.seed)
             r["note"] = state["note"]
             r["steps"] = total
             if state.get("warmup"):
                 r["warmup"] = state["warmup"]
             used = run_steps(name, args, mem, state, total, r)
+            trace_end(torch, name, args, r)
         r["ok"] = True
     except Exception as e:  # report, go on with the next workload
         r["oom"] = is_oom(torch, e)

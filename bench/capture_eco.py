@@ -35,14 +35,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import benchlib  # noqa: E402
 import ecosystem  # noqa: E402
 
-# The step marker: one block of this size, allocated and freed right
-# before each step, becomes the step's line in the trace
-# (snapshot_to_trace.convert(step_mark=...)). The trace records the size
-# asked for, and 977 bytes (a prime) is one no workload asks for: no
-# allocation of the traces in tests/data has it. A workload's block of
-# that size would be taken for a marker, and convert() would then refuse
-# the count of markers rather than write wrong steps.
-STEP_MARK = 977
+STEP_MARK = benchlib.STEP_MARK
 
 
 def short(name):
