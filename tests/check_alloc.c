@@ -679,6 +679,16 @@ static void verify_even(gmlake_ctx *ctx, void *p[16])
 		th_verify_ok(ctx, p[i], 2 * TH_MiB, 100 + i, NULL);
 }
 
+/* The end of a fragmented() case: the even blocks kept their bytes, and
+ * go with the context. */
+static void fragmented_done(gmlake_ctx *ctx, void *p[16])
+{
+	verify_even(ctx, p);
+	for (int i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	th_destroy(ctx);
+}
+
 static void check_no_overlap_even(void *p[16], void *big, size_t size)
 {
 	int i;
@@ -748,12 +758,9 @@ START_TEST(test_stitch_fragmented)
 	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_mem_map],
 			  s0.calls[GMLAKE_CALL_mem_map]);
 	ck_assert_uint_eq(s1.stitch_reuses, s0.stitch_reuses + 1);
-	verify_even(ctx, p);
 	th_verify_ok(ctx, big, 8 * TH_MiB, 1001, NULL);
 	th_free(ctx, big);
-	for (i = 0; i < 16; i += 2)
-		th_free(ctx, p[i]);
-	th_destroy(ctx);
+	fragmented_done(ctx, p);
 }
 END_TEST
 
@@ -819,10 +826,7 @@ START_TEST(test_repair_other_size_stitches)
 	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_set_access), 0);
 	th_verify_free(ctx, six, 12 * TH_MiB, 4, NULL);
 	th_verify_free(ctx, y, 2 * TH_MiB, 2, NULL);
-	verify_even(ctx, p);
-	for (i = 0; i < 16; i += 2)
-		th_free(ctx, p[i]);
-	th_destroy(ctx);
+	fragmented_done(ctx, p);
 }
 END_TEST
 
@@ -834,7 +838,6 @@ START_TEST(test_stitch_cache_no_alias)
 {
 	void *p[16], *big, *small, *big2;
 	gmlake_ctx *ctx = fragmented(p, 24);
-	int i;
 
 	big = th_alloc(ctx, 16 * TH_MiB, NULL);
 	th_fill_ok(ctx, big, 16 * TH_MiB, 7, NULL);
@@ -854,9 +857,7 @@ START_TEST(test_stitch_cache_no_alias)
 
 	th_free(ctx, small);
 	th_free(ctx, big2);
-	for (i = 0; i < 16; i += 2)
-		th_free(ctx, p[i]);
-	th_destroy(ctx);
+	fragmented_done(ctx, p);
 }
 END_TEST
 
