@@ -604,7 +604,9 @@ static void repair_note(struct gml_view *v, uint32_t n, const uint8_t *fresh)
  * most of yesterday's stitch is still free. A slab the window needs but
  * another block holds part of is swapped whole for a free slab elsewhere,
  * or, once no free slab is left, remapped to single chunks (a handle
- * each, in the price).
+ * each, in the price). A view whose last repair remapped the window's
+ * taken positions for another request size is passed over
+ * (repair_undoes).
  * -ENOENT when a repair would cost more than a new stitch (at H200 prices
  * a repaired handle costs about 65 us for unmap, map and access, a
  * stitched one 42 us for map and access), so the caller stitches.
