@@ -422,7 +422,7 @@ def trace_end(torch, name, args, r):
     from a capture_eco.py run (its process's earlier workloads, its
     settings)."""
     out = os.environ.get("BENCH_TRACE")
-    if not out:
+    if not out or args.warmup:
         return
     from gmlake import snapshot_to_trace as s2t
     snap = torch.cuda.memory._snapshot()
@@ -431,12 +431,15 @@ def trace_end(torch, name, args, r):
     events, peak_alloc, peak_reserved = s2t.convert(
         snap["device_traces"][torch.cuda.current_device()],
         step_mark=benchlib.STEP_MARK, settle=settle)
+    header = ["pytorch %s" % torch.__version__, "workload=%s" % name,
+              "steps=%d" % len(settle), "peak_alloc=%d" % peak_alloc]
+    # gmlake-replay reads peak_reserved as PyTorch's (its torch% column):
+    # under libgmlake the history's segments are libgmlake's own.
+    if args.allocator != "gmlake":
+        header.append("peak_reserved=%d" % peak_reserved)
     os.makedirs(out, exist_ok=True)
     s2t.write(os.path.join(out, "%s-%s.trace.gz" % (name, args.allocator)),
-              events, ["pytorch %s" % torch.__version__,
-                       "workload=%s" % name, "steps=%d" % len(settle),
-                       "peak_alloc=%d" % peak_alloc,
-                       "peak_reserved=%d" % peak_reserved])
+              events, header)
 
 
 def run_workload(name, index, args, mem):
