@@ -332,20 +332,23 @@ static int pick_engine(gmlake_ctx *ctx, struct gml_offload *off)
 
 static void off_free(gmlake_ctx *ctx, struct gml_offload *off)
 {
+	gmlake_stream_t *streams[] = { &off->d2h, &off->h2d, &off->wake_d2h,
+				       &off->wake_h2d };
+
 	/* Host functions still queued write the eventfd: let them run (a
-	 * failed wait is tried once more, before the eventfd closes). */
-	if (off->d2h && gml_dev_stream_sync(&ctx->dev, off->d2h))
-		gml_dev_stream_sync(&ctx->dev, off->d2h);
-	if (off->h2d && gml_dev_stream_sync(&ctx->dev, off->h2d))
-		gml_dev_stream_sync(&ctx->dev, off->h2d);
+	 * failed wait is tried once more, before the eventfd closes). The
+	 * wake streams wait for the copy streams' events: theirs last. */
+	for (size_t i = 0; i < 4; i++)
+		if (*streams[i] && gml_dev_stream_sync(&ctx->dev, *streams[i]))
+			gml_dev_stream_sync(&ctx->dev, *streams[i]);
 	if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
 		io_uring_queue_exit(&off->uring);
 	if (off->efd >= 0)
 		close(off->efd);
-	if (off->h2d && gml_dev_stream_destroy(&ctx->dev, off->h2d))
-		gml_dev_stream_destroy(&ctx->dev, off->h2d);
-	if (off->d2h && gml_dev_stream_destroy(&ctx->dev, off->d2h))
-		gml_dev_stream_destroy(&ctx->dev, off->d2h);
+	for (size_t i = 4; i-- > 0;)
+		if (*streams[i] &&
+		    gml_dev_stream_destroy(&ctx->dev, *streams[i]))
+			gml_dev_stream_destroy(&ctx->dev, *streams[i]);
 	gml_host_fini(&off->host);
 	pthread_mutex_destroy(&off->lock);
 	free(off);
@@ -391,6 +394,10 @@ int gml_off_get(gmlake_ctx *ctx, struct gml_offload **out)
 	ret = gml_dev_stream_create(&ctx->dev, &off->d2h);
 	if (!ret)
 		ret = gml_dev_stream_create(&ctx->dev, &off->h2d);
+	if (!ret)
+		ret = gml_dev_stream_create(&ctx->dev, &off->wake_d2h);
+	if (!ret)
+		ret = gml_dev_stream_create(&ctx->dev, &off->wake_h2d);
 	if (ret)
 		goto out_free;
 	off->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);

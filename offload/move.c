@@ -88,11 +88,27 @@ static int after_all(gmlake_ctx *ctx, gmlake_stream_t cs)
 }
 
 /*
+ * Queue the engine's wake-up for req's copy on the wake stream of its copy
+ * stream cs, behind the copy's done event: a woken engine finds the event
+ * complete, and the copy stream goes on to its next copy without waiting
+ * for the host function to run (a host function holds its stream until
+ * it has). The wake streams are drained before the eventfd closes.
+ * false: nothing will wake the engine; it polls the copy.
+ */
+static bool queue_wake(gmlake_ctx *ctx, struct gml_offload *off,
+		       struct gml_off_req *req, gmlake_stream_t cs)
+{
+	gmlake_stream_t ws = cs == off->d2h ? off->wake_d2h : off->wake_h2d;
+
+	return !gml_dev_stream_wait_event(&ctx->dev, ws, req->done) &&
+	       !gml_dev_host_func(&ctx->dev, ws, notify, off);
+}
+
+/*
  * Queue one block copy on cs, then the done event, then the engine's
- * wake-up (after the event, so a woken engine finds it complete; the
- * copy streams are drained before the eventfd closes). 0: req->done tells
- * when the copy finished, or has_done is false and the copy already
- * finished. -errno: nothing of the copy is pending.
+ * wake-up (queue_wake). 0: req->done tells when the copy finished, or
+ * has_done is false and the copy already finished. -errno: nothing of the
+ * copy is pending.
  */
 static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 		      struct gml_off_req *req, gmlake_stream_t cs, void *dst,
@@ -109,8 +125,7 @@ static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 		if (!gml_dev_event_record(&ctx->dev, req->done, cs)) {
 			req->has_done = true;
 			req->notified = wake_engine &&
-					!gml_dev_host_func(&ctx->dev, cs, notify,
-						       off);
+					queue_wake(ctx, off, req, cs);
 			return 0;
 		}
 		gml_dev_event_destroy(&ctx->dev, req->done);

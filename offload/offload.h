@@ -103,6 +103,10 @@ struct gml_offload {
 	gmlake_ctx *ctx;
 	struct gml_host host;
 	gmlake_stream_t d2h, h2d;	/* the two copy streams */
+	/* Each copy stream's wake-ups: a host function holds its stream
+	 * until it has run, so it waits for the copy's event here, never on
+	 * the copy stream, and the next copy starts at once. */
+	gmlake_stream_t wake_d2h, wake_h2d;
 	int engine;			/* enum gmlake_offload_engine */
 	int numa;
 

@@ -1661,6 +1661,130 @@ START_TEST(test_query_fails_stream_drains)
 }
 END_TEST
 
+/*
+ * A wake-up slow to run holds up no copy. The engine's host functions are
+ * gated here: none runs until the test opens the gate. Two spills and then
+ * two fetches, each pair in one submission, all complete with the gate
+ * shut (the engine finds the copies done at its heartbeat), so no copy
+ * waited behind a host function; a host function on the copy stream
+ * itself would hold the second copy until the gate opened. The wrapper
+ * goes in before the engine thread starts and stays, as sticky_ctx's.
+ */
+static const struct gml_drv_ops *wake_real;
+static struct gml_drv_ops wake_ops;
+static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cond = PTHREAD_COND_INITIALIZER;
+static bool wake_open;
+static atomic_int wake_queued;
+
+struct wake_gated {
+	void (*fn)(void *);
+	void *arg;
+};
+
+/* Runs on the stream's thread: the real function once the gate opens. */
+static void wake_run(void *p)
+{
+	struct wake_gated g = *(struct wake_gated *)p;
+
+	free(p);
+	pthread_mutex_lock(&wake_lock);
+	while (!wake_open)
+		pthread_cond_wait(&wake_cond, &wake_lock);
+	pthread_mutex_unlock(&wake_lock);
+	g.fn(g.arg);
+}
+
+static int wake_host_func(void *priv, gmlake_stream_t s, void (*fn)(void *),
+			  void *arg)
+{
+	struct wake_gated *g = malloc(sizeof(*g));
+	int ret;
+
+	if (!g)
+		return gml_set_error(-ENOMEM, "host_func: no memory");
+	g->fn = fn;
+	g->arg = arg;
+	ret = wake_real->host_func(priv, s, wake_run, g);
+	if (ret)
+		free(g);
+	else
+		atomic_fetch_add(&wake_queued, 1);
+	return ret;
+}
+
+static void wake_gate_set(bool open)
+{
+	pthread_mutex_lock(&wake_lock);
+	wake_open = open;
+	pthread_cond_broadcast(&wake_cond);
+	pthread_mutex_unlock(&wake_lock);
+}
+
+/* Submit op on both blocks at once; both complete with 0 within 10 s. */
+static void pair_completes(struct gmlake_offload *ring, int op, void **p)
+{
+	struct gmlake_offload_cqe *cqe;
+	int seen = 0;
+
+	for (int i = 0; i < 2; i++) {
+		struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
+
+		ck_assert_ptr_nonnull(sqe);
+		if (op == GMLAKE_OFFLOAD_SPILL)
+			gmlake_offload_prep_spill(sqe, p[i]);
+		else
+			gmlake_offload_prep_fetch(sqe, p[i]);
+		gmlake_offload_sqe_set_data(sqe, (uintptr_t)i);
+	}
+	ck_assert_int_eq(gmlake_offload_submit(ring), 2);
+	for (int ms = 0; seen != 3; ms++) {
+		if (gmlake_offload_peek_cqe(ring, &cqe)) {
+			ck_assert_msg(ms < 10000, "a %s waits for a host "
+				      "function", op == GMLAKE_OFFLOAD_SPILL ?
+				      "spill" : "fetch");
+			usleep(1000);
+			continue;
+		}
+		ck_assert_int_eq(cqe->res, 0);
+		seen |= 1 << gmlake_offload_cqe_get_data(cqe);
+		gmlake_offload_cqe_seen(ring, cqe);
+	}
+}
+
+START_TEST(test_wakeups_hold_no_copy)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
+	struct gml_dev *dev = th_dev(ctx);
+	struct gmlake_offload ring;
+	size_t size = 4 * TH_MiB;
+	void *p[2];
+
+	wake_real = dev->ops;
+	wake_ops = *dev->ops;
+	wake_ops.host_func = wake_host_func;
+	dev->ops = &wake_ops;
+	wake_gate_set(false);
+	atomic_store(&wake_queued, 0);
+	for (int i = 0; i < 2; i++)
+		p[i] = th_alloc_filled(ctx, size, 90 + i, NULL);
+	ring_init(&ring, ctx, 4);
+
+	pair_completes(&ring, GMLAKE_OFFLOAD_SPILL, p);
+	for (int i = 0; i < 2; i++)
+		ck_assert_int_eq(gmlake_offload_state(ctx, p[i]),
+				 GMLAKE_BLOCK_SPILLED);
+	pair_completes(&ring, GMLAKE_OFFLOAD_FETCH, p);
+	ck_assert_int_ge(atomic_load(&wake_queued), 4);
+	wake_gate_set(true);
+	th_check(ctx);
+	for (int i = 0; i < 2; i++)
+		th_verify_free(ctx, p[i], size, 90 + i, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
 /* The arena cannot grow (pinning fails): a clean -errno, block intact. */
 START_TEST(test_pin_failure)
 {
@@ -2587,6 +2711,7 @@ static Suite *offload_suite(void)
 	tcase_add_loop_test(tc, test_sticky_spill, 0, 4);
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
 	tcase_add_test(tc, test_query_fails_stream_drains);
+	tcase_add_test(tc, test_wakeups_hold_no_copy);
 	tcase_add_loop_test(tc, test_faults, 0, 4 * NFAULT_CALLS);
 
 	tc = th_tcase(s, "Auto");
