@@ -23,7 +23,11 @@
  * or copies the wrong bytes. -v checks every round, twice: after the
  * fetch of all blocks, then, filled anew, after the mixed spill and fetch.
  *
- *   tools/offload_bench [-s MAX_MiB] [-t TOTAL_MiB] [-i ITER] [-v] [-q]
+ * -c prints, after each size's row, the driver calls each phase made per
+ * block over the timed rounds, by kind, with their mean time: where the
+ * engine's time goes when a size is slower than the bus.
+ *
+ *   tools/offload_bench [-s MAX_MiB] [-t TOTAL_MiB] [-i ITER] [-v] [-c] [-q]
  *
  * The backend comes from GMLAKE_BACKEND (cuda by default); on the
  * emulated device the figures only show that it runs.
@@ -103,13 +107,59 @@ static int verify(gmlake_ctx *ctx, void **p, int n, size_t size, int r,
 	return bad;
 }
 
-/* Submit op on blocks [from, to) with op2 on [to, end), reap all. */
-static int run(struct gmlake_offload *ring, void **p, int from, int to,
-	       int end, int op, int op2, double *secs)
+/* Driver calls and their time, by kind, summed over a phase's rounds. */
+struct calls {
+	uint64_t n[GMLAKE_CALL_COUNT], ns[GMLAKE_CALL_COUNT];
+	uint64_t blocks;
+};
+
+static void stats_now(gmlake_ctx *ctx, struct gmlake_stats *st)
+{
+	st->version = GMLAKE_STATS_VERSION;
+	st->size = sizeof(*st);
+	gmlake_stats_get(ctx, st);
+}
+
+/* Add what the driver did since *mark to c, for blocks blocks. */
+static void calls_add(gmlake_ctx *ctx, const struct gmlake_stats *mark,
+		      struct calls *c, int blocks)
+{
+	struct gmlake_stats st;
+
+	stats_now(ctx, &st);
+	for (int k = 0; k < GMLAKE_CALL_COUNT; k++) {
+		c->n[k] += st.calls[k] - mark->calls[k];
+		c->ns[k] += st.call_ns[k] - mark->call_ns[k];
+	}
+	c->blocks += (uint64_t)blocks;
+}
+
+/* "#  SIZE MiB PHASE: kind calls/block (us/call) ..." for the kinds seen. */
+static void calls_print(size_t size, const char *phase, const struct calls *c)
+{
+	printf("# %8zu MiB %-5s", size / MiB, phase);
+	for (int k = 0; k < GMLAKE_CALL_COUNT; k++)
+		if (c->n[k])
+			printf(" %s %.2f (%.1f us)", gmlake_call_name(k),
+			       (double)c->n[k] / (double)c->blocks,
+			       (double)c->ns[k] / (double)c->n[k] / 1e3);
+	printf("\n");
+}
+
+/* Submit op on blocks [from, to) with op2 on [to, end), reap all; with
+ * c, add the driver calls they made to it. */
+static int run(gmlake_ctx *ctx, struct gmlake_offload *ring, void **p,
+	       int from, int to, int end, int op, int op2, double *secs,
+	       struct calls *c)
 {
 	struct gmlake_offload_cqe *cqe;
-	double t0 = now();
+	struct gmlake_stats mark;
+	double t0;
 	int n = 0, ret;
+
+	if (c)
+		stats_now(ctx, &mark);
+	t0 = now();
 
 	for (int i = from; i < end; i++) {
 		struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
@@ -143,6 +193,8 @@ static int run(struct gmlake_offload *ring, void **p, int from, int to,
 		gmlake_offload_cqe_seen(ring, cqe);
 	}
 	*secs = now() - t0;
+	if (c)
+		calls_add(ctx, &mark, c, end - from);
 	return ret;
 }
 
@@ -152,10 +204,12 @@ static int run(struct gmlake_offload *ring, void **p, int from, int to,
  * second half); every: check each round, not only the warm-up.
  */
 static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
-		      size_t size, size_t total, int iters, bool every)
+		      size_t size, size_t total, int iters, bool every,
+		      bool show_calls)
 {
 	int n = (int)(total / size), ret = 0, half;
 	double best[3] = { 1e30, 1e30, 1e30 }, t;
+	struct calls calls[3];
 	uint64_t *buf;
 	void **p;
 
@@ -174,18 +228,22 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 	}
 	for (int i = 0; i < n && !ret; i++)
 		ret = gmlake_alloc(ctx, &p[i], size, NULL);
+	memset(calls, 0, sizeof(calls));
 	for (int it = 0; it <= iters && !ret; it++) {
 		bool check = every || !it;
+		/* The timed rounds' calls, with -c. */
+		struct calls *c = show_calls && it ? calls : NULL;
 
 		if (check)
 			ret = fill(ctx, p, n, size, 2 * it, buf);
 		if (!ret)
-			ret = run(ring, p, 0, n, n, GMLAKE_OFFLOAD_SPILL, 0,
-				  &t);
+			ret = run(ctx, ring, p, 0, n, n,
+				  GMLAKE_OFFLOAD_SPILL, 0, &t, c);
 		if (!ret && it && t < best[0])
 			best[0] = t;
 		if (!ret)
-			ret = run(ring, p, 0, n, n, GMLAKE_OFFLOAD_FETCH, 0, &t);
+			ret = run(ctx, ring, p, 0, n, n,
+				  GMLAKE_OFFLOAD_FETCH, 0, &t, c ? c + 1 : NULL);
 		if (!ret && it && t < best[1])
 			best[1] = t;
 		if (!ret && every) {
@@ -196,16 +254,17 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 		/* both ways: the first half out, then back while the
 		 * second half goes out */
 		if (!ret)
-			ret = run(ring, p, 0, half, half,
-				  GMLAKE_OFFLOAD_SPILL, 0, &t);
+			ret = run(ctx, ring, p, 0, half, half,
+				  GMLAKE_OFFLOAD_SPILL, 0, &t, NULL);
 		if (!ret)
-			ret = run(ring, p, 0, half, n, GMLAKE_OFFLOAD_FETCH,
-				  GMLAKE_OFFLOAD_SPILL, &t);
+			ret = run(ctx, ring, p, 0, half, n,
+				  GMLAKE_OFFLOAD_FETCH, GMLAKE_OFFLOAD_SPILL,
+				  &t, c ? c + 2 : NULL);
 		if (!ret && it && t < best[2])
 			best[2] = t;
 		if (!ret)
-			ret = run(ring, p, half, n, n, GMLAKE_OFFLOAD_FETCH,
-				  0, &t);
+			ret = run(ctx, ring, p, half, n, n,
+				  GMLAKE_OFFLOAD_FETCH, 0, &t, NULL);
 		if (!ret && check)
 			ret = verify(ctx, p, n, size, 2 * it + every, buf);
 	}
@@ -214,6 +273,11 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 		       (double)n * size / best[0] / 1e9,
 		       (double)n * size / best[1] / 1e9,
 		       (double)n * size / best[2] / 1e9);
+	if (!ret && show_calls) {
+		calls_print(size, "spill", &calls[0]);
+		calls_print(size, "fetch", &calls[1]);
+		calls_print(size, "both", &calls[2]);
+	}
 	for (int i = 0; i < n; i++)
 		if (p[i])
 			gmlake_free(ctx, p[i]);
@@ -225,12 +289,13 @@ static int bench_size(gmlake_ctx *ctx, struct gmlake_offload *ring,
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: offload_bench [-s MAX_MiB] [-t TOTAL_MiB] "
-		"[-i ITER] [-v] [-q]\n"
+		"[-i ITER] [-v] [-c] [-q]\n"
 		"  -s  largest block, MiB (default 1024; 16 on emu)\n"
 		"  -t  bytes moved per size, MiB (default 8192; 64 on emu)\n"
 		"  -i  timed rounds per size, best taken (default 3)\n"
 		"  -v  check the bytes of every round (default: the warm-up "
 		"round only)\n"
+		"  -c  driver calls per block of each phase, by kind\n"
 		"  -q  no statistics at the end\n");
 }
 
@@ -241,15 +306,16 @@ int main(int argc, char **argv)
 	struct gmlake_stats st;
 	size_t max = 0, total = 0;
 	int iters = 3, opt, ret;
-	bool quiet = false, every = false;
+	bool quiet = false, every = false, show_calls = false;
 	gmlake_ctx *ctx;
 
-	while ((opt = getopt(argc, argv, "s:t:i:vqh")) != -1) {
+	while ((opt = getopt(argc, argv, "s:t:i:vcqh")) != -1) {
 		switch (opt) {
 		case 's': max = strtoull(optarg, NULL, 0) * MiB; break;
 		case 't': total = strtoull(optarg, NULL, 0) * MiB; break;
 		case 'i': iters = atoi(optarg); break;
 		case 'v': every = true; break;
+		case 'c': show_calls = true; break;
 		case 'q': quiet = true; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
@@ -281,16 +347,15 @@ int main(int argc, char **argv)
 		gmlake_ctx_destroy(ctx, true);
 		return 1;
 	}
-	st.version = GMLAKE_STATS_VERSION;
-	st.size = sizeof(st);
-	gmlake_stats_get(ctx, &st);
+	stats_now(ctx, &st);
 	printf("# offload_bench: engine %s, best of %d, GB/s (1e9 B/s)\n",
 	       st.offload_engine == GMLAKE_OFFLOAD_ENGINE_URING ? "io_uring" :
 	       "thread", iters);
 	printf("%10s %6s %12s %12s %12s\n", "block_MiB", "blocks", "spill",
 	       "fetch", "both");
 	for (size_t size = MiB; size <= max && !ret; size *= 2)
-		ret = bench_size(ctx, &ring, size, total, iters, every);
+		ret = bench_size(ctx, &ring, size, total, iters, every,
+				 show_calls);
 	if (ret > 0)
 		fprintf(stderr, "offload_bench: blocks came back wrong\n");
 	else if (ret)
