@@ -1785,6 +1785,94 @@ START_TEST(test_wakeups_hold_no_copy)
 }
 END_TEST
 
+/*
+ * The application allocates while the engine is stuck issuing a copy (a
+ * full copy stream's queue blocks cuMemcpyAsync): the allocation does not
+ * wait for it, since the engine issues copies with the context lock let
+ * go. The wrapper holds every device-to-host copy issued while armed until
+ * the test lets it go.
+ */
+static const struct gml_drv_ops *issue_real;
+static struct gml_drv_ops issue_ops;
+static atomic_int issue_armed, issue_held, issue_go;
+
+static int issue_memcpy(void *priv, void *dst, const void *src, size_t size,
+			enum gml_copy_kind kind, gmlake_stream_t s)
+{
+	if (kind == GML_COPY_DTOH && atomic_load(&issue_armed)) {
+		atomic_fetch_add(&issue_held, 1);
+		while (!atomic_load(&issue_go))
+			usleep(1000);
+	}
+	return issue_real->memcpy_async(priv, dst, src, size, kind, s);
+}
+
+struct side_alloc {
+	gmlake_ctx *ctx;
+	atomic_int done;
+	int ret;
+};
+
+static void *side_alloc_main(void *arg)
+{
+	struct side_alloc *a = arg;
+	void *q = NULL;
+
+	a->ret = gmlake_alloc(a->ctx, &q, 2 * TH_MiB, NULL);
+	if (!a->ret)
+		a->ret = gmlake_free(a->ctx, q);
+	atomic_store(&a->done, 1);
+	return NULL;
+}
+
+START_TEST(test_copy_issue_holds_no_alloc)
+{
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
+	struct gml_dev *dev = th_dev(ctx);
+	struct side_alloc a = { .ctx = ctx };
+	struct gmlake_offload ring;
+	size_t size = 6 * TH_MiB;
+	bool alloc_waited = true;
+	pthread_t t;
+	void *p;
+
+	issue_real = dev->ops;
+	issue_ops = *dev->ops;
+	issue_ops.memcpy_async = issue_memcpy;
+	dev->ops = &issue_ops;
+	atomic_store(&issue_held, 0);
+	atomic_store(&issue_go, 0);
+	p = th_alloc_filled(ctx, size, 95, NULL);
+	ring_init(&ring, ctx, 4);
+
+	atomic_store(&issue_armed, 1);
+	submit_one(&ring, GMLAKE_OFFLOAD_SPILL, p);
+	for (int ms = 0; !atomic_load(&issue_held); ms++) {
+		ck_assert_msg(ms < 10000, "the engine never issued the copy");
+		usleep(1000);
+	}
+	ck_assert_int_eq(pthread_create(&t, NULL, side_alloc_main, &a), 0);
+	for (int ms = 0; ms < 5000 && alloc_waited; ms++) {
+		alloc_waited = !atomic_load(&a.done);
+		if (alloc_waited)
+			usleep(1000);
+	}
+	atomic_store(&issue_armed, 0);
+	atomic_store(&issue_go, 1);
+	pthread_join(t, NULL);
+	ck_assert_msg(!alloc_waited, "an allocation waited for the engine "
+		      "issuing a copy");
+	ck_assert_int_eq(a.ret, 0);
+	ck_assert_int_eq(reap_bounded(&ring, p), 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
+	ck_assert_int_eq(fetch(&ring, p), 0);
+	th_check(ctx);
+	th_verify_free(ctx, p, size, 95, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
 /* The arena cannot grow (pinning fails): a clean -errno, block intact. */
 START_TEST(test_pin_failure)
 {
@@ -2712,6 +2800,7 @@ static Suite *offload_suite(void)
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
 	tcase_add_test(tc, test_query_fails_stream_drains);
 	tcase_add_test(tc, test_wakeups_hold_no_copy);
+	tcase_add_test(tc, test_copy_issue_holds_no_alloc);
 	tcase_add_loop_test(tc, test_faults, 0, 4 * NFAULT_CALLS);
 
 	tc = th_tcase(s, "Auto");
