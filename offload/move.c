@@ -5,13 +5,14 @@
  * A spill records an event on each stream of the block, makes the
  * device-to-host copy stream wait for them, copies the block into the host
  * arena, records a "done" event and queues a host function that wakes the
- * engine on a wake stream behind it. The engine issues copies with the
- * context lock let go (queue_copy_unlocked). When that event completes, the engine (engine.c) unmaps
- * the block's run and gives its chunks back (gml_large_detach); the range
- * stays reserved, so the address stays valid. A fetch maps chunks at the
- * run again (gml_large_attach, stitching free chunks if need be), copies
- * host to device on the other copy stream, and completes the same way.
- * Spills and fetches use separate streams, so both directions run at once.
+ * engine on a wake stream behind it; the engine issues copies with the
+ * context lock let go (queue_copy_unlocked). When the event completes,
+ * the engine (engine.c) unmaps the block's run and gives its chunks back
+ * (gml_large_detach); the range stays reserved, so the address stays
+ * valid. A fetch maps chunks at the run again (gml_large_attach,
+ * stitching free chunks if need be), copies host to device on the other
+ * copy stream, and completes the same way. Spills and fetches use
+ * separate streams, so both directions run at once.
  * In place, the host side is host memory made as a driver handle and
  * mapped at the block's own range while it is spilled. A copy whose fate
  * is unknown (a device gone bad) never lets its buffer be reused.
