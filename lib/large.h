@@ -36,6 +36,10 @@ int gml_view_map_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 int gml_view_map_pos(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 		     gml_handle h);
 void gml_count_access(gmlake_ctx *ctx, size_t bytes, uint64_t handles);
+/* A fetch's access to [va, va + size): granted and counted now, or, with
+ * defer, left to the caller in *defer (struct gml_access). */
+int gml_fetch_access(gmlake_ctx *ctx, gml_va va, size_t size,
+		     uint64_t handles, struct gml_access *defer);
 int gml_view_reserve(gmlake_ctx *ctx, struct gml_view *v);
 int gml_view_unmap_run(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 		       uint32_t n);
@@ -87,7 +91,8 @@ int gml_stale_add(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 #define GML_SPAN_MIN 16		/* chunks: 32 MiB at the default size */
 bool gml_span_wanted(const struct gml_block *b);
 int gml_span_grow(gmlake_ctx *ctx, uint32_t n, struct gml_block *b);
-int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b);
+int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b,
+		    struct gml_access *defer);
 int gml_span_detach(gmlake_ctx *ctx, struct gml_block *b);
 void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 		   const struct gml_guard *g);

@@ -282,7 +282,8 @@ static void attach_undo(gmlake_ctx *ctx, struct gml_block *b,
 
 /* Stitched run: free chunks of any segment, new ones for the shortfall. */
 static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
-			   const struct fetch_run *r, struct gml_chunk **got)
+			   const struct fetch_run *r, struct gml_chunk **got,
+			   struct gml_access *defer)
 {
 	struct gml_view *v = b->view;
 	struct run grown;
@@ -312,7 +313,8 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 		if (ret)
 			goto out_undo;
 	}
-	ret = gml_dev_set_access(&ctx->dev, r->ptr, (size_t)r->n * ctx->chunk);
+	ret = gml_fetch_access(ctx, r->ptr, (size_t)r->n * ctx->chunk, r->n,
+			       defer);
 	if (ret)
 		goto out_undo;
 	for (i = 0; i < r->n; i++) {
@@ -324,7 +326,6 @@ static int attach_stitched(gmlake_ctx *ctx, struct gml_block *b,
 			goto out_undo;
 		}
 	}
-	gml_count_access(ctx, (size_t)r->n * ctx->chunk, r->n);
 	for (i = 0; i < r->n; i++)
 		v->chunks[r->pos + i] = got[i];
 	v->holes -= r->n;
@@ -534,7 +535,8 @@ static int seg_chunk(gmlake_ctx *ctx, struct gml_view *v, uint32_t p,
 
 /* Segment run: chunks made (or moved) to live at their new home. */
 static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
-			  const struct fetch_run *r, struct gml_chunk **got)
+			  const struct fetch_run *r, struct gml_chunk **got,
+			  struct gml_access *defer)
 {
 	struct gml_view *v = b->view;
 	struct gml_chunk **ready = NULL;
@@ -560,10 +562,10 @@ static int attach_segment(gmlake_ctx *ctx, struct gml_block *b,
 			goto out_undo;
 		}
 	}
-	ret = gml_dev_set_access(&ctx->dev, r->ptr, (size_t)r->n * ctx->chunk);
+	ret = gml_fetch_access(ctx, r->ptr, (size_t)r->n * ctx->chunk, r->n,
+			       defer);
 	if (ret)
 		goto out_undo;
-	gml_count_access(ctx, (size_t)r->n * ctx->chunk, r->n);
 	for (k = 0; k < r->n; k++)
 		v->chunks[r->pos + k] = got[k];
 	free(ready);
@@ -587,13 +589,39 @@ out_undo:
 }
 
 /*
+ * A fetch's access to [va, va + size) over handles mappings: granted and
+ * counted now, or with defer left to the caller (struct gml_access).
+ */
+int gml_fetch_access(gmlake_ctx *ctx, gml_va va, size_t size,
+		     uint64_t handles, struct gml_access *defer)
+{
+	int ret;
+
+	if (defer) {
+		*defer = (struct gml_access){ va, size, handles };
+		return 0;
+	}
+	ret = gml_dev_set_access(&ctx->dev, va, size);
+	if (!ret)
+		gml_count_access(ctx, size, handles);
+	return ret;
+}
+
+void gml_large_granted(gmlake_ctx *ctx, const struct gml_access *a)
+{
+	gml_count_access(ctx, a->size, a->handles);
+}
+
+/*
  * Map chunks at spilled block b's run again (same address), but at the
  * positions the spill kept: free chunks for a stitched run, chunks at
- * their new home for a segment run. The
- * block owns them afterwards; its bytes are for the caller to bring back.
- * 0, or -ENOMEM / -errno with the block still spilled.
+ * their new home for a segment run. The block owns them afterwards; its
+ * bytes are for the caller to bring back. With defer, the caller grants
+ * the access (struct gml_access). 0, or -ENOMEM / -errno with the block
+ * still spilled.
  */
-int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
+int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b,
+		     struct gml_access *defer)
 {
 	struct fetch_run r = fetch_run_of(ctx, b);
 	struct gml_chunk **got = calloc(r.n, sizeof(*got));
@@ -607,15 +635,15 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b)
 		gml_stale_reap(ctx, false);
 	b->view->maxfree = GML_RUN_UNKNOWN;
 	if (r.n == b->n && gml_span_wanted(b) &&
-	    gml_span_attach(ctx, b) == 0) {
+	    gml_span_attach(ctx, b, defer) == 0) {
 		b->fetches++;
 		free(got);
 		return 0;
 	}
 	if (b->view->stitched)
-		ret = attach_stitched(ctx, b, &r, got);
+		ret = attach_stitched(ctx, b, &r, got, defer);
 	else
-		ret = attach_segment(ctx, b, &r, got);
+		ret = attach_segment(ctx, b, &r, got, defer);
 	for (uint32_t i = 0; !ret && i < r.n; i++) {
 		got[i]->owner = b;
 		gml_chunk_touch(got[i]);

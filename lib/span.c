@@ -155,9 +155,11 @@ static int span_get(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
  * Map one span at spilled block b's run (its holes), of a segment or of a
  * stitched view: 0 with b owning the span's chunks (their home is the
  * run itself), or -errno with b still spilled and nothing held (the
- * caller then fetches into chunks).
+ * caller then fetches into chunks). With defer, no access yet
+ * (gml_fetch_access).
  */
-int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
+int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b,
+		    struct gml_access *defer)
 {
 	struct gml_view *v = b->view;
 	size_t size = (size_t)b->n * ctx->chunk;
@@ -175,7 +177,7 @@ int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
 	ret = gml_dev_mem_map(&ctx->dev, b->ptr, size, h);
 	if (ret)
 		goto out_put;
-	ret = gml_dev_set_access(&ctx->dev, b->ptr, size);
+	ret = gml_fetch_access(ctx, b->ptr, size, 1, defer);
 	if (ret) {
 		if (gml_dev_mem_unmap(&ctx->dev, b->ptr, size)) {
 			/* Still mapped: released, the memory lives while it
@@ -188,7 +190,6 @@ int gml_span_attach(gmlake_ctx *ctx, struct gml_block *b)
 		}
 		goto out_put;
 	}
-	gml_count_access(ctx, size, 1);
 	gml_count_mapping(ctx, b->n);
 	for (i = 0; i < b->n; i++) {
 		uint32_t p = b->pos + i;
@@ -246,7 +247,7 @@ int gml_span_grow(gmlake_ctx *ctx, uint32_t n, struct gml_block *b)
 	b->ptr = (uintptr_t)(v->va + (gml_va)pos * ctx->chunk);
 	b->alloc_size = (size_t)n * ctx->chunk;
 	v->live++;
-	ret = gml_span_attach(ctx, b);
+	ret = gml_span_attach(ctx, b, NULL);
 	if (ret) {
 		v->live--;
 		if (v->n == pos + n)	/* nothing came after: take them back */

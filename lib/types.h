@@ -305,10 +305,27 @@ void gml_views_fini(gmlake_ctx *ctx);
 bool gml_chunk_in_view(const struct gml_chunk *c, const struct gml_view *v);
 /* Offload: take a block's chunks away, its range kept (0, -EBUSY, -errno);
  * whether a detach would keep positions of it; map chunks at its range
- * again; free a spilled block's run. */
+ * again (with defer, granting no access: see struct gml_access); free a
+ * spilled block's run. */
+/*
+ * Device access an attach left to its caller (gml_large_attach with
+ * defer): [va, va + size), over handles mappings. The caller grants it
+ * with gml_dev_set_access, with no lock needed (the call takes 0.4-1 ms
+ * while copies run both ways on an H200, and allocations wait for the
+ * context lock), and counts it with gml_large_granted under the lock; if
+ * the grant fails, gml_large_detach takes the chunks back.
+ */
+struct gml_access {
+	gml_va va;
+	size_t size;
+	uint64_t handles;
+};
+
+void gml_large_granted(gmlake_ctx *ctx, const struct gml_access *a);
 int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check);
 bool gml_large_keeps(const struct gml_block *b);
-int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b);
+int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b,
+		     struct gml_access *defer);
 void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b,
 			    const struct gml_guard *g);
 void gml_zombies_reap(gmlake_ctx *ctx);

@@ -144,27 +144,38 @@ static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 }
 
 /*
- * queue_copy() for the engine, with the context lock let go around it:
- * issuing a copy blocks while the copy stream's queue is full (0.3-0.7 ms
- * a call on the H200, offload_bench -c), and the application's
- * allocations wait for that lock. req's block is spilling or fetching and
- * bound to req, so nothing else moves or frees it meanwhile. ctx lock
- * held on entry and on return.
+ * queue_copy() for the engine, after the device access a fetch's attach
+ * deferred (acc, or NULL), with the context lock let go around both: on
+ * the H200 issuing a copy blocks 0.3-0.7 ms while the copy stream's queue
+ * is full, and a fetch's set-access takes 0.4-1 ms while copies run both
+ * ways (offload_bench -c), and the application's allocations wait for
+ * that lock. req's block is spilling or fetching and bound to req, so
+ * nothing else moves or frees it meanwhile. ctx lock held on entry and on
+ * return.
  */
 static int queue_copy_unlocked(gmlake_ctx *ctx, struct gml_offload *off,
 			       struct gml_off_req *req, gmlake_stream_t cs,
 			       void *dst, const void *src,
-			       enum gml_copy_kind kind)
+			       enum gml_copy_kind kind,
+			       const struct gml_access *acc)
 {
 	/* Entered once more, the device's context stays current past the
 	 * unlock; the lock is taken back without entering again. */
 	int ret = gml_dev_enter(&ctx->dev);
+	bool granted = false;
 
 	if (ret)
 		return ret;
 	gml_ctx_unlock(ctx);
-	ret = queue_copy(ctx, off, req, cs, dst, src, kind, true);
+	if (acc && acc->size) {
+		ret = gml_dev_set_access(&ctx->dev, acc->va, acc->size);
+		granted = !ret;
+	}
+	if (!ret)
+		ret = queue_copy(ctx, off, req, cs, dst, src, kind, true);
 	pthread_mutex_lock(&ctx->lock);
+	if (granted)
+		gml_large_granted(ctx, acc);
 	return ret;
 }
 
@@ -443,10 +454,10 @@ static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 	if (!ret && req->inplace)
 		ret = queue_copy_unlocked(ctx, off, req, off->d2h,
 					  (void *)(uintptr_t)b->host_va,
-					  (void *)b->ptr, GML_COPY_DTOD);
+					  (void *)b->ptr, GML_COPY_DTOD, NULL);
 	else if (!ret)
 		ret = queue_copy_unlocked(ctx, off, req, off->d2h, req->host,
-					  (void *)b->ptr, GML_COPY_DTOH);
+					  (void *)b->ptr, GML_COPY_DTOH, NULL);
 	if (ret) {
 		b->off_state = GML_OFF_RESIDENT;
 		if (req->host)
@@ -586,6 +597,7 @@ static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
 
 static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 {
+	struct gml_access acc = { 0 };
 	gmlake_ctx *ctx = off->ctx;
 	struct gml_block *b;
 	int64_t peak;
@@ -602,10 +614,10 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 			goto out_unlock;
 		b->inplace_mapped = false;
 	}
-	ret = gml_large_attach(ctx, b);
+	ret = gml_large_attach(ctx, b, &acc);
 	for (unsigned rung = 0;
 	     ret == -ENOMEM && gml_pressure_relieve(ctx, &rung, b);)
-		ret = gml_large_attach(ctx, b);
+		ret = gml_large_attach(ctx, b, &acc);
 	if (ret) {
 		if (b->inplace)
 			inplace_map(ctx, b);
@@ -620,11 +632,11 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 		ret = queue_copy_unlocked(ctx, off, req, off->h2d,
 					  (void *)b->ptr,
 					  (void *)(uintptr_t)b->host_va,
-					  GML_COPY_DTOD);
+					  GML_COPY_DTOD, &acc);
 	else if (!ret)
 		ret = queue_copy_unlocked(ctx, off, req, off->h2d,
 					  (void *)b->ptr, b->host,
-					  GML_COPY_HTOD);
+					  GML_COPY_HTOD, &acc);
 	if (ret)
 		fetch_undo(ctx, b);
 out_unlock:

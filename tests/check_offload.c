@@ -1786,25 +1786,48 @@ START_TEST(test_wakeups_hold_no_copy)
 END_TEST
 
 /*
- * The application allocates while the engine is stuck issuing a copy (a
- * full copy stream's queue blocks cuMemcpyAsync): the allocation does not
- * wait for it, since the engine issues copies with the context lock let
- * go. The wrapper holds every device-to-host copy issued while armed until
- * the test lets it go.
+ * The application allocates while the engine is stuck in a driver call
+ * that can take a millisecond (issuing a copy into a full copy stream's
+ * queue, a fetch's set-access while copies run both ways): the allocation
+ * does not wait for it, since the engine makes those calls with the
+ * context lock let go. The wrapper holds, while armed, the calls of one
+ * kind: _i 0 a spill's copy, 1 a fetch's set-access, 2 a fetch's copy.
  */
+enum { HOLD_SPILL_COPY, HOLD_FETCH_ACCESS, HOLD_FETCH_COPY };
+
 static const struct gml_drv_ops *issue_real;
 static struct gml_drv_ops issue_ops;
-static atomic_int issue_armed, issue_held, issue_go;
+static atomic_int issue_armed = -1, issue_held, issue_go;
+
+/* Hold this call while the test armed what, on the engine's thread only
+ * (the side allocation may call set-access too). */
+static void issue_hold(int what)
+{
+	char name[16] = "";
+
+	if (atomic_load(&issue_armed) != what ||
+	    pthread_getname_np(pthread_self(), name, sizeof(name)) ||
+	    strcmp(name, "gmlake-offload"))
+		return;
+	atomic_fetch_add(&issue_held, 1);
+	while (!atomic_load(&issue_go))
+		usleep(1000);
+}
 
 static int issue_memcpy(void *priv, void *dst, const void *src, size_t size,
 			enum gml_copy_kind kind, gmlake_stream_t s)
 {
-	if (kind == GML_COPY_DTOH && atomic_load(&issue_armed)) {
-		atomic_fetch_add(&issue_held, 1);
-		while (!atomic_load(&issue_go))
-			usleep(1000);
-	}
+	if (kind == GML_COPY_DTOH)
+		issue_hold(HOLD_SPILL_COPY);
+	else if (kind == GML_COPY_HTOD)
+		issue_hold(HOLD_FETCH_COPY);
 	return issue_real->memcpy_async(priv, dst, src, size, kind, s);
+}
+
+static int issue_set_access(void *priv, gml_va va, size_t size)
+{
+	issue_hold(HOLD_FETCH_ACCESS);
+	return issue_real->set_access(priv, va, size);
 }
 
 struct side_alloc {
@@ -1825,11 +1848,13 @@ static void *side_alloc_main(void *arg)
 	return NULL;
 }
 
-START_TEST(test_copy_issue_holds_no_alloc)
+START_TEST(test_engine_holds_no_alloc)
 {
 	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
 	struct gml_dev *dev = th_dev(ctx);
 	struct side_alloc a = { .ctx = ctx };
+	int op = _i == HOLD_SPILL_COPY ? GMLAKE_OFFLOAD_SPILL :
+					 GMLAKE_OFFLOAD_FETCH;
 	struct gmlake_offload ring;
 	size_t size = 6 * TH_MiB;
 	bool alloc_waited = true;
@@ -1839,16 +1864,20 @@ START_TEST(test_copy_issue_holds_no_alloc)
 	issue_real = dev->ops;
 	issue_ops = *dev->ops;
 	issue_ops.memcpy_async = issue_memcpy;
+	issue_ops.set_access = issue_set_access;
 	dev->ops = &issue_ops;
+	atomic_store(&issue_armed, -1);
 	atomic_store(&issue_held, 0);
 	atomic_store(&issue_go, 0);
 	p = th_alloc_filled(ctx, size, 95, NULL);
 	ring_init(&ring, ctx, 4);
+	if (op == GMLAKE_OFFLOAD_FETCH)
+		ck_assert_int_eq(spill(&ring, p), 0);
 
-	atomic_store(&issue_armed, 1);
-	submit_one(&ring, GMLAKE_OFFLOAD_SPILL, p);
+	atomic_store(&issue_armed, _i);
+	submit_one(&ring, op, p);
 	for (int ms = 0; !atomic_load(&issue_held); ms++) {
-		ck_assert_msg(ms < 10000, "the engine never issued the copy");
+		ck_assert_msg(ms < 10000, "the engine never made the call");
 		usleep(1000);
 	}
 	ck_assert_int_eq(pthread_create(&t, NULL, side_alloc_main, &a), 0);
@@ -1857,15 +1886,19 @@ START_TEST(test_copy_issue_holds_no_alloc)
 		if (alloc_waited)
 			usleep(1000);
 	}
-	atomic_store(&issue_armed, 0);
+	atomic_store(&issue_armed, -1);
 	atomic_store(&issue_go, 1);
 	pthread_join(t, NULL);
-	ck_assert_msg(!alloc_waited, "an allocation waited for the engine "
-		      "issuing a copy");
+	ck_assert_msg(!alloc_waited, "an allocation waited for the engine's "
+		      "call (case %d)", _i);
 	ck_assert_int_eq(a.ret, 0);
 	ck_assert_int_eq(reap_bounded(&ring, p), 0);
-	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_SPILLED);
-	ck_assert_int_eq(fetch(&ring, p), 0);
+	if (op == GMLAKE_OFFLOAD_SPILL) {
+		ck_assert_int_eq(gmlake_offload_state(ctx, p),
+				 GMLAKE_BLOCK_SPILLED);
+		ck_assert_int_eq(fetch(&ring, p), 0);
+	}
+	ck_assert_int_eq(gmlake_offload_state(ctx, p), GMLAKE_BLOCK_RESIDENT);
 	th_check(ctx);
 	th_verify_free(ctx, p, size, 95, NULL);
 	TH_OK(ctx, gmlake_offload_exit(&ring));
@@ -2800,7 +2833,7 @@ static Suite *offload_suite(void)
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
 	tcase_add_test(tc, test_query_fails_stream_drains);
 	tcase_add_test(tc, test_wakeups_hold_no_copy);
-	tcase_add_test(tc, test_copy_issue_holds_no_alloc);
+	tcase_add_loop_test(tc, test_engine_holds_no_alloc, 0, 3);
 	tcase_add_loop_test(tc, test_faults, 0, 4 * NFAULT_CALLS);
 
 	tc = th_tcase(s, "Auto");
