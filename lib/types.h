@@ -303,10 +303,6 @@ bool gml_pressure_relieve(gmlake_ctx *ctx, unsigned *rung,
 void gml_reap_dying(gmlake_ctx *ctx, bool wait);
 void gml_views_fini(gmlake_ctx *ctx);
 bool gml_chunk_in_view(const struct gml_chunk *c, const struct gml_view *v);
-/* Offload: take a block's chunks away, its range kept (0, -EBUSY, -errno);
- * whether a detach would keep positions of it; map chunks at its range
- * again (with defer, granting no access: see struct gml_access); free a
- * spilled block's run. */
 /*
  * Device access an attach left to its caller (gml_large_attach with
  * defer): [va, va + size), over handles mappings. The caller grants it
@@ -321,11 +317,15 @@ struct gml_access {
 	uint64_t handles;
 };
 
-void gml_large_granted(gmlake_ctx *ctx, const struct gml_access *a);
+/* Offload: take a block's chunks away, its range kept (0, -EBUSY, -errno);
+ * whether a detach would keep positions of it; map chunks at its range
+ * again (with defer, granting no access); count a deferred access once
+ * granted; free a spilled block's run. */
 int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check);
 bool gml_large_keeps(const struct gml_block *b);
 int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b,
 		     struct gml_access *defer);
+void gml_large_granted(gmlake_ctx *ctx, const struct gml_access *a);
 void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b,
 			    const struct gml_guard *g);
 void gml_zombies_reap(gmlake_ctx *ctx);
