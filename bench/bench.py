@@ -362,10 +362,12 @@ def build_workload(name, size, seed):
 def run_steps(name, args, mem, state, total, r):
     """Run and time the workload's steps into r: step_times (s),
     step_shapes, step_host_ns (benchlib.host_view_ns() after each step,
-    untimed), and per step libgmlake's driver calls (step_calls) or
-    PyTorch's device allocations and frees (step_segments); the highest
-    driver-side use seen (returned). With args.warmup, one step at each of
-    the workload's shapes, nothing else recorded."""
+    untimed), step_gc_ms (the Python garbage collector's time inside
+    the step, benchlib.GcClock), and per step libgmlake's driver calls
+    (step_calls) or PyTorch's device allocations and frees
+    (step_segments); the highest driver-side use seen (returned). With
+    args.warmup, one step at each of the workload's shapes, nothing else
+    recorded."""
     torch = mem.torch
     used = mem.driver_used()
     if args.warmup:
@@ -373,9 +375,21 @@ def run_steps(name, args, mem, state, total, r):
             state["step_at"](shape)
         torch.cuda.synchronize()
         return used
+    r["step_cpus"], r["step_host_ns"], r["step_gc_ms"] = [], [], []
+    gc_clock = benchlib.GcClock()
+    gc.callbacks.append(gc_clock)
+    try:
+        return _timed_steps(name, args, mem, state, total, r, used,
+                            gc_clock)
+    finally:
+        gc.callbacks.remove(gc_clock)
+
+
+def _timed_steps(name, args, mem, state, total, r, used, gc_clock):
+    """run_steps()'s loop, with gc_clock counting collections."""
+    torch = mem.torch
     times, shapes, per_step = r["step_times"], r["step_shapes"], []
-    cpus = r["step_cpus"] = []
-    host = r["step_host_ns"] = []
+    cpus, host, gc_ms = r["step_cpus"], r["step_host_ns"], r["step_gc_ms"]
     probe = torch.empty((64, 64), device="cpu")  # no allocator of ours
     r["step_calls" if args.allocator == "gmlake" else "step_segments"] = \
         per_step
@@ -386,10 +400,12 @@ def run_steps(name, args, mem, state, total, r):
             # the step's line in the recorded trace (trace_end)
             torch.empty(benchlib.STEP_MARK, dtype=torch.uint8,
                         device="cuda")
+        gc0 = gc_clock.ns
         t0 = time.perf_counter()
         shape = state["step"]()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        gc_ms.append((gc_clock.ns - gc0) / 1e6)
         cpus.append(current_cpu())
         host.append(benchlib.host_view_ns(probe))
         shapes.append(jsonable(shape))

@@ -447,6 +447,25 @@ def host_view_ns(x, n=HOST_VIEWS):
     return (time.perf_counter_ns() - t0) / n
 
 
+class GcClock:
+    """Time the interpreter spends in garbage collection, from
+    gc.callbacks: `ns` grows by each collection's length. A step far
+    slower than its shape's others under every allocator alike (FSDP2's
+    second step, bench/results/eco-84db13b/) may be a full collection
+    rather than anything the allocator did; step_gc_ms tells."""
+
+    def __init__(self):
+        self.ns = 0
+        self._t0 = None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        elif self._t0 is not None:
+            self.ns += time.perf_counter_ns() - self._t0
+            self._t0 = None
+
+
 def host_speed(r, flags):
     """Median ns per view (step_host_ns) after r's steady steps: the
     process's host speed; None in results that did not time it."""

@@ -4,6 +4,7 @@ tables, capacity search, shape sets) and bench.py's parent side (options,
 round order, results.json, the report, children's output and timeouts),
 all without torch."""
 
+import gc
 import io
 import json
 import os
@@ -685,6 +686,60 @@ class TestBenchCli(unittest.TestCase):
         self.assertEqual(len(r["step_host_ns"]), 3)
         self.assertTrue(all(ns > 0 for ns in r["step_host_ns"]))
         self.assertEqual(r["step_calls"], [{}, {}, {}])
+        self.assertEqual(len(r["step_gc_ms"]), 3)
+        self.assertFalse(any(isinstance(c, benchlib.GcClock)
+                             for c in gc.callbacks))
+
+    def test_run_steps_times_the_collector(self):
+        """A step that collects garbage shows it in step_gc_ms; one that
+        does not, 0."""
+        class Tensor:
+            def t(self):
+                return self
+
+        class Torch:
+            class cuda:
+                @staticmethod
+                def synchronize():
+                    pass
+
+            @staticmethod
+            def empty(shape, **kw):
+                return Tensor()
+
+        class Mem:
+            torch = Torch
+
+            def driver_used(self):
+                return 0
+
+            def snapshot(self):
+                return {}
+
+            def delta(self, a, b):
+                return {}
+
+        def collecting():
+            junk = [[] for _ in range(20000)]
+            for j in junk:
+                j.append(junk)  # cycles only the collector frees
+            del junk
+            gc.collect()
+            return [1]
+
+        # Only the step's own gc.collect(): no automatic collection in
+        # the other step.
+        if gc.isenabled():
+            gc.disable()
+            self.addCleanup(gc.enable)
+        steps = iter([lambda: [0], collecting])
+        state = dict(step=lambda: next(steps)(), shapes=[[0], [1]])
+        args = mock.Mock(warmup=False, allocator="default")
+        r = dict(step_times=[], step_shapes=[])
+        with mock.patch.object(self.bench, "emit"):
+            self.bench.run_steps("w", args, Mem(), state, 2, r)
+        self.assertEqual(r["step_gc_ms"][0], 0)
+        self.assertGreater(r["step_gc_ms"][1], 0)
 
     def main(self, argv, fake=None, missing=()):
         """bench.main(argv) with run_allocator replaced by fake and the
