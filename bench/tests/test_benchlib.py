@@ -642,9 +642,10 @@ class TestBenchCli(unittest.TestCase):
         self.assertEqual(View.calls, 500)
         self.assertGreater(ns, 0)
 
-    def test_run_steps_times_the_host(self):
-        """run_steps() with a stand-in for torch and the allocator's
-        figures: every step gets its time, shape, CPU and host speed."""
+    def run_steps(self, steps, shapes, allocator="gmlake"):
+        """bench.run_steps() over the callables steps, each returning its
+        step's shape, with stand-ins for torch and the allocator's
+        figures (driver use 5); (its return, r)."""
         class Tensor:
             def t(self):
                 return self
@@ -674,12 +675,20 @@ class TestBenchCli(unittest.TestCase):
             def now(self):
                 return ""
 
-        shapes = iter([[1], [2], [1]])
-        state = dict(step=lambda: next(shapes), shapes=[[1], [2]])
-        args = mock.Mock(warmup=False, allocator="gmlake")
+        it = iter(steps)
+        state = dict(step=lambda: next(it)(), shapes=shapes)
+        args = mock.Mock(warmup=False, allocator=allocator)
         r = dict(step_times=[], step_shapes=[])
         with mock.patch.object(self.bench, "emit"):
-            used = self.bench.run_steps("w", args, Mem(), state, 3, r)
+            used = self.bench.run_steps("w", args, Mem(), state,
+                                        len(steps), r)
+        return used, r
+
+    def test_run_steps_times_the_host(self):
+        """Every step gets its time, shape, CPU and host speed, and the
+        collector's clock goes when the steps end."""
+        used, r = self.run_steps([lambda: [1], lambda: [2], lambda: [1]],
+                                 [[1], [2]])
         self.assertEqual(used, 5)
         self.assertEqual(r["step_shapes"], [[1], [2], [1]])
         self.assertEqual(len(r["step_times"]), 3)
@@ -693,32 +702,6 @@ class TestBenchCli(unittest.TestCase):
     def test_run_steps_times_the_collector(self):
         """A step that collects garbage shows it in step_gc_ms; one that
         does not, 0."""
-        class Tensor:
-            def t(self):
-                return self
-
-        class Torch:
-            class cuda:
-                @staticmethod
-                def synchronize():
-                    pass
-
-            @staticmethod
-            def empty(shape, **kw):
-                return Tensor()
-
-        class Mem:
-            torch = Torch
-
-            def driver_used(self):
-                return 0
-
-            def snapshot(self):
-                return {}
-
-            def delta(self, a, b):
-                return {}
-
         def collecting():
             junk = [[] for _ in range(20000)]
             for j in junk:
@@ -732,14 +715,11 @@ class TestBenchCli(unittest.TestCase):
         if gc.isenabled():
             gc.disable()
             self.addCleanup(gc.enable)
-        steps = iter([lambda: [0], collecting])
-        state = dict(step=lambda: next(steps)(), shapes=[[0], [1]])
-        args = mock.Mock(warmup=False, allocator="default")
-        r = dict(step_times=[], step_shapes=[])
-        with mock.patch.object(self.bench, "emit"):
-            self.bench.run_steps("w", args, Mem(), state, 2, r)
+        _, r = self.run_steps([lambda: [0], collecting], [[0], [1]],
+                              allocator="default")
         self.assertEqual(r["step_gc_ms"][0], 0)
         self.assertGreater(r["step_gc_ms"][1], 0)
+        self.assertEqual(r["step_segments"], [{}, {}])
 
     def main(self, argv, fake=None, missing=()):
         """bench.main(argv) with run_allocator replaced by fake and the
