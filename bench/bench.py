@@ -375,7 +375,6 @@ def run_steps(name, args, mem, state, total, r):
             state["step_at"](shape)
         torch.cuda.synchronize()
         return used
-    r["step_cpus"], r["step_host_ns"], r["step_gc_ms"] = [], [], []
     gc_clock = benchlib.GcClock()
     gc.callbacks.append(gc_clock)
     try:
@@ -389,7 +388,9 @@ def _timed_steps(name, args, mem, state, total, r, used, gc_clock):
     """run_steps()'s loop, with gc_clock counting collections."""
     torch = mem.torch
     times, shapes, per_step = r["step_times"], r["step_shapes"], []
-    cpus, host, gc_ms = r["step_cpus"], r["step_host_ns"], r["step_gc_ms"]
+    cpus = r["step_cpus"] = []
+    host = r["step_host_ns"] = []
+    gc_ms = r["step_gc_ms"] = []
     probe = torch.empty((64, 64), device="cpu")  # no allocator of ours
     r["step_calls" if args.allocator == "gmlake" else "step_segments"] = \
         per_step

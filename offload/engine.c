@@ -334,18 +334,19 @@ static void off_free(gmlake_ctx *ctx, struct gml_offload *off)
 {
 	gmlake_stream_t *streams[] = { &off->d2h, &off->h2d, &off->wake_d2h,
 				       &off->wake_h2d };
+	size_t n = sizeof(streams) / sizeof(streams[0]);
 
 	/* Host functions still queued write the eventfd: let them run (a
 	 * failed wait is tried once more, before the eventfd closes). The
 	 * wake streams wait for the copy streams' events: theirs last. */
-	for (size_t i = 0; i < 4; i++)
+	for (size_t i = 0; i < n; i++)
 		if (*streams[i] && gml_dev_stream_sync(&ctx->dev, *streams[i]))
 			gml_dev_stream_sync(&ctx->dev, *streams[i]);
 	if (off->engine == GMLAKE_OFFLOAD_ENGINE_URING)
 		io_uring_queue_exit(&off->uring);
 	if (off->efd >= 0)
 		close(off->efd);
-	for (size_t i = 4; i-- > 0;)
+	for (size_t i = n; i-- > 0;)
 		if (*streams[i] &&
 		    gml_dev_stream_destroy(&ctx->dev, *streams[i]))
 			gml_dev_stream_destroy(&ctx->dev, *streams[i]);

@@ -113,28 +113,32 @@ struct calls {
 	uint64_t blocks;
 };
 
-static void stats_now(gmlake_ctx *ctx, struct gmlake_stats *st)
+/* gmlake_stats_get() of this build's layout: 0 or -errno. */
+static int stats_now(gmlake_ctx *ctx, struct gmlake_stats *st)
 {
 	st->version = GMLAKE_STATS_VERSION;
 	st->size = sizeof(*st);
-	gmlake_stats_get(ctx, st);
+	return gmlake_stats_get(ctx, st);
 }
 
 /* Add what the driver did since *mark to c, for blocks blocks. */
-static void calls_add(gmlake_ctx *ctx, const struct gmlake_stats *mark,
-		      struct calls *c, int blocks)
+static int calls_add(gmlake_ctx *ctx, const struct gmlake_stats *mark,
+		     struct calls *c, int blocks)
 {
 	struct gmlake_stats st;
+	int ret = stats_now(ctx, &st);
 
-	stats_now(ctx, &st);
+	if (ret)
+		return ret;
 	for (int k = 0; k < GMLAKE_CALL_COUNT; k++) {
 		c->n[k] += st.calls[k] - mark->calls[k];
 		c->ns[k] += st.call_ns[k] - mark->call_ns[k];
 	}
 	c->blocks += (uint64_t)blocks;
+	return 0;
 }
 
-/* "#  SIZE MiB PHASE: kind calls/block (us/call) ..." for the kinds seen. */
+/* "# SIZE MiB PHASE kind calls/block (us/call) ..." for the kinds seen. */
 static void calls_print(size_t size, const char *phase, const struct calls *c)
 {
 	printf("# %8zu MiB %-5s", size / MiB, phase);
@@ -157,8 +161,11 @@ static int run(gmlake_ctx *ctx, struct gmlake_offload *ring, void **p,
 	double t0;
 	int n = 0, ret;
 
-	if (c)
-		stats_now(ctx, &mark);
+	if (c) {
+		ret = stats_now(ctx, &mark);
+		if (ret)
+			return ret;
+	}
 	t0 = now();
 
 	for (int i = from; i < end; i++) {
@@ -193,8 +200,8 @@ static int run(gmlake_ctx *ctx, struct gmlake_offload *ring, void **p,
 		gmlake_offload_cqe_seen(ring, cqe);
 	}
 	*secs = now() - t0;
-	if (c)
-		calls_add(ctx, &mark, c, end - from);
+	if (c && !ret)
+		ret = calls_add(ctx, &mark, c, end - from);
 	return ret;
 }
 
@@ -347,7 +354,13 @@ int main(int argc, char **argv)
 		gmlake_ctx_destroy(ctx, true);
 		return 1;
 	}
-	stats_now(ctx, &st);
+	ret = stats_now(ctx, &st);
+	if (ret) {
+		fprintf(stderr, "offload_bench: %s\n", gmlake_last_error());
+		gmlake_offload_exit(&ring);
+		gmlake_ctx_destroy(ctx, true);
+		return 1;
+	}
 	printf("# offload_bench: engine %s, best of %d, GB/s (1e9 B/s)\n",
 	       st.offload_engine == GMLAKE_OFFLOAD_ENGINE_URING ? "io_uring" :
 	       "thread", iters);
