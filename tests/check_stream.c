@@ -514,6 +514,51 @@ START_TEST(test_ordered_growth_first)
 }
 END_TEST
 
+/*
+ * Ordered before growth that raises peak reserved: with room on the
+ * device and growth within its budget (2% over the most requested: 4 MiB
+ * over 250), B still takes the chunks A freed and waits for A's work on
+ * the device, because new chunks would raise the most ever reserved
+ * (test_ordered_growth_first: growth that stays under that peak comes
+ * first).
+ */
+START_TEST(test_ordered_before_peak)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(128));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct gmlake_stats s0, s1;
+	struct pending pd;
+	void *big, *x, *y, *buf;
+
+	big = th_alloc(ctx, 246 * TH_MiB, a);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
+	th_hold(ctx, a, true);
+	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	th_stats(ctx, &s0);
+	ck_assert_int_eq(s0.reserved_bytes.peak, 250 * TH_MiB);
+	ck_assert_int_eq(s0.reserved_bytes.current, 250 * TH_MiB);
+	expect_alloc(ctx, &y, 4 * TH_MiB, b, "B while A holds x's work");
+	th_stats(ctx, &s1);
+	ck_assert_ptr_eq(y, x);
+	ck_assert_uint_eq(s1.grows, s0.grows);
+	ck_assert_int_eq(s1.reserved_bytes.peak, 250 * TH_MiB);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_stream_wait],
+			  s0.calls[GMLAKE_CALL_stream_wait] + 1);
+	/* Queued on B now, it must not overtake A's held read. */
+	buf = malloc(4 * TH_MiB);
+	ck_assert_ptr_nonnull(buf);
+	th_pattern(buf, 4 * TH_MiB, 2);
+	ck_assert_int_eq(queue_copy(ctx, y, buf, 4 * TH_MiB, GML_COPY_HTOD,
+				    b), 0);
+	release_and_check(ctx, a, &pd, 1, "ordered before the peak: A's read");
+	th_sync(ctx, b);
+	free(buf);
+	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	th_free(ctx, big);
+	destroy_all(ctx, a, b);
+}
+END_TEST
+
 /* record_stream(B): freed, the block waits for B too, even on A. */
 START_TEST(test_record_stream)
 {
@@ -918,6 +963,7 @@ static Suite *stream_suite(bool emu)
 	tc = th_tcase(s, "Ordered");
 	tcase_add_test(tc, test_ordered_takes_pending);
 	tcase_add_test(tc, test_ordered_growth_first);
+	tcase_add_test(tc, test_ordered_before_peak);
 
 	tc = th_tcase(s, "RecordStream");
 	tcase_add_test(tc, test_record_stream);
