@@ -50,19 +50,21 @@ static void finish(struct gml_offload *off, struct gml_off_req *req, int res,
 	req->complete(req, res);
 }
 
-static void start(struct gml_offload *off, struct gml_off_req *req)
+/* A request's start returned ret: in flight (0), or over. */
+static void started(struct gml_offload *off, struct gml_off_req *req, int ret)
 {
-	int ret;
-
-	gml_clear_error();	/* a failure's message is this request's */
-	ret = gml_off_move_start(off, req);
-
 	if (ret) {
 		finish(off, req, ret > 0 ? 0 : ret, false);
 		return;
 	}
 	req->next = off->inflight;
 	off->inflight = req;
+}
+
+static void start_spill(struct gml_offload *off, struct gml_off_req *req)
+{
+	gml_clear_error();	/* a failure's message is this request's */
+	started(off, req, gml_off_spill_start(off, req));
 }
 
 /* Finish every request whose copy completed. */
@@ -136,21 +138,105 @@ static bool fifo_has_earlier(const struct req_fifo *q,
 	return false;
 }
 
+/* Whether q's head must wait for an earlier request in other. */
+static bool fifo_head_waits(const struct req_fifo *q,
+			    const struct req_fifo *other)
+{
+	return other && other->head && q->head->seq > other->head->seq &&
+	       fifo_has_earlier(other, q->head);
+}
+
+/*
+ * Fetches prepared together, whose device access was granted with one
+ * set-access per run of adjacent ranges (offload_bench's blocks, an
+ * optimizer's state tensors: allocated one after another), and whose
+ * copies start one a turn.
+ */
+#define FETCH_BATCH 16
+
+struct fetch_batch {
+	struct gml_off_req *req[FETCH_BATCH];
+	struct gml_access acc[FETCH_BATCH];
+	int granted[FETCH_BATCH];	/* 0, or the grant's -errno */
+	int n, next;
+};
+
+/* Take up to FETCH_BATCH fetches from q (not past one that must wait
+ * for a request in other), prepare them and grant their access. */
+static void fetch_batch_fill(struct gml_offload *off, struct req_fifo *q,
+			     const struct req_fifo *other,
+			     struct fetch_batch *fb)
+{
+	int ret;
+
+	fb->n = fb->next = 0;
+	while (q->head && fb->n < FETCH_BATCH && !fifo_head_waits(q, other)) {
+		struct gml_off_req *req = fifo_pop(q);
+
+		gml_clear_error();
+		ret = gml_off_fetch_prepare(off, req, &fb->acc[fb->n]);
+		if (ret)
+			started(off, req, ret);
+		else
+			fb->req[fb->n++] = req;
+	}
+	for (int i = 0, j; i < fb->n; i = j) {
+		struct gml_access run = fb->acc[i];
+
+		for (j = i + 1; j < fb->n && run.size && fb->acc[j].size &&
+		     fb->acc[j].va == run.va + run.size; j++) {
+			run.size += fb->acc[j].size;
+			run.handles += fb->acc[j].handles;
+		}
+		gml_clear_error();
+		ret = gml_off_fetch_grant(off, &run);
+		/* A failed grant fails its run's fetches now, while the
+		 * error's message is theirs. */
+		for (int k = i; k < j; k++) {
+			fb->granted[k] = ret;
+			if (ret) {
+				started(off, fb->req[k], gml_off_fetch_copy(
+					off, fb->req[k], &fb->acc[k], ret));
+				fb->req[k] = NULL;
+			}
+		}
+	}
+}
+
+/* Start the next prepared fetch's copy, if one is left. */
+static void fetch_batch_next(struct gml_offload *off, struct fetch_batch *fb)
+{
+	while (fb->next < fb->n) {
+		int i = fb->next++;
+
+		if (!fb->req[i])
+			continue;	/* failed with its run's grant */
+		gml_clear_error();
+		started(off, fb->req[i], gml_off_fetch_copy(off, fb->req[i],
+							    &fb->acc[i],
+							    fb->granted[i]));
+		return;
+	}
+}
+
 /*
  * Requests handed in: spills and fetches first, then prefetches. Spills
- * and fetches start in turn, one of each, so that both copy streams get
- * work at once (issuing a large copy can block the thread until the
+ * and fetches start in turn, one copy of each, so that both copy streams
+ * get work at once (issuing a large copy can block the thread until the
  * copy engine takes it: a batch's spills started before its fetches left
- * the host-to-device stream idle meanwhile). Requests on one block start
- * in the order they came (seq).
+ * the host-to-device stream idle meanwhile); fetches are prepared and
+ * granted a batch at a time (struct fetch_batch). Requests on one block
+ * start in the order they came (seq): a request waits while the other
+ * queue holds an earlier one on its block, and the two cannot both wait.
  */
 static void start_incoming(struct gml_offload *off, struct gml_off_req *list)
 {
 	struct req_fifo q[3] = { { NULL, &q[0].head }, { NULL, &q[1].head },
 				 { NULL, &q[2].head } };
 	struct gml_off_req *req, *next;
+	struct fetch_batch fb = { .n = 0 };
 	uint32_t seq = 0;
-	int turn = 0;
+	bool spill_turn = false;	/* toggled first: spills start */
 
 	for (req = list; req; req = next) {
 		next = req->next;
@@ -158,19 +244,21 @@ static void start_incoming(struct gml_offload *off, struct gml_off_req *list)
 		fifo_push(&q[req->op == GMLAKE_OFFLOAD_PREFETCH ? 2 :
 			     req->op == GMLAKE_OFFLOAD_FETCH], req);
 	}
-	while (q[0].head || q[1].head) {
-		struct req_fifo *mine = &q[turn], *other = &q[!turn];
-
-		turn = !turn;
-		if (!mine->head)
-			continue;
-		if (other->head && mine->head->seq > other->head->seq &&
-		    fifo_has_earlier(other, mine->head))
-			continue;	/* the other's turn; its head is older */
-		start(off, fifo_pop(mine));
+	while (q[0].head || q[1].head || fb.next < fb.n) {
+		spill_turn = !spill_turn;
+		if (!spill_turn) {
+			if (fb.next == fb.n)
+				fetch_batch_fill(off, &q[1], &q[0], &fb);
+			fetch_batch_next(off, &fb);
+		} else if (q[0].head && !fifo_head_waits(&q[0], &q[1])) {
+			start_spill(off, fifo_pop(&q[0]));
+		}
 	}
-	while (q[2].head)
-		start(off, fifo_pop(&q[2]));
+	while (q[2].head || fb.next < fb.n) {
+		if (fb.next == fb.n)
+			fetch_batch_fill(off, &q[2], NULL, &fb);
+		fetch_batch_next(off, &fb);
+	}
 }
 
 /* Sleep until woken (or timeout_ms passes; -1: no limit). */

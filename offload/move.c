@@ -10,8 +10,10 @@
  * the engine (engine.c) unmaps the block's run and gives its chunks back
  * (gml_large_detach); the range stays reserved, so the address stays
  * valid. A fetch maps chunks at the run again (gml_large_attach,
- * stitching free chunks if need be), copies host to device on the other
- * copy stream, and completes the same way. Spills and fetches use
+ * stitching free chunks if need be), leaving their device access to the
+ * engine, which grants it once for a run of adjacent fetched blocks
+ * (gml_off_fetch_grant), then copies host to device on the other copy
+ * stream, and completes the same way. Spills and fetches use
  * separate streams, so both directions run at once.
  * In place, the host side is host memory made as a driver handle and
  * mapped at the block's own range while it is spilled. A copy whose fate
@@ -144,11 +146,9 @@ static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 }
 
 /*
- * queue_copy() for the engine, after the device access a fetch's attach
- * deferred (acc, or NULL), with the context lock let go around both: on
+ * queue_copy() for the engine, with the context lock let go around it: on
  * the H200 issuing a copy blocks 0.3-0.7 ms while the copy stream's queue
- * is full, and a fetch's set-access takes 0.4-1 ms while copies run both
- * ways (offload_bench -c), and the application's allocations wait for
+ * is full (offload_bench -c), and the application's allocations wait for
  * that lock. req's block is spilling or fetching and bound to req, so
  * nothing else moves or frees it meanwhile. ctx lock held on entry and on
  * return.
@@ -156,26 +156,17 @@ static int queue_copy(gmlake_ctx *ctx, struct gml_offload *off,
 static int queue_copy_unlocked(gmlake_ctx *ctx, struct gml_offload *off,
 			       struct gml_off_req *req, gmlake_stream_t cs,
 			       void *dst, const void *src,
-			       enum gml_copy_kind kind,
-			       const struct gml_access *acc)
+			       enum gml_copy_kind kind)
 {
 	/* Entered once more, the device's context stays current past the
 	 * unlock; the lock is taken back without entering again. */
 	int ret = gml_dev_enter(&ctx->dev);
-	bool granted = false;
 
 	if (ret)
 		return ret;
 	gml_ctx_unlock(ctx);
-	if (acc && acc->size) {
-		ret = gml_dev_set_access(&ctx->dev, acc->va, acc->size);
-		granted = !ret;
-	}
-	if (!ret)
-		ret = queue_copy(ctx, off, req, cs, dst, src, kind, true);
+	ret = queue_copy(ctx, off, req, cs, dst, src, kind, true);
 	pthread_mutex_lock(&ctx->lock);
-	if (granted)
-		gml_large_granted(ctx, acc);
 	return ret;
 }
 
@@ -416,7 +407,7 @@ static int req_begin(gmlake_ctx *ctx, struct gml_off_req *req, int from,
 }
 
 /* First half of a spill: checks, a host buffer, the copy queued. */
-static int spill_start(struct gml_offload *off, struct gml_off_req *req)
+int gml_off_spill_start(struct gml_offload *off, struct gml_off_req *req)
 {
 	gmlake_ctx *ctx = off->ctx;
 	struct gml_block *b;
@@ -454,10 +445,10 @@ static int spill_start(struct gml_offload *off, struct gml_off_req *req)
 	if (!ret && req->inplace)
 		ret = queue_copy_unlocked(ctx, off, req, off->d2h,
 					  (void *)(uintptr_t)b->host_va,
-					  (void *)b->ptr, GML_COPY_DTOD, NULL);
+					  (void *)b->ptr, GML_COPY_DTOD);
 	else if (!ret)
 		ret = queue_copy_unlocked(ctx, off, req, off->d2h, req->host,
-					  (void *)b->ptr, GML_COPY_DTOH, NULL);
+					  (void *)b->ptr, GML_COPY_DTOH);
 	if (ret) {
 		b->off_state = GML_OFF_RESIDENT;
 		if (req->host)
@@ -595,14 +586,15 @@ static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
 		inplace_map(ctx, b);
 }
 
-static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
+int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
+			  struct gml_access *acc)
 {
-	struct gml_access acc = { 0 };
 	gmlake_ctx *ctx = off->ctx;
 	struct gml_block *b;
 	int64_t peak;
 	int ret;
 
+	*acc = (struct gml_access){ 0 };
 	ret = req_begin(ctx, req, GML_OFF_SPILLED, GML_OFF_RESIDENT);
 	if (ret)
 		return ret;
@@ -614,10 +606,10 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 			goto out_unlock;
 		b->inplace_mapped = false;
 	}
-	ret = gml_large_attach(ctx, b, &acc);
+	ret = gml_large_attach(ctx, b, acc);
 	for (unsigned rung = 0;
 	     ret == -ENOMEM && gml_pressure_relieve(ctx, &rung, b);)
-		ret = gml_large_attach(ctx, b, &acc);
+		ret = gml_large_attach(ctx, b, acc);
 	if (ret) {
 		if (b->inplace)
 			inplace_map(ctx, b);
@@ -628,20 +620,57 @@ static int fetch_start(struct gml_offload *off, struct gml_off_req *req)
 	gml_log_peak_slack(ctx, "a fetch", b->alloc_size, peak);
 	req->size = b->size;
 	ret = after_all(ctx, off->h2d);
-	if (!ret && b->inplace)
-		ret = queue_copy_unlocked(ctx, off, req, off->h2d,
-					  (void *)b->ptr,
-					  (void *)(uintptr_t)b->host_va,
-					  GML_COPY_DTOD, &acc);
-	else if (!ret)
-		ret = queue_copy_unlocked(ctx, off, req, off->h2d,
-					  (void *)b->ptr, b->host,
-					  GML_COPY_HTOD, &acc);
+	/* Held until gml_off_fetch_copy: its lock then needs no enter. */
+	if (!ret)
+		ret = gml_dev_enter(&ctx->dev);
 	if (ret)
 		fetch_undo(ctx, b);
 out_unlock:
 	if (ret < 0)
 		ctx->st.offload_failures++;
+	gml_ctx_unlock(ctx);
+	return ret;
+}
+
+int gml_off_fetch_grant(struct gml_offload *off, const struct gml_access *run)
+{
+	gmlake_ctx *ctx = off->ctx;
+	int ret;
+
+	if (!run->size)
+		return 0;
+	ret = gml_dev_enter(&ctx->dev);
+	if (ret)
+		return ret;
+	ret = gml_dev_set_access(&ctx->dev, run->va, run->size);
+	gml_dev_leave(&ctx->dev);
+	return ret;
+}
+
+int gml_off_fetch_copy(struct gml_offload *off, struct gml_off_req *req,
+		       const struct gml_access *acc, int granted)
+{
+	gmlake_ctx *ctx = off->ctx;
+	struct gml_block *b = req->b;
+	int ret = granted;
+
+	/* The context entered by gml_off_fetch_prepare: a lock alone. */
+	pthread_mutex_lock(&ctx->lock);
+	if (!ret && acc->size)
+		gml_large_granted(ctx, acc);
+	if (!ret && b->inplace)
+		ret = queue_copy_unlocked(ctx, off, req, off->h2d,
+					  (void *)b->ptr,
+					  (void *)(uintptr_t)b->host_va,
+					  GML_COPY_DTOD);
+	else if (!ret)
+		ret = queue_copy_unlocked(ctx, off, req, off->h2d,
+					  (void *)b->ptr, b->host,
+					  GML_COPY_HTOD);
+	if (ret) {
+		fetch_undo(ctx, b);
+		ctx->st.offload_failures++;
+	}
 	gml_ctx_unlock(ctx);
 	return ret;
 }
@@ -683,18 +712,6 @@ static int fetch_fail(struct gml_offload *off, struct gml_off_req *req,
 
 /* ---------------------------------------------------------------------- */
 /* A request from start to end                                            */
-
-int gml_off_move_start(struct gml_offload *off, struct gml_off_req *req)
-{
-	switch (req->op) {
-	case GMLAKE_OFFLOAD_SPILL:
-		return spill_start(off, req);
-	case GMLAKE_OFFLOAD_FETCH:
-	case GMLAKE_OFFLOAD_PREFETCH:
-		return fetch_start(off, req);
-	}
-	return gml_set_error(-EINVAL, "offload: unknown operation %u", req->op);
-}
 
 bool gml_off_move_reap(struct gml_offload *off, struct gml_off_req *req,
 		       int *res)

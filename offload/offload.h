@@ -156,10 +156,27 @@ void gml_off_detach(struct gml_offload *off, struct gml_off_user *u);
 void gml_off_bind(gmlake_ctx *ctx, struct gml_off_req *list);
 void gml_off_unbind(struct gml_off_req *req);
 
-/* Start req (ctx lock not held; taken here): 0 with its copy in flight,
- * 1 when the block already is where req would put it, -errno when it
- * failed (the block as it was). */
-int gml_off_move_start(struct gml_offload *off, struct gml_off_req *req);
+/* Start spill req (ctx lock not held; taken here): 0 with its copy in
+ * flight, 1 when the block already is spilled, -errno when it failed
+ * (the block as it was). */
+int gml_off_spill_start(struct gml_offload *off, struct gml_off_req *req);
+/*
+ * A fetch (or prefetch) in three calls, no lock held across them, so that
+ * the engine grants device access once for a run of adjacent blocks: a
+ * set-access costs the driver 0.4-1 ms a call while copies run both ways,
+ * whatever the run's length (offload_bench -c).
+ *   prepare: the block's chunks mapped at its range, the access left in
+ *	*acc; 0 (the block fetching), 1 (already resident) or -errno (the
+ *	block as it was). After 0, gml_off_fetch_copy must follow.
+ *   grant: set-access over run, the union of adjacent prepared ranges.
+ *   copy: after grant's result for req's range (0 or -errno): its copy
+ *	queued, 0; or -errno, the fetch undone, the block spilled as it was.
+ */
+int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
+			  struct gml_access *acc);
+int gml_off_fetch_grant(struct gml_offload *off, const struct gml_access *run);
+int gml_off_fetch_copy(struct gml_offload *off, struct gml_off_req *req,
+		       const struct gml_access *acc, int granted);
 /* Whether the copy of req (started, 0 above) is over: then the move is
  * finished or undone and *res is req's result. ctx lock held. */
 bool gml_off_move_reap(struct gml_offload *off, struct gml_off_req *req,

@@ -1785,6 +1785,78 @@ START_TEST(test_wakeups_hold_no_copy)
 }
 END_TEST
 
+/* Submit op on p[0..n) at once; the results, in completion order. */
+static void submit_each(struct gmlake_offload *ring, int op, void **p, int n,
+			int *res)
+{
+	for (int i = 0; i < n; i++) {
+		struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
+
+		ck_assert_ptr_nonnull(sqe);
+		if (op == GMLAKE_OFFLOAD_SPILL)
+			gmlake_offload_prep_spill(sqe, p[i]);
+		else
+			gmlake_offload_prep_fetch(sqe, p[i]);
+		gmlake_offload_sqe_set_data(sqe, (uintptr_t)i);
+	}
+	ck_assert_int_eq(gmlake_offload_submit(ring), n);
+	for (int i = 0; i < n; i++)
+		res[i] = next_res(ring, ANY_TAG);
+}
+
+/*
+ * Fetches of adjacent blocks submitted together get their device access
+ * in one set-access call (the driver charges a call 0.4-1 ms while copies
+ * run both ways, whatever its length). _i 1: that call fails; every
+ * fetch of the run fails, its block still spilled with its bytes, and a
+ * fetch after it succeeds.
+ */
+START_TEST(test_fetch_batch_one_access)
+{
+	gmlake_ctx *ctx = off_ctx(64 * TH_MiB, 64 * TH_MiB, 0);
+	const size_t size = 4 * TH_MiB;
+	struct gmlake_offload ring;
+	struct gmlake_stats m;
+	enum { N = 4 };
+	int res[N];
+	void *p[N];
+
+	for (int i = 0; i < N; i++)
+		p[i] = th_alloc_filled(ctx, size, 110 + i, NULL);
+	for (int i = 1; i < N; i++)	/* the premise: one range */
+		ck_assert_ptr_eq(p[i], (char *)p[i - 1] + size);
+	ring_init(&ring, ctx, 8);
+	submit_each(&ring, GMLAKE_OFFLOAD_SPILL, p, N, res);
+	for (int i = 0; i < N; i++)
+		ck_assert_int_eq(res[i], 0);
+	th_stats(ctx, &m);
+	if (_i == 1)
+		gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_set_access, 1, EIO);
+	submit_each(&ring, GMLAKE_OFFLOAD_FETCH, p, N, res);
+	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+	ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_set_access), 1);
+	for (int i = 0; i < N; i++) {
+		if (_i == 1) {
+			ck_assert_int_eq(res[i], -EIO);
+			ck_assert_int_eq(gmlake_offload_state(ctx, p[i]),
+					 GMLAKE_BLOCK_SPILLED);
+		} else {
+			ck_assert_int_eq(res[i], 0);
+		}
+	}
+	th_check(ctx);
+	if (_i == 1) {
+		submit_each(&ring, GMLAKE_OFFLOAD_FETCH, p, N, res);
+		for (int i = 0; i < N; i++)
+			ck_assert_int_eq(res[i], 0);
+	}
+	for (int i = 0; i < N; i++)
+		th_verify_free(ctx, p[i], size, 110 + i, NULL);
+	TH_OK(ctx, gmlake_offload_exit(&ring));
+	th_destroy(ctx);
+}
+END_TEST
+
 /*
  * The application allocates while the engine is stuck in a driver call
  * that can take a millisecond (issuing a copy into a full copy stream's
@@ -2833,6 +2905,7 @@ static Suite *offload_suite(void)
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
 	tcase_add_test(tc, test_query_fails_stream_drains);
 	tcase_add_test(tc, test_wakeups_hold_no_copy);
+	tcase_add_loop_test(tc, test_fetch_batch_one_access, 0, 2);
 	tcase_add_loop_test(tc, test_engine_holds_no_alloc, 0, 3);
 	tcase_add_loop_test(tc, test_faults, 0, 4 * NFAULT_CALLS);
 
