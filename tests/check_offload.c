@@ -1721,13 +1721,10 @@ static void wake_gate_set(bool open)
 	pthread_mutex_unlock(&wake_lock);
 }
 
-/* Submit op on both blocks at once; both complete with 0 within 10 s. */
-static void pair_completes(struct gmlake_offload *ring, int op, void **p)
+/* Submit op on p[0..n) at once, each tagged with its index. */
+static void submit_n(struct gmlake_offload *ring, int op, void **p, int n)
 {
-	struct gmlake_offload_cqe *cqe;
-	int seen = 0;
-
-	for (int i = 0; i < 2; i++) {
+	for (int i = 0; i < n; i++) {
 		struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
 
 		ck_assert_ptr_nonnull(sqe);
@@ -1737,7 +1734,16 @@ static void pair_completes(struct gmlake_offload *ring, int op, void **p)
 			gmlake_offload_prep_fetch(sqe, p[i]);
 		gmlake_offload_sqe_set_data(sqe, (uintptr_t)i);
 	}
-	ck_assert_int_eq(gmlake_offload_submit(ring), 2);
+	ck_assert_int_eq(gmlake_offload_submit(ring), n);
+}
+
+/* Submit op on both blocks at once; both complete with 0 within 10 s. */
+static void pair_completes(struct gmlake_offload *ring, int op, void **p)
+{
+	struct gmlake_offload_cqe *cqe;
+	int seen = 0;
+
+	submit_n(ring, op, p, 2);
 	for (int ms = 0; seen != 3; ms++) {
 		if (gmlake_offload_peek_cqe(ring, &cqe)) {
 			ck_assert_msg(ms < 10000, "a %s waits for a host "
@@ -1789,17 +1795,7 @@ END_TEST
 static void submit_each(struct gmlake_offload *ring, int op, void **p, int n,
 			int *res)
 {
-	for (int i = 0; i < n; i++) {
-		struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(ring);
-
-		ck_assert_ptr_nonnull(sqe);
-		if (op == GMLAKE_OFFLOAD_SPILL)
-			gmlake_offload_prep_spill(sqe, p[i]);
-		else
-			gmlake_offload_prep_fetch(sqe, p[i]);
-		gmlake_offload_sqe_set_data(sqe, (uintptr_t)i);
-	}
-	ck_assert_int_eq(gmlake_offload_submit(ring), n);
+	submit_n(ring, op, p, n);
 	for (int i = 0; i < n; i++)
 		res[i] = next_res(ring, ANY_TAG);
 }

@@ -441,6 +441,45 @@ START_TEST(test_cross_stream_stitched_reuse)
 END_TEST
 
 /*
+ * B asks for 4 MiB while A holds the read queued before x's free: it must
+ * get x's chunks, ordered after A's work (one stream wait, no growth);
+ * the stats before and after, in *s0 and *s1.
+ */
+static void *expect_ordered_take(gmlake_ctx *ctx, void *x, gmlake_stream_t b,
+				 struct gmlake_stats *s0,
+				 struct gmlake_stats *s1)
+{
+	void *y;
+
+	th_stats(ctx, s0);
+	expect_alloc(ctx, &y, 4 * TH_MiB, b, "B while A holds x's work");
+	th_stats(ctx, s1);
+	ck_assert_ptr_eq(y, x);
+	ck_assert_uint_eq(s1->grows, s0->grows);
+	ck_assert_uint_eq(s1->calls[GMLAKE_CALL_stream_wait],
+			  s0->calls[GMLAKE_CALL_stream_wait] + 1);
+	return y;
+}
+
+/* A write to y queued on B must not overtake A's held read: A's read
+ * still sees its data once let go, and y holds the write. */
+static void write_after_held_read(gmlake_ctx *ctx, gmlake_stream_t a,
+				  gmlake_stream_t b, struct pending *pd,
+				  void *y, const char *what)
+{
+	void *buf = malloc(4 * TH_MiB);
+
+	ck_assert_ptr_nonnull(buf);
+	th_pattern(buf, 4 * TH_MiB, 2);
+	ck_assert_int_eq(queue_copy(ctx, y, buf, 4 * TH_MiB, GML_COPY_HTOD,
+				    b), 0);
+	release_and_check(ctx, a, pd, 1, what);
+	th_sync(ctx, b);
+	free(buf);
+	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+}
+
+/*
  * Ordered (stream_order, the default): B's request could otherwise be
  * served only by driver work, so it takes the chunks A freed while A is
  * held and B waits on the device for A's work. Nothing grows, A's queued
@@ -452,38 +491,24 @@ START_TEST(test_ordered_takes_pending)
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct gmlake_stats s0, s1;
 	struct pending pd;
-	void *x, *y, *buf;
+	void *x, *y;
 
 	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
 	th_hold(ctx, a, true);
 	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
-	th_stats(ctx, &s0);
-	expect_alloc(ctx, &y, 4 * TH_MiB, b, "B while A holds x's work");
-	th_stats(ctx, &s1);
-	ck_assert_ptr_eq(y, x);
-	ck_assert_uint_eq(s1.grows, s0.grows);
+	y = expect_ordered_take(ctx, x, b, &s0, &s1);
 	ck_assert_uint_eq(s1.stitches, s0.stitches);
 	ck_assert_int_eq(s1.chunks.current, 2);
-	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_stream_wait],
-			  s0.calls[GMLAKE_CALL_stream_wait] + 1);
-	/* Queued on B now, it must not overtake A's held read. */
-	buf = malloc(4 * TH_MiB);
-	ck_assert_ptr_nonnull(buf);
-	th_pattern(buf, 4 * TH_MiB, 2);
-	ck_assert_int_eq(queue_copy(ctx, y, buf, 4 * TH_MiB, GML_COPY_HTOD,
-				    b), 0);
-	release_and_check(ctx, a, &pd, 1, "ordered: A's read");
-	th_sync(ctx, b);
-	free(buf);
-	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	write_after_held_read(ctx, a, b, &pd, y, "ordered: A's read");
 	destroy_all(ctx, a, b);
 }
 END_TEST
 
 /*
- * Ordered, but growth within the budget comes first: after a trim the
- * most ever requested (8 MiB) is above what is reserved (4 MiB), so B
- * gets new chunks and waits for nothing.
+ * Ordered, but growth within the budget and under the most ever reserved
+ * comes first: after a trim the most ever requested and reserved (8 MiB)
+ * is above what is reserved (4 MiB), so B gets new chunks and waits for
+ * nothing.
  */
 START_TEST(test_ordered_growth_first)
 {
@@ -528,32 +553,18 @@ START_TEST(test_ordered_before_peak)
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct gmlake_stats s0, s1;
 	struct pending pd;
-	void *big, *x, *y, *buf;
+	void *big, *x, *y;
 
 	big = th_alloc(ctx, 246 * TH_MiB, a);
 	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
 	th_hold(ctx, a, true);
 	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
-	th_stats(ctx, &s0);
+	y = expect_ordered_take(ctx, x, b, &s0, &s1);
 	ck_assert_int_eq(s0.reserved_bytes.peak, 250 * TH_MiB);
 	ck_assert_int_eq(s0.reserved_bytes.current, 250 * TH_MiB);
-	expect_alloc(ctx, &y, 4 * TH_MiB, b, "B while A holds x's work");
-	th_stats(ctx, &s1);
-	ck_assert_ptr_eq(y, x);
-	ck_assert_uint_eq(s1.grows, s0.grows);
 	ck_assert_int_eq(s1.reserved_bytes.peak, 250 * TH_MiB);
-	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_stream_wait],
-			  s0.calls[GMLAKE_CALL_stream_wait] + 1);
-	/* Queued on B now, it must not overtake A's held read. */
-	buf = malloc(4 * TH_MiB);
-	ck_assert_ptr_nonnull(buf);
-	th_pattern(buf, 4 * TH_MiB, 2);
-	ck_assert_int_eq(queue_copy(ctx, y, buf, 4 * TH_MiB, GML_COPY_HTOD,
-				    b), 0);
-	release_and_check(ctx, a, &pd, 1, "ordered before the peak: A's read");
-	th_sync(ctx, b);
-	free(buf);
-	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	write_after_held_read(ctx, a, b, &pd, y,
+			      "ordered before the peak: A's read");
 	th_free(ctx, big);
 	destroy_all(ctx, a, b);
 }
