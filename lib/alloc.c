@@ -331,16 +331,32 @@ void gml_views_fini(gmlake_ctx *ctx)
 	gml_span_spares_fini(ctx);
 }
 
+/* Whether position i of segment v lies in a growth handle (slab) whose
+ * other positions a block holds part of: no stitch can map it. */
+static bool in_held_slab(const struct gml_view *v, uint32_t i)
+{
+	const struct gml_chunk *c = v->chunks[i];
+	uint32_t p = i - c->slab_off;
+
+	if (!c->slab_len || p + c->slab_len > v->n)
+		return false;
+	for (uint32_t k = p; k < p + c->slab_len; k++)
+		if (v->chunks[k] && v->chunks[k]->owner)
+			return true;
+	return false;
+}
+
 /*
  * Debug log, after a request served by new chunks raised the peak of
  * reserved memory: the free chunks the cache still holds, and why they
- * did not serve it (cached stitched ranges map them, or their last work
- * is still queued). What to read when reserved memory climbs past what
- * the live blocks need.
+ * did not serve it (cached stitched ranges map them, their last work is
+ * still queued, or they lie in growth handles blocks hold part of, which
+ * only a fit in their segment can use). What to read when reserved
+ * memory climbs past what the live blocks need.
  */
 void gml_log_peak_slack_now(gmlake_ctx *ctx, const char *what, size_t size)
 {
-	uint64_t free_n = 0, in_views = 0, busy = 0;
+	uint64_t free_n = 0, in_views = 0, busy = 0, held = 0;
 
 	for (struct gml_view *v = ctx->segs; v; v = v->next)
 		for (uint32_t i = 0; i < v->n; i++) {
@@ -353,14 +369,17 @@ void gml_log_peak_slack_now(gmlake_ctx *ctx, const char *what, size_t size)
 			busy += c->guard.stream >= 0 &&
 				!gml_stream_done(ctx, c->guard.stream,
 						 c->guard.seq);
+			held += in_held_slab(v, i);
 		}
 	if (free_n)
 		gml_log(GMLAKE_LOG_DEBUG, "%s of %zu bytes raised reserved to "
 			"%lld MiB with %llu free chunks left (%llu in cached "
-			"stitched ranges, %llu with work queued), %u stale",
+			"stitched ranges, %llu with work queued, %llu in growth "
+			"handles blocks hold part of), %u stale",
 			what, size,
 			(long long)(ctx->st.reserved_bytes.peak >> 20),
 			(unsigned long long)free_n,
 			(unsigned long long)in_views,
-			(unsigned long long)busy, ctx->nstale);
+			(unsigned long long)busy, (unsigned long long)held,
+			ctx->nstale);
 }

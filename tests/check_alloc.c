@@ -955,6 +955,49 @@ static gmlake_ctx *slab_ctx(size_t capacity)
 	return slab_ctx_grow(capacity, 4 * TH_CHUNK);
 }
 
+/*
+ * The debug log of a request that raised peak reserved counts the free
+ * chunks left in growth handles blocks hold part of, which no stitch can
+ * map: here the middle two of a 4-chunk handle whose ends two blocks
+ * hold.
+ */
+START_TEST(test_peak_slack_held_slab)
+{
+	struct gmlake_config cfg;
+	struct th_capture cap;
+	gmlake_ctx *ctx;
+	void *x, *w, *y1, *m, *y2, *z;
+	char *text;
+
+	th_config(&cfg, CAP_CHUNKS(32));
+	cfg.grow_handle = 4 * TH_CHUNK;
+	cfg.log_level = GMLAKE_LOG_DEBUG;
+	ctx = th_ctx_cfg(&cfg);
+	x = th_alloc(ctx, 4 * TH_CHUNK, NULL);
+	w = th_alloc(ctx, 4 * TH_CHUNK, NULL);
+	th_free(ctx, x);
+	y1 = th_alloc(ctx, TH_CHUNK, NULL);
+	m = th_alloc(ctx, 2 * TH_CHUNK, NULL);
+	y2 = th_alloc(ctx, TH_CHUNK, NULL);
+	ck_assert_ptr_eq(y1, x);	/* the premise: x's handle, in order */
+	ck_assert_ptr_eq(y2, (char *)x + 3 * TH_CHUNK);
+	th_free(ctx, m);
+	th_capture_begin(&cap, STDERR_FILENO);
+	z = th_alloc(ctx, 8 * TH_CHUNK, NULL);
+	text = th_capture_end(&cap);
+	ck_assert_msg(strstr(text, "raised reserved to 32 MiB with 2 free "
+			      "chunks left (0 in cached stitched ranges, ") &&
+		      strstr(text, "2 in growth handles blocks hold part "
+			     "of)"), "stderr: %s", text);
+	free(text);
+	th_free(ctx, z);
+	th_free(ctx, y2);
+	th_free(ctx, y1);
+	th_free(ctx, w);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* Reserved memory, in chunks. */
 static int64_t reserved_chunks(gmlake_ctx *ctx)
 {
@@ -2323,6 +2366,7 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_grow_shortfall);
 	tcase_add_test(tc, test_grow_at_end);
 	tcase_add_test(tc, test_slab_growth);
+	tcase_add_test(tc, test_peak_slack_held_slab);
 	tcase_add_test(tc, test_slab_stitch);
 	tcase_add_loop_test(tc, test_slab_stitch_ends, 0, 2);
 	tcase_add_test(tc, test_slab_repair);
