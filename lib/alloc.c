@@ -331,21 +331,6 @@ void gml_views_fini(gmlake_ctx *ctx)
 	gml_span_spares_fini(ctx);
 }
 
-/* Whether position i of segment v lies in a growth handle (slab) whose
- * other positions a block holds part of: no stitch can map it. */
-static bool in_held_slab(const struct gml_view *v, uint32_t i)
-{
-	const struct gml_chunk *c = v->chunks[i];
-	uint32_t p = i - c->slab_off;
-
-	if (!c->slab_len || p + c->slab_len > v->n)
-		return false;
-	for (uint32_t k = p; k < p + c->slab_len; k++)
-		if (v->chunks[k] && v->chunks[k]->owner)
-			return true;
-	return false;
-}
-
 /*
  * Debug log, after a request served by new chunks raised the peak of
  * reserved memory: the free chunks the cache still holds, and why they
@@ -369,7 +354,7 @@ void gml_log_peak_slack_now(gmlake_ctx *ctx, const char *what, size_t size)
 			busy += c->guard.stream >= 0 &&
 				!gml_stream_done(ctx, c->guard.stream,
 						 c->guard.seq);
-			held += in_held_slab(v, i);
+			held += gml_slab_held(v, i);
 		}
 	if (free_n)
 		gml_log(GMLAKE_LOG_DEBUG, "%s of %zu bytes raised reserved to "

@@ -80,6 +80,7 @@ bool gml_chunk_single(const struct gml_chunk *c);
 int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);
 int gml_slab_drop(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);
 bool gml_slab_done(gmlake_ctx *ctx, const struct gml_view *v, uint32_t i);
+bool gml_slab_held(const struct gml_view *v, uint32_t i);
 int gml_slab_release(gmlake_ctx *ctx, struct gml_view *v, uint32_t i);
 
 /* resident.c: a position (n 0) or a freed span (n positions, handle h)

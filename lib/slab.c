@@ -158,6 +158,22 @@ static uint32_t slab_first(const struct gml_view *v, uint32_t i)
 	return i - v->chunks[i]->slab_off;
 }
 
+/* Whether position i of segment v lies in a slab a block holds part of,
+ * so that no stitch can map it. */
+bool gml_slab_held(const struct gml_view *v, uint32_t i)
+{
+	uint32_t p, n;
+
+	if (!v->chunks[i] || !v->chunks[i]->slab_len)
+		return false;
+	p = slab_first(v, i);
+	n = v->chunks[i]->slab_len;
+	for (uint32_t k = p; k < p + n && k < v->n; k++)
+		if (v->chunks[k] && v->chunks[k]->owner)
+			return true;
+	return false;
+}
+
 /* Whether the work on every chunk of the slab holding position i of v is
  * done, without waiting. */
 bool gml_slab_done(gmlake_ctx *ctx, const struct gml_view *v, uint32_t i)
