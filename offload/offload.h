@@ -162,9 +162,10 @@ void gml_off_unbind(struct gml_off_req *req);
 int gml_off_spill_start(struct gml_offload *off, struct gml_off_req *req);
 /*
  * A fetch (or prefetch) in three calls, no lock held across them, so that
- * the engine grants device access once for a run of adjacent blocks: a
- * set-access costs the driver 0.4-1 ms a call while copies run both ways,
- * whatever the run's length (offload_bench -c).
+ * the engine grants device access once for a run of adjacent blocks: one
+ * driver call instead of one a block. (While copies run both ways the
+ * call's time grows with the run's length, so on the H200 the time spent
+ * stayed the same; offload_bench -c, 07a1f5d.)
  *   prepare: the block's chunks mapped at its range, the access left in
  *	*acc; 0 (the block fetching), 1 (already resident) or -errno (the
  *	block as it was). After 0, gml_off_fetch_copy must follow.

@@ -1802,8 +1802,7 @@ static void submit_each(struct gmlake_offload *ring, int op, void **p, int n,
 
 /*
  * Fetches of adjacent blocks submitted together get their device access
- * in one set-access call (the driver charges a call 0.4-1 ms while copies
- * run both ways, whatever its length). _i 1: that call fails; every
+ * in one set-access call, not one a block. _i 1: that call fails; every
  * fetch of the run fails, its block still spilled with its bytes, and a
  * fetch after it succeeds.
  */
