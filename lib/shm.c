@@ -353,6 +353,17 @@ static void fork_parent(void)
 	pthread_mutex_unlock(&shm.life);
 }
 
+/* The publisher's wake-up, on the monotonic clock its waits use. */
+static void wake_init(void)
+{
+	pthread_condattr_t ca;
+
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&shm.wake, &ca);
+	pthread_condattr_destroy(&ca);
+}
+
 static void fork_child(void)
 {
 	if (shm.fd >= 0)
@@ -367,16 +378,14 @@ static void fork_child(void)
 	memset(shm.ctx, 0, sizeof(shm.ctx));
 	pthread_mutex_init(&shm.lock, NULL);
 	pthread_mutex_init(&shm.life, NULL);
+	/* The parent's publisher may be waiting on it: a copy with that
+	 * waiter counted would block the child's first signal for good. */
+	wake_init();
 }
 
 static void once_init(void)
 {
-	pthread_condattr_t ca;
-
-	pthread_condattr_init(&ca);
-	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-	pthread_cond_init(&shm.wake, &ca);
-	pthread_condattr_destroy(&ca);
+	wake_init();
 	if (pthread_atfork(fork_prepare, fork_parent, fork_child))
 		gml_log(GMLAKE_LOG_WARN, "shm: pthread_atfork failed");
 	if (atexit(at_exit))
