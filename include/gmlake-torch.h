@@ -69,6 +69,21 @@ void gmlake_torch_set_fail_level(int level);
  */
 int gmlake_torch_ctx_get(int device, gmlake_ctx **ctx);
 /*
+ * CUDA IPC (torch.multiprocessing) for the adapter's shareIpcHandle and
+ * getIpcDevPtr. share writes the handle of the block at ptr (its start)
+ * into buf (*len: its bytes; -ENOSPC when cap is short) and keeps the
+ * block's descriptors open until it is freed; open maps a handle from
+ * another process (or this one) on device, copying the sender's
+ * descriptors with pidfd_getfd(2) (-EPERM without ptrace access to it),
+ * and close unmaps what open mapped. See gmlake_ipc_export(3).
+ */
+int gmlake_torch_ipc_share(int device, const void *ptr, void *buf,
+			   size_t cap, size_t *len);
+int gmlake_torch_ipc_open(int device, const void *buf, size_t len,
+			  void **ptr);
+int gmlake_torch_ipc_close(int device, void *ptr);
+
+/*
  * The message of the last failure of any gmlake_torch_* call, in any
  * thread, copied to buf (cut to size, NUL-terminated). Returns how many
  * failures there have been so far (0: none, buf gets ""), or -EINVAL.

@@ -637,6 +637,7 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 		gml_block_release(ctx, b, &none);
 	}
 	gml_small_trim(ctx, -1);
+	gml_ipc_fini(ctx);
 	if (ctx->tier) {
 		ctx->tier->fini(ctx);
 		ctx->tier = NULL;

@@ -115,6 +115,8 @@ const char *gml_dev_call_name(int call)
 		[GML_CALL_stream_destroy - GMLAKE_CALL_COUNT] = "stream_destroy",
 		[GML_CALL_mem_info - GMLAKE_CALL_COUNT] = "mem_info",
 		[GML_CALL_enter - GMLAKE_CALL_COUNT] = "enter",
+		[GML_CALL_mem_export - GMLAKE_CALL_COUNT] = "mem_export",
+		[GML_CALL_mem_import - GMLAKE_CALL_COUNT] = "mem_import",
 	};
 
 	if (call >= GMLAKE_CALL_COUNT && call < GML_CALL_COUNT)
@@ -389,4 +391,26 @@ int gml_dev_mem_create_host(struct gml_dev *dev, size_t size, int numa,
 	if (begin(dev, GMLAKE_CALL_mem_create_host, &t0))
 		return injected(dev, GMLAKE_CALL_mem_create_host);
 	return end(dev, GMLAKE_CALL_mem_create_host, t0, dev->ops->mem_create_host(dev->priv, size, numa, h));
+}
+
+int gml_dev_mem_export(struct gml_dev *dev, gml_handle h, int *fd,
+		       uint64_t *off)
+{
+	uint64_t t0;
+
+	if (begin(dev, GML_CALL_mem_export, &t0))
+		return injected(dev, GML_CALL_mem_export);
+	return end(dev, GML_CALL_mem_export, t0,
+		   dev->ops->mem_export(dev->priv, h, fd, off));
+}
+
+int gml_dev_mem_import(struct gml_dev *dev, int fd, uint64_t off, size_t size,
+		       gml_handle *h)
+{
+	uint64_t t0;
+
+	if (begin(dev, GML_CALL_mem_import, &t0))
+		return injected(dev, GML_CALL_mem_import);
+	return end(dev, GML_CALL_mem_import, t0,
+		   dev->ops->mem_import(dev->priv, fd, off, size, h));
 }

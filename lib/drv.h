@@ -81,6 +81,15 @@ struct gml_drv_ops {
 	 * into device ranges like a chunk (in-place spill). */
 	int (*mem_create_host)(void *priv, size_t size, int numa,
 			       gml_handle *h);
+
+	/* Sharing with other processes (ipc.c). A file descriptor for h
+	 * (*fd, the caller's to close) and where h's memory starts in it
+	 * (*off: 0 on CUDA); -EOPNOTSUPP where h was not made exportable. */
+	int (*mem_export)(void *priv, gml_handle h, int *fd, uint64_t *off);
+	/* A handle for size bytes at off of fd, a mem_export of this or
+	 * another process (fd stays the caller's). */
+	int (*mem_import)(void *priv, int fd, uint64_t off, size_t size,
+			  gml_handle *h);
 };
 
 extern const struct gml_drv_ops gml_drv_cuda;
@@ -116,6 +125,8 @@ enum gml_dev_call {
 	GML_CALL_stream_destroy,
 	GML_CALL_mem_info,
 	GML_CALL_enter,
+	GML_CALL_mem_export,
+	GML_CALL_mem_import,
 	GML_CALL_COUNT
 };
 
@@ -183,6 +194,10 @@ int gml_dev_host_unregister(struct gml_dev *dev, void *p);
 int gml_dev_host_numa(struct gml_dev *dev, int *node);
 int gml_dev_mem_create_host(struct gml_dev *dev, size_t size, int numa,
 			gml_handle *h);
+int gml_dev_mem_export(struct gml_dev *dev, gml_handle h, int *fd,
+		       uint64_t *off);
+int gml_dev_mem_import(struct gml_dev *dev, int fd, uint64_t off, size_t size,
+		       gml_handle *h);
 
 /* Emulated device only: the bytes behind it, for tests (NULL elsewhere). */
 struct gml_emu_info {

@@ -77,7 +77,9 @@
 	X(cuStreamWaitEvent, 3020, true)			\
 	X(cuLaunchHostFunc, 10000, true)			\
 	X(cuMemHostRegister, 6050, true)			\
-	X(cuMemHostUnregister, 4000, true)
+	X(cuMemHostUnregister, 4000, true)			\
+	X(cuMemExportToShareableHandle, 10020, false)		\
+	X(cuMemImportFromShareableHandle, 10020, false)
 
 /*
  * The loaded driver. Field names carry a p_ prefix because cuda.h
@@ -118,6 +120,11 @@ struct gml_cu_dev {
 	CUcontext ctx;		/* the device's primary context, retained */
 	int ordinal;
 	int host_numa;		/* closest host NUMA node, -1 if unknown */
+	/* Chunks are made exportable as POSIX file descriptors (for other
+	 * processes, ipc.c), as PyTorch's expandable segments and
+	 * ncclMemAlloc make theirs; cleared for good when the driver
+	 * refuses that (a container without it, say). */
+	atomic_bool exportable;
 };
 
 /*
@@ -386,6 +393,17 @@ static int gml_cu_open(const struct gmlake_config *cfg, void **priv)
 					  d->dev) != CUDA_SUCCESS)
 		d->host_numa = -1;
 #endif
+	{
+		int fd_ok = 0;
+
+		if (gml_cu.p_cuMemExportToShareableHandle &&
+		    gml_cu.p_cuMemImportFromShareableHandle &&
+		    gml_cu.p_cuDeviceGetAttribute(&fd_ok,
+				CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+				d->dev) != CUDA_SUCCESS)
+			fd_ok = 0;
+		atomic_init(&d->exportable, fd_ok != 0);
+	}
 	r = gml_cu.p_cuDevicePrimaryCtxRetain(&d->ctx, d->dev);
 	if (r != CUDA_SUCCESS) {
 		err = gml_cu_err(r, "cuDevicePrimaryCtxRetain");
@@ -503,14 +521,83 @@ static int gml_cu_mem_info(void *priv, size_t *avail, size_t *total)
 
 static int gml_cu_mem_create(void *priv, size_t size, gml_handle *h)
 {
+	struct gml_cu_dev *d = priv;
 	CUmemGenericAllocationHandle handle;
 	CUmemAllocationProp prop;
 	CUresult r;
 
-	gml_cu_prop(priv, &prop);
+	gml_cu_prop(d, &prop);
+	if (atomic_load_explicit(&d->exportable, memory_order_relaxed)) {
+		prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+		r = gml_cu.p_cuMemCreate(&handle, size, &prop, 0);
+		if (r != CUDA_ERROR_NOT_SUPPORTED &&
+		    r != CUDA_ERROR_NOT_PERMITTED &&
+		    r != CUDA_ERROR_INVALID_VALUE)
+			goto out;
+		/* Refused for the handle type, not the memory: say so once
+		 * and make the rest (and this one) unshareable. */
+		if (atomic_exchange(&d->exportable, false))
+			gml_log(GMLAKE_LOG_INFO, "cuda: device %d refuses "
+				"exportable memory (%s): blocks cannot be "
+				"shared with other processes", d->ordinal,
+				gml_cu_name(r));
+		prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+	}
 	r = gml_cu.p_cuMemCreate(&handle, size, &prop, 0);
+out:
 	if (r != CUDA_SUCCESS)
 		return gml_cu_err(r, "cuMemCreate");
+	*h = handle;
+	return 0;
+}
+
+/* A file descriptor for h; only chunks made while d->exportable was on
+ * have one (the driver says CUDA_ERROR_INVALID_VALUE for the others). */
+static int gml_cu_mem_export(void *priv, gml_handle h, int *fd, uint64_t *off)
+{
+	struct gml_cu_dev *d = priv;
+	int got = -1;
+	CUresult r;
+
+	if (!gml_cu.p_cuMemExportToShareableHandle)
+		return gml_set_error(-EOPNOTSUPP, "cuda: the driver cannot "
+				     "export memory");
+	r = gml_cu.p_cuMemExportToShareableHandle(&got, h,
+			CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	if (r != CUDA_SUCCESS) {
+		if (!atomic_load(&d->exportable))
+			return gml_set_error(-EOPNOTSUPP, "cuda: device %d "
+				"made its memory unexportable (the driver "
+				"refused POSIX file descriptor handles): "
+				"cuMemExportToShareableHandle: %s", d->ordinal,
+				gml_cu_name(r));
+		return gml_cu_err(r, "cuMemExportToShareableHandle");
+	}
+	*fd = got;
+	*off = 0;
+	return 0;
+}
+
+static int gml_cu_mem_import(void *priv, int fd, uint64_t off, size_t size,
+			     gml_handle *h)
+{
+	CUmemGenericAllocationHandle handle;
+	CUresult r;
+
+	(void)priv;
+	(void)size;
+	if (!gml_cu.p_cuMemImportFromShareableHandle)
+		return gml_set_error(-EOPNOTSUPP, "cuda: the driver cannot "
+				     "import memory");
+	if (off)
+		return gml_set_error(-EINVAL, "cuda: an exported handle "
+				     "starts at offset 0, not %llu",
+				     (unsigned long long)off);
+	r = gml_cu.p_cuMemImportFromShareableHandle(&handle,
+			(void *)(uintptr_t)fd,
+			CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	if (r != CUDA_SUCCESS)
+		return gml_cu_err(r, "cuMemImportFromShareableHandle");
 	*h = handle;
 	return 0;
 }
@@ -765,6 +852,8 @@ const struct gml_drv_ops gml_drv_cuda = {
 	.host_unregister = gml_cu_host_unregister,
 	.host_numa = gml_cu_host_numa,
 	.mem_create_host = gml_cu_mem_create_host,
+	.mem_export = gml_cu_mem_export,
+	.mem_import = gml_cu_mem_import,
 };
 
 #else /* GML_NO_CUDA */

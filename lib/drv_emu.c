@@ -372,4 +372,6 @@ const struct gml_drv_ops gml_drv_emu = {
 	.host_unregister = gml_emu_host_unregister,
 	.host_numa = gml_emu_host_numa,
 	.mem_create_host = gml_emu_mem_create_host,
+	.mem_export = gml_emu_mem_export,
+	.mem_import = gml_emu_mem_import,
 };

@@ -62,6 +62,9 @@ struct emu_chunk {
 	uint64_t maps;		/* live mappings of it */
 	bool released;		/* handle gone; memory stays if mapped */
 	bool host;		/* host memory (mem_create_host), host_fd */
+	bool imported;		/* mem_import: import_off of import_fd, */
+	int import_fd;		/* this chunk's own descriptor */
+	uint64_t import_off;	/* in bytes */
 };
 
 struct emu_map {
@@ -154,6 +157,9 @@ int gml_emu_mem_create(void *priv, size_t size, gml_handle *h);
 int gml_emu_mem_create_host(void *priv, size_t size, int numa,
 			    gml_handle *h);
 int gml_emu_mem_map(void *priv, gml_va va, size_t size, gml_handle h);
+int gml_emu_mem_export(void *priv, gml_handle h, int *fd, uint64_t *off);
+int gml_emu_mem_import(void *priv, int fd, uint64_t off, size_t size,
+		       gml_handle *h);
 int gml_emu_mem_release(void *priv, gml_handle h);
 int gml_emu_mem_unmap(void *priv, gml_va va, size_t size);
 int gml_emu_set_access(void *priv, gml_va va, size_t size);

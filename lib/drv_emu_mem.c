@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "drv.h"
@@ -248,11 +249,30 @@ static void emu_extent_give(struct emu_dev *dev, uint64_t start,
 }
 
 /* The chunk's memory goes back: hole punched, extent freed, id dead. */
+/* The descriptor and offset a chunk's memory lies at. */
+static int emu_chunk_fd(const struct emu_dev *dev, const struct emu_chunk *c,
+			off_t *off)
+{
+	if (c->imported) {
+		*off = (off_t)c->import_off;
+		return c->import_fd;
+	}
+	*off = (off_t)(c->start * dev->gran);
+	return c->host ? dev->host_fd : dev->fd;
+}
+
 static void emu_chunk_free(struct emu_dev *dev, struct emu_chunk *c)
 {
 	size_t off = c->start * dev->gran;
 	size_t len = c->units * dev->gran;
 
+	/* Another process's memory: only our descriptor of it goes. */
+	if (c->imported) {
+		close(c->import_fd);
+		gml_emu_table_del(&dev->chunks, c->id);
+		free(c);
+		return;
+	}
 	if (fallocate(c->host ? dev->host_fd : dev->fd,
 		      FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
 		      (off_t)off, (off_t)len))
@@ -515,8 +535,13 @@ int gml_emu_mem_map(void *priv, gml_va va, size_t size, gml_handle h)
 		gml_set_error(ret, "emu: mem_map: out of host memory");
 		goto out_unlock;
 	}
-	p = mmap((void *)(uintptr_t)va, size, PROT_NONE, MAP_SHARED | MAP_FIXED,
-		 c->host ? dev->host_fd : dev->fd, (off_t)(c->start * dev->gran));
+	{
+		off_t off;
+		int fd = emu_chunk_fd(dev, c, &off);
+
+		p = mmap((void *)(uintptr_t)va, size, PROT_NONE,
+			 MAP_SHARED | MAP_FIXED, fd, off);
+	}
 	if (p == MAP_FAILED) {
 		ret = gml_set_error(-errno, "emu: mem_map: mmap: %s",
 				    strerror(errno));
@@ -726,5 +751,100 @@ int gml_emu_mem_create_host(void *priv, size_t size, int numa,
 	dev->live_handles++;
 	*h = c->id;
 	pthread_mutex_unlock(&dev->lock);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Sharing with other processes                                        */
+
+/*
+ * Like cuMemExportToShareableHandle: a descriptor of the device memfd
+ * (the chunk's own one, for an import) and where the chunk lies in it. A
+ * real driver's descriptor names one allocation; the emulated device has
+ * one file, hence the offset.
+ */
+int gml_emu_mem_export(void *priv, gml_handle h, int *fd, uint64_t *off)
+{
+	struct emu_dev *dev = priv;
+	struct emu_chunk *c;
+	off_t at = 0;
+	int got, ret = 0;
+
+	if (!fd || !off)
+		return gml_set_error(-EINVAL, "emu: mem_export: NULL argument");
+	pthread_mutex_lock(&dev->lock);
+	c = emu_chunk_get(dev, h, "mem_export");
+	if (!c)
+		ret = -EINVAL;
+	else if (c->host)
+		ret = gml_set_error(-EOPNOTSUPP, "emu: mem_export: handle "
+				    "%#llx is host memory",
+				    (unsigned long long)h);
+	if (!ret) {
+		got = fcntl(emu_chunk_fd(dev, c, &at), F_DUPFD_CLOEXEC, 0);
+		if (got < 0)
+			ret = gml_set_error(-errno, "emu: mem_export: %s",
+					    strerror(errno));
+		else {
+			*fd = got;
+			*off = (uint64_t)at;
+		}
+	}
+	pthread_mutex_unlock(&dev->lock);
+	return ret;
+}
+
+/* Like cuMemImportFromShareableHandle; the chunk keeps a descriptor of
+ * its own, so the caller may close fd. */
+int gml_emu_mem_import(void *priv, int fd, uint64_t off, size_t size,
+		       gml_handle *h)
+{
+	struct emu_dev *dev = priv;
+	struct emu_chunk *c;
+	struct stat st;
+	int ret;
+
+	if (!h || fd < 0)
+		return gml_set_error(-EINVAL, "emu: mem_import: %s",
+				     h ? "bad descriptor" : "NULL handle");
+	if (!size || size % dev->gran || off % dev->gran)
+		return gml_set_error(-EINVAL, "emu: mem_import: size %zu or "
+				     "offset %llu is not a multiple of the "
+				     "granularity %zu", size,
+				     (unsigned long long)off, dev->gran);
+	if (fstat(fd, &st))
+		return gml_set_error(-errno, "emu: mem_import: %s",
+				     strerror(errno));
+	if (!S_ISREG(st.st_mode) || off + size > (uint64_t)st.st_size ||
+	    off + size < off)
+		return gml_set_error(-EINVAL, "emu: mem_import: descriptor %d "
+				     "holds no %zu bytes at %llu", fd, size,
+				     (unsigned long long)off);
+	c = calloc(1, sizeof(*c));
+	if (!c)
+		return gml_set_error(-ENOMEM, "emu: mem_import: out of host "
+				     "memory");
+	c->units = size / dev->gran;
+	c->imported = true;
+	c->import_off = off;
+	c->import_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+	if (c->import_fd < 0) {
+		ret = gml_set_error(-errno, "emu: mem_import: %s",
+				    strerror(errno));
+		free(c);
+		return ret;
+	}
+	pthread_mutex_lock(&dev->lock);
+	ret = gml_emu_table_add(&dev->chunks, c, &c->id);
+	if (!ret) {
+		dev->live_handles++;
+		*h = c->id;
+	}
+	pthread_mutex_unlock(&dev->lock);
+	if (ret) {
+		close(c->import_fd);
+		free(c);
+		return gml_set_error(ret, "emu: mem_import: out of host memory");
+	}
 	return 0;
 }

@@ -170,6 +170,10 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 	uint32_t i, p, lo, hi, len, klo, khi;
 	int ret;
 
+	if (b->exported)
+		return gml_set_error(-EBUSY, "the block is shared with another "
+				     "process (gmlake_ipc_export), which maps "
+				     "its memory");
 	if (ctx->nzombies)
 		gml_zombies_reap(ctx);
 	v->maxfree = GML_RUN_UNKNOWN;

@@ -227,6 +227,11 @@ gmlake_ctx *gml_torch_ctx_peek(int device)
 	return atomic_load_explicit(&torch_ctx[device], memory_order_acquire);
 }
 
+int gml_torch_ctx_need(int device, gmlake_ctx **ctx)
+{
+	return get_ctx(device, true, ctx);
+}
+
 GML_EXPORT int gmlake_torch_ctx_get(int device, gmlake_ctx **ctx)
 {
 	if (!ctx)
@@ -398,6 +403,7 @@ void gml_torch_free_now(void *ptr, size_t size, int device,
 	}
 	if (gml_history_on() && gmlake_block_size(ctx, ptr, &asked))
 		asked = size;
+	gml_torch_ipc_forget(ptr);
 	ret = gmlake_free(ctx, ptr);
 	if (ret) {
 		torch_fail(ret, level, "device %d: free of %p (%zu bytes) "
@@ -610,6 +616,7 @@ int gml_torch_reset(void)
 
 	gml_history_reset();
 	gml_pool_reset();
+	gml_torch_ipc_reset();
 	ret = torch_reset_contexts();
 	atomic_store(&torch_fail_level, GMLAKE_LOG_ERROR);
 	for (int i = 0; i < GML_TORCH_MAX_DEVICES; i++) {

@@ -27,6 +27,8 @@ int gml_torch_device_count(void);
  * -EIO if a context did not destroy cleanly.
  */
 int gml_torch_reset(void);
+/* device's context, made now if it has none yet. 0 or -errno. */
+int gml_torch_ctx_need(int device, gmlake_ctx **ctx);
 /* device's context if it has one (no error set), else NULL. */
 gmlake_ctx *gml_torch_ctx_peek(int device);
 /* gmlake_torch_alloc() that also says the context and what was handed out
@@ -36,6 +38,12 @@ void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 /* Free ptr for real (no pool), with its history events and errors. */
 void gml_torch_free_now(void *ptr, size_t size, int device,
 			const uint64_t pool[2]);
+
+/* "torch_ipc.c" */
+/* ptr is being freed: close the descriptors its shares kept open. */
+void gml_torch_ipc_forget(const void *ptr);
+/* Close every share's descriptors (gml_torch_reset). */
+void gml_torch_ipc_reset(void);
 
 /* "torch_pool.c" */
 /* ptr was allocated into a live or released pool: parked or freed, and

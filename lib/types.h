@@ -178,6 +178,8 @@ struct gml_block {
 
 	/* Offload (offload/), large blocks only. */
 	uint8_t off_state;		/* enum gml_off_state */
+	bool exported;			/* gmlake_ipc_export: another process
+					   may map its memory, so it stays */
 	bool offloadable;		/* gmlake_advise: may spill by LRU */
 	uint32_t off_refs;		/* offload requests bound to it, queued
 					   or in flight: it may not be freed */
@@ -265,6 +267,7 @@ struct gmlake_ctx {
 	uint64_t spare_ns;		/* when spares last changed */
 	uint32_t long_lived;		/* gmlake_long_lived() calls on, less
 					   off: large growth takes spans */
+	struct gml_import *imports;	/* ranges gmlake_ipc_import mapped */
 
 	struct gmlake_stats st;
 };
@@ -287,6 +290,9 @@ int gml_stream_order_run(gmlake_ctx *ctx, struct gml_chunk *const *chunks,
 			 uint32_t n, int to);
 void gml_events_trim(gmlake_ctx *ctx);
 void gml_streams_fini(gmlake_ctx *ctx);
+
+/* ipc.c: unmap what gmlake_ipc_import left mapped (destroy) */
+void gml_ipc_fini(gmlake_ctx *ctx);
 
 /* alloc.c: large blocks, views and chunks */
 int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,

@@ -1159,6 +1159,145 @@ START_TEST(test_history_hooks)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* CUDA IPC (torch.multiprocessing)                                       */
+
+static int open_fd_count(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *e;
+	int n = 0;
+
+	ck_assert_ptr_nonnull(d);
+	while ((e = readdir(d)))
+		if (e->d_name[0] != '.')
+			n++;
+	closedir(d);
+	return n - 1;
+}
+
+/* [q, q + size) of device d's context holds seed's pattern (q is no
+ * block of that context: an imported range). */
+static bool range_holds(int d, const void *q, size_t size, uint64_t seed)
+{
+	struct gml_dev *gd = th_dev(torch_ctx(d));
+	void *buf = malloc(size);
+	bool ok;
+
+	ck_assert_ptr_nonnull(buf);
+	ck_assert_int_eq(gml_dev_memcpy(gd, buf, q, size, GML_COPY_DTOH,
+					NULL), 0);
+	ck_assert_int_eq(gml_dev_stream_sync(gd, NULL), 0);
+	ok = th_pattern_diff(buf, size, seed) == SIZE_MAX;
+	free(buf);
+	return ok;
+}
+
+/* A block shared and opened again (on another device's context where
+ * the emulated device has one): the same bytes; the sender's descriptors
+ * stay open until the block is freed, one set however often it is shared. */
+START_TEST(test_ipc_share_open)
+{
+	size_t size = 5 * TH_CHUNK, len = 0, len2 = 0;
+	char h[512], h2[512];
+	void *p, *q = NULL;
+	int fds;
+
+	p = torch_alloc_ok(size, dev(0), NULL);
+	th_fill_ok(torch_ctx(dev(0)), p, size, 11, NULL);
+	(void)torch_alloc_ok(1, dev(1), NULL);	/* the receiver's context */
+	fds = open_fd_count();
+	ck_assert_int_eq(gmlake_torch_ipc_share(dev(0), p, h, sizeof(h),
+						&len), 0);
+	ck_assert_int_gt(open_fd_count(), fds);
+	ck_assert_int_eq(gmlake_torch_ipc_share(dev(0), p, h2, sizeof(h2),
+						&len2), 0);
+	ck_assert_uint_eq(len2, len);
+	ck_assert_mem_eq(h, h2, len);
+	ck_assert_int_eq(gmlake_torch_ipc_share(dev(0), p, h2, 8, &len2),
+			 -ENOSPC);
+	ck_assert_uint_eq(len2, len);
+	ck_assert_int_eq(gmlake_torch_ipc_open(dev(1), h, len, &q), 0);
+	ck_assert_ptr_nonnull(q);
+	ck_assert(range_holds(dev(1), q, size, 11));
+	ck_assert_int_eq(gmlake_torch_ipc_close(dev(1), q), 0);
+	ck_assert_int_eq(gmlake_torch_ipc_close(dev(1), q), -EINVAL);
+	gmlake_torch_free(p, size, dev(0), NULL);
+	ck_assert_int_eq(open_fd_count(), fds);
+}
+END_TEST
+
+/* A child process opens the parent's handle with pidfd_getfd, or is told
+ * clearly why it may not (no ptrace access: exit 3). */
+START_TEST(test_ipc_child_opens)
+{
+	size_t size = 3 * TH_CHUNK, len = 0;
+	char h[512];
+	int status;
+	void *p;
+	pid_t pid;
+
+	if (!on_emu)
+		return;		/* CUDA state does not survive fork() */
+	p = torch_alloc_ok(size, 0, NULL);
+	th_fill_ok(torch_ctx(0), p, size, 12, NULL);
+	ck_assert_int_eq(gmlake_torch_ipc_share(0, p, h, sizeof(h), &len), 0);
+	fflush(NULL);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		void *q = NULL;
+		int ret;
+
+		/* Device 1: a context of the child's own (the parent's
+		 * device 0 context is a copy it must not use). */
+		ret = gmlake_torch_ipc_open(1, h, len, &q);
+		if (ret == -EPERM && strstr(gmlake_last_error(), "ptrace"))
+			_exit(3);
+		if (ret) {
+			fprintf(stderr, "child: %d %s\n", ret,
+				gmlake_last_error());
+			_exit(1);
+		}
+		_exit(range_holds(1, q, size, 12) &&
+		      !gmlake_torch_ipc_close(1, q) ? 0 : 4);
+	}
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert(WIFEXITED(status));
+	ck_assert_msg(WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 3,
+		      "the child failed: status %d", WEXITSTATUS(status));
+	gmlake_torch_free(p, size, 0, NULL);
+}
+END_TEST
+
+START_TEST(test_ipc_bad_handles)
+{
+	char h[512], bad[512];
+	size_t len = 0;
+	void *p, *q = NULL;
+
+	ck_assert_int_eq(gmlake_torch_ipc_open(dev(0), "short", 5, &q),
+			 -EINVAL);
+	memset(bad, 'x', sizeof(bad));
+	ck_assert_int_eq(gmlake_torch_ipc_open(dev(0), bad, sizeof(bad), &q),
+			 -EINVAL);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "another CUDA "
+				     "allocator"));
+	p = torch_alloc_ok(TH_CHUNK, dev(0), NULL);
+	ck_assert_int_eq(gmlake_torch_ipc_share(dev(0), p, h, sizeof(h),
+						&len), 0);
+	/* One byte short of its pieces. */
+	ck_assert_int_eq(gmlake_torch_ipc_open(dev(0), h, len - 1, &q),
+			 -EINVAL);
+	ck_assert_int_eq(gmlake_torch_ipc_open(dev(0), h, len, NULL),
+			 -EINVAL);
+	ck_assert_int_eq(gmlake_torch_ipc_share(dev(0), (char *)p + 512, h,
+						sizeof(h), &len), -EINVAL);
+	ck_assert_ptr_null(q);
+	gmlake_torch_free(p, TH_CHUNK, dev(0), NULL);
+}
+END_TEST
+
 static Suite *torch_suite(void)
 {
 	Suite *s = suite_create("torch");
@@ -1175,6 +1314,12 @@ static Suite *torch_suite(void)
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_add_test(tc, test_unknown_pointer);
 	tcase_add_test(tc, test_double_free);
+
+	tc = th_tcase(s, "IPC");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_test(tc, test_ipc_share_open);
+	tcase_add_test(tc, test_ipc_child_opens);
+	tcase_add_test(tc, test_ipc_bad_handles);
 
 	tc = th_tcase(s, "Threads");
 	tcase_add_checked_fixture(tc, setup, teardown);

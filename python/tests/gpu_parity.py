@@ -15,8 +15,8 @@ _snapshot, _dump_snapshot), cudnn_benchmark (a Conv2d forward and
 backward), compile_reduce_overhead (a 20-step training loop against the
 same loop run eagerly), graph_pool (free inside a capture, allocate
 outside afterwards, replay, nothing outside overwritten; a second graph
-sharing the pool), ipc (a CUDA tensor through a pipe to a spawned
-process), mempool (torch.cuda.MemPool and use_mem_pool), oom_linear (out
+sharing the pool), ipc (CUDA tensors through a pipe to a spawned
+process that reads them and writes to them), mempool (torch.cuda.MemPool and use_mem_pool), oom_linear (out
 of memory inside a Linear caught as torch.cuda.OutOfMemoryError, then
 the process goes on), oom_400g (torch.empty(400 GiB) + 1 raises
 OutOfMemoryError; CUDA still works), cross_stream (memory freed on a
@@ -317,21 +317,44 @@ def row_cross_stream(torch, ctx):
     return detail
 
 
-def _ipc_child(conn):
+def _ipc_child(conn, lib, backend):
+    if lib:                 # the receiver runs libgmlake too
+        sys.path.insert(0, PYDIR)
+        import gmlake.torch
+        gmlake.torch.enable(library=lib, backend=backend)
     import torch
-    t = conn.recv()
-    conn.send(float(t.sum()))
+    tensors = conn.recv()
+    sums = [float(t.double().sum()) for t in tensors]
+    for t in tensors:       # seen by the sender once synchronized
+        t.add_(1)
+    torch.cuda.synchronize()
+    conn.send(sums)
+    conn.recv()             # keep the tensors until the sender has looked
 
 
 def row_ipc(torch, ctx):
+    """Tensors of several kinds (a small block in a shared chunk, a block
+    of growth handles, a large one allocated where two freed blocks left
+    holes, which libgmlake may stitch) through a pipe to a spawned
+    process, which reads them and adds 1 in place."""
     import torch.multiprocessing as mp
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
-    p = spawn.Process(target=_ipc_child, args=(child,))
+    lib = ctx["lib"] if ctx["mode"] == "gmlake" else None
+    p = spawn.Process(target=_ipc_child,
+                      args=(child, lib, ctx.get("backend", "auto")))
     p.start()
-    t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    a = torch.empty(96 * MiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    c = torch.empty(96 * MiB, dtype=torch.uint8, device="cuda")
+    del a, c                # two holes for one block that needs both
+    tensors = [torch.arange(1000, device="cuda", dtype=torch.float32),
+               torch.arange(5 * MiB, device="cuda", dtype=torch.float32),
+               torch.ones(48 * MiB, device="cuda", dtype=torch.float32)]
+    del b
+    want = [float(t.double().sum()) for t in tensors]
     try:
-        parent.send(t)
+        parent.send(tensors)
     except RuntimeError as e:
         p.kill()
         p.join()
@@ -339,9 +362,17 @@ def row_ipc(torch, ctx):
               "message: %s" % e)
         return "refused clearly: %s" % str(e).split(":")[0]
     got = parent.recv()
+    torch.cuda.synchronize()
+    after = [float(t.double().sum()) for t in tensors]
+    parent.send("done")
     p.join(60)
-    check(got == float(t.sum()), "the other process read %s" % got)
-    return "the other process read the tensor"
+    check(got == want, "the other process read %s, not %s" % (got, want))
+    added = [x - w for x, w in zip(after, want)]
+    check(added == [float(t.numel()) for t in tensors],
+          "the other process's writes came back as %s" % added)
+    return ("the other process read %d tensors (up to %d MiB) and its "
+            "writes came back" % (len(tensors),
+                                  tensors[-1].numel() * 4 // MiB))
 
 
 def row_mempool(torch, ctx):
@@ -428,7 +459,8 @@ def row_alloc_cost(torch, ctx):
 def child(ns):
     """Run one row; print its result as a MARK line."""
     res = {"row": ns.row, "mode": ns.child, "ok": False, "detail": ""}
-    ctx = {"mode": ns.child, "lib": ns.lib, "enable_s": 0.0}
+    ctx = {"mode": ns.child, "lib": ns.lib, "backend": ns.backend,
+           "enable_s": 0.0}
     try:
         if ns.child == "gmlake":
             sys.path.insert(0, PYDIR)

@@ -73,6 +73,9 @@ using c10::MempoolId_t;
   X(gmlake_torch_memory_fraction_get)      \
   X(gmlake_torch_record_stream)            \
   X(gmlake_torch_ctx_get)                  \
+  X(gmlake_torch_ipc_share)                \
+  X(gmlake_torch_ipc_open)                 \
+  X(gmlake_torch_ipc_close)                \
   X(gmlake_torch_set_fail_level)           \
   X(gmlake_torch_stats_get)                \
   X(gmlake_torch_stats_reset_peaks)        \
@@ -684,23 +687,38 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
 
   // -- IPC and peers -------------------------------------------------------
 
-  cca::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
-    TORCH_CHECK(
-        false,
-        "libgmlake cannot share CUDA tensors with other processes yet: its "
-        "blocks are stitched from separately created physical chunks, "
-        "which cudaIpcGetMemHandle rejects, and it does not export them "
-        "as POSIX file descriptors. Move the tensor to shared CPU memory "
-        "(t.cpu().share_memory_()), send it with NCCL "
-        "(torch.distributed), or run the sharing process without "
-        "libgmlake.");
+  // Shared blocks travel as libgmlake's own handle (lib/torch_ipc.c): the
+  // sender's pid and the descriptors of the block's physical memory, which
+  // the receiver copies with pidfd_getfd and maps at an address of its
+  // own. Both processes must run libgmlake.
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    int d = device_of(ptr);
+    TORCH_CHECK(d >= 0, "libgmlake: cannot share a CUDA tensor: no "
+                "device's context holds its block");
+    std::string h(256, '\0');
+    size_t len = 0;
+    int ret = api.gmlake_torch_ipc_share(d, ptr, &h[0], h.size(), &len);
+    if (ret == -ENOSPC) {
+      h.resize(len);
+      ret = api.gmlake_torch_ipc_share(d, ptr, &h[0], h.size(), &len);
+    }
+    TORCH_CHECK(ret == 0, "libgmlake: cannot share a CUDA tensor with "
+                "another process: " + last_error());
+    h.resize(len);
+    return cca::ShareableHandle{0, std::move(h)};
   }
 
-  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
-    TORCH_CHECK(
-        false,
-        "libgmlake cannot open CUDA IPC handles from other processes yet; "
-        "see shareIpcHandle's message.");
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    int d = static_cast<int>(c10::cuda::current_device());
+    void* p = nullptr;
+    int ret = api.gmlake_torch_ipc_open(d, handle.data(), handle.size(), &p);
+    TORCH_CHECK(ret == 0, "libgmlake: cannot open a CUDA tensor shared by "
+                "another process: " + last_error());
+    return std::shared_ptr<void>(p, [d](void* q) {
+      if (api.gmlake_torch_ipc_close(d, q))
+        TORCH_WARN("libgmlake: unmapping a shared CUDA tensor failed: ",
+                   last_error());
+    });
   }
 
   void enablePeerAccess(DeviceIndex dev, DeviceIndex dev_to_access)

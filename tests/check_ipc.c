@@ -1,0 +1,472 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * check_ipc: blocks shared with other processes (lib/ipc.c).
+ *
+ * A block exported on one context and imported on another (a second
+ * emulated device has its own memory file, as a second process would)
+ * must show the same bytes both ways, whatever the block is made of:
+ * single chunks, growth handles it uses part of, a stitch, a small block's
+ * shared chunk. The fork case imports in a real second process from
+ * inherited descriptors. Bad descriptions and failed driver calls must
+ * leave nothing mapped, no handle and no descriptor behind.
+ */
+#include "helpers.h"
+
+#include "gmlake-ipc.h"
+#include "types.h"
+
+#define CHUNKS(n) ((size_t)(n) * TH_CHUNK)
+
+/* Open descriptors of this process. */
+static int open_fds(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	struct dirent *e;
+	int n = 0;
+
+	ck_assert_ptr_nonnull(d);
+	while ((e = readdir(d)))
+		if (e->d_name[0] != '.')
+			n++;
+	closedir(d);
+	return n - 1;	/* the directory's own */
+}
+
+/* Copy through the device layer: an imported range is no block of the
+ * importing context, so gmlake_memcpy_* do not take it. */
+static void dev_copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
+		     enum gml_copy_kind kind)
+{
+	struct gml_dev *dev = th_dev(ctx);
+	int ret = gml_dev_memcpy(dev, dst, src, size, kind, NULL);
+
+	ck_assert_msg(ret == 0, "gml_dev_memcpy: %d (%s)", ret,
+		      gmlake_last_error());
+	ret = gml_dev_stream_sync(dev, NULL);
+	ck_assert_msg(ret == 0, "gml_dev_stream_sync: %d (%s)", ret,
+		      gmlake_last_error());
+}
+
+/* The imported range [p, p + size) holds seed's pattern. */
+static void expect_pattern(gmlake_ctx *ctx, const void *p, size_t size,
+			   uint64_t seed)
+{
+	void *buf = malloc(size);
+	size_t at;
+
+	ck_assert_ptr_nonnull(buf);
+	dev_copy(ctx, buf, p, size, GML_COPY_DTOH);
+	at = th_pattern_diff(buf, size, seed);
+	ck_assert_msg(at == SIZE_MAX, "imported bytes differ at %zu of %zu",
+		      at, size);
+	free(buf);
+}
+
+static void write_pattern(gmlake_ctx *ctx, void *p, size_t size,
+			  uint64_t seed)
+{
+	void *buf = malloc(size);
+
+	ck_assert_ptr_nonnull(buf);
+	th_pattern(buf, size, seed);
+	dev_copy(ctx, p, buf, size, GML_COPY_HTOD);
+	free(buf);
+}
+
+/* The structure every export must have: the block inside its pieces,
+ * the last piece needed, whole granules. */
+static void expect_well_formed(const struct gmlake_ipc_block *blk,
+			       size_t size)
+{
+	uint64_t sum = 0;
+
+	ck_assert_uint_ge(blk->npieces, 1);
+	ck_assert_uint_ge(blk->size, size);
+	ck_assert_uint_lt(blk->start, blk->pieces[0].size);
+	for (uint32_t i = 0; i < blk->npieces; i++) {
+		ck_assert_int_ge(blk->pieces[i].fd, 0);
+		ck_assert_uint_eq(blk->pieces[i].size % TH_CHUNK, 0);
+		sum += blk->pieces[i].size;
+	}
+	ck_assert_uint_le(blk->start + blk->size, sum);
+	ck_assert_uint_gt(blk->start + blk->size,
+			  sum - blk->pieces[blk->npieces - 1].size);
+}
+
+/*
+ * Export ptr (size bytes, holding seed's pattern) from a, import it on b,
+ * and check both directions: b reads the pattern, a reads what b wrote.
+ * Returns the number of pieces.
+ */
+static uint32_t roundtrip(gmlake_ctx *a, gmlake_ctx *b, void *ptr, size_t size,
+			  uint64_t seed)
+{
+	struct gmlake_ipc_block blk;
+	uint32_t n;
+	void *q = NULL;
+
+	TH_OK(a, gmlake_ipc_export(a, ptr, &blk));
+	expect_well_formed(&blk, size);
+	TH_OK(b, gmlake_ipc_import(b, &blk, &q));
+	ck_assert_ptr_nonnull(q);
+	n = blk.npieces;
+	/* The descriptors are the exporter's to close, the mapping stays. */
+	gmlake_ipc_block_free(&blk);
+	ck_assert_uint_eq(blk.npieces, 0);
+	expect_pattern(b, q, size, seed);
+	write_pattern(b, q, size, seed + 1);
+	th_verify_ok(a, ptr, size, seed + 1, NULL);
+	TH_OK(b, gmlake_ipc_close(b, q));
+	return n;
+}
+
+START_TEST(test_single_chunks)
+{
+	int fds = open_fds();
+	gmlake_ctx *a = th_ctx(0), *b = th_ctx(0);
+	void *p = NULL;
+
+	p = th_alloc_filled(a, CHUNKS(3), 1, NULL);
+	ck_assert_uint_ge(roundtrip(a, b, p, CHUNKS(3), 1), 1);
+	TH_OK(a, gmlake_free(a, p));
+	th_destroy(b);
+	th_destroy(a);
+	ck_assert_int_eq(open_fds(), fds);
+}
+END_TEST
+
+/* A block of growth handles, and one that begins inside a handle: the
+ * importer maps that handle whole and starts past its front. */
+START_TEST(test_growth_handles)
+{
+	gmlake_ctx *a = th_ctx(0), *b = th_ctx(0);
+	void *big = NULL, *front = NULL, *back = NULL;
+	struct gmlake_ipc_block blk;
+
+	big = th_alloc_filled(a, CHUNKS(15), 2, NULL);
+	roundtrip(a, b, big, CHUNKS(15), 2);
+	TH_OK(a, gmlake_free(a, big));
+	/* Two blocks of half a growth handle: the second lies in the back
+	 * half of the handle the first holds the front of. */
+	front = th_alloc_filled(a, CHUNKS(5), 3, NULL);
+	back = th_alloc_filled(a, CHUNKS(5), 4, NULL);
+	TH_OK(a, gmlake_ipc_export(a, back, &blk));
+	ck_assert_uint_eq(blk.npieces, 1);
+	ck_assert_uint_eq(blk.pieces[0].size, CHUNKS(10));
+	ck_assert_uint_eq(blk.start, CHUNKS(5));
+	gmlake_ipc_block_free(&blk);
+	roundtrip(a, b, back, CHUNKS(5), 4);
+	roundtrip(a, b, front, CHUNKS(5), 3);
+	TH_OK(a, gmlake_free(a, front));
+	TH_OK(a, gmlake_free(a, back));
+	th_destroy(b);
+	th_destroy(a);
+}
+END_TEST
+
+/* A stitched block: chunks of two freed blocks under one range. */
+START_TEST(test_stitched)
+{
+	gmlake_ctx *a, *b = th_ctx(0);
+	void *p[4] = { NULL }, *s = NULL;
+	struct gmlake_stats st;
+
+	if (!th_env_is_emu()) {
+		th_destroy(b);
+		return;		/* needs a device this small */
+	}
+	a = th_ctx(CHUNKS(8));
+	for (int i = 0; i < 4; i++)
+		TH_OK(a, gmlake_alloc(a, &p[i], CHUNKS(i % 2 ? 1 : 3), NULL));
+	TH_OK(a, gmlake_free(a, p[0]));
+	TH_OK(a, gmlake_free(a, p[2]));
+	s = th_alloc_filled(a, CHUNKS(6), 4, NULL);
+	th_stats(a, &st);
+	ck_assert_uint_ge(st.stitches, 1);
+	ck_assert_uint_ge(roundtrip(a, b, s, CHUNKS(6), 4), 2);
+	TH_OK(a, gmlake_free(a, s));
+	TH_OK(a, gmlake_free(a, p[1]));
+	TH_OK(a, gmlake_free(a, p[3]));
+	th_destroy(b);
+	th_destroy(a);
+}
+END_TEST
+
+/* A small block is its place in a shared chunk. */
+START_TEST(test_small_block)
+{
+	gmlake_ctx *a = th_ctx(0), *b = th_ctx(0);
+	void *x = NULL, *y = NULL;
+
+	x = th_alloc_filled(a, 4096, 5, NULL);
+	y = th_alloc_filled(a, 4096, 6, NULL);
+	ck_assert_uint_eq(roundtrip(a, b, y, 4096, 6), 1);
+	/* Its neighbour is untouched. */
+	th_verify_ok(a, x, 4096, 5, NULL);
+	TH_OK(a, gmlake_free(a, x));
+	TH_OK(a, gmlake_free(a, y));
+	th_destroy(b);
+	th_destroy(a);
+}
+END_TEST
+
+/* A second process imports from descriptors it inherited. */
+START_TEST(test_fork_child_imports)
+{
+	gmlake_ctx *a;
+	struct gmlake_ipc_block blk;
+	void *p = NULL;
+	int status;
+	pid_t pid;
+
+	if (!th_env_is_emu())
+		return;		/* CUDA state does not survive fork() */
+	a = th_ctx(0);
+	p = th_alloc_filled(a, CHUNKS(5), 7, NULL);
+	TH_OK(a, gmlake_ipc_export(a, p, &blk));
+	fflush(NULL);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		gmlake_ctx *c = NULL;
+		void *q = NULL, *buf = malloc(CHUNKS(5));
+		int ok = buf && !gmlake_ctx_init(&c, NULL) &&
+			 !gmlake_ipc_import(c, &blk, &q) &&
+			 !gml_dev_memcpy(gml_ctx_dev(c), buf, q, CHUNKS(5),
+					 GML_COPY_DTOH, NULL) &&
+			 !gml_dev_stream_sync(gml_ctx_dev(c), NULL) &&
+			 th_pattern_diff(buf, CHUNKS(5), 7) == SIZE_MAX;
+
+		if (ok) {
+			th_pattern(buf, CHUNKS(5), 8);
+			ok = !gml_dev_memcpy(gml_ctx_dev(c), q, buf,
+					     CHUNKS(5), GML_COPY_HTOD, NULL) &&
+			     !gml_dev_stream_sync(gml_ctx_dev(c), NULL) &&
+			     !gmlake_ipc_close(c, q) &&
+			     !gmlake_ctx_destroy(c, false);
+		}
+		if (!ok)
+			fprintf(stderr, "child: %s\n", gmlake_last_error());
+		_exit(ok ? 0 : 1);
+	}
+	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+		      "the importing child failed (status %#x)", status);
+	th_verify_ok(a, p, CHUNKS(5), 8, NULL);
+	gmlake_ipc_block_free(&blk);
+	TH_OK(a, gmlake_free(a, p));
+	th_destroy(a);
+}
+END_TEST
+
+START_TEST(test_bad_input)
+{
+	gmlake_ctx *a = th_ctx(0), *b = th_ctx(0);
+	struct gmlake_ipc_block blk, bad;
+	struct gmlake_ipc_piece pc;
+	void *p = NULL, *q = (void *)0x1;
+
+	TH_OK(a, gmlake_alloc(a, &p, CHUNKS(2), NULL));
+	TH_ERR(a, gmlake_ipc_export(NULL, p, &blk), -EINVAL);
+	TH_ERR(a, gmlake_ipc_export(a, NULL, &blk), -EINVAL);
+	TH_ERR(a, gmlake_ipc_export(a, p, NULL), -EINVAL);
+	TH_ERR(a, gmlake_ipc_export(a, (char *)p + 4096, &blk), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "start of a live"));
+	ck_assert_uint_eq(blk.npieces, 0);
+	ck_assert_ptr_null(blk.pieces);
+	gmlake_ipc_block_free(NULL);
+
+	TH_OK(a, gmlake_ipc_export(a, p, &blk));
+	TH_ERR(b, gmlake_ipc_import(b, NULL, &q), -EINVAL);
+	TH_ERR(b, gmlake_ipc_import(b, &blk, NULL), -EINVAL);
+	bad = blk;
+	bad.npieces = 0;
+	TH_ERR(b, gmlake_ipc_import(b, &bad, &q), -EINVAL);
+	bad = blk;
+	bad.size = blk.size + TH_CHUNK * 64;
+	TH_ERR(b, gmlake_ipc_import(b, &bad, &q), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "does not fit"));
+	bad = blk;
+	bad.start = blk.pieces[0].size;
+	TH_ERR(b, gmlake_ipc_import(b, &bad, &q), -EINVAL);
+	pc = blk.pieces[0];
+	pc.size = 4096;
+	bad = blk;
+	bad.npieces = 1;
+	bad.pieces = &pc;
+	bad.size = 4096;
+	TH_ERR(b, gmlake_ipc_import(b, &bad, &q), -EINVAL);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "granules"));
+	pc = blk.pieces[0];
+	pc.fd = -1;
+	TH_ERR(b, gmlake_ipc_import(b, &bad, &q), -EINVAL);
+	ck_assert_ptr_eq(q, (void *)0x1);	/* untouched on failure */
+	TH_ERR(b, gmlake_ipc_close(b, p), -EINVAL);
+	TH_ERR(b, gmlake_ipc_close(NULL, p), -EINVAL);
+	gmlake_ipc_block_free(&blk);
+	TH_OK(a, gmlake_free(a, p));
+	th_destroy(b);
+	th_destroy(a);
+}
+END_TEST
+
+/* An exported block stays where it is: no spill takes its memory. */
+START_TEST(test_exported_stays)
+{
+	gmlake_ctx *a = th_ctx(0);
+	struct gmlake_ipc_block blk;
+	struct gml_block *b;
+	void *p = NULL;
+
+	TH_OK(a, gmlake_alloc(a, &p, CHUNKS(3), NULL));
+	b = gml_ptrmap_get(&a->blocks, (uintptr_t)p);
+	ck_assert_ptr_nonnull(b);
+	ck_assert_int_eq(gml_large_detach(a, b, true), 0);
+	TH_OK(a, gmlake_ipc_export(a, p, &blk));
+	ck_assert_int_eq(gml_large_detach(a, b, true), -EBUSY);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "gmlake_ipc_export"));
+	gmlake_ipc_block_free(&blk);
+	TH_OK(a, gmlake_free(a, p));
+	th_destroy(a);
+}
+END_TEST
+
+/* Every driver call of an export or import failing in turn: the error
+ * comes back, and nothing stays mapped, held or open. */
+START_TEST(test_faults_leave_nothing)
+{
+	static const int calls[] = {
+		GML_CALL_mem_export, GML_CALL_mem_import, GMLAKE_CALL_va_reserve,
+		GMLAKE_CALL_mem_map, GMLAKE_CALL_set_access,
+		GMLAKE_CALL_mem_release,
+	};
+	gmlake_ctx *a, *b;
+	struct gml_emu_info before, after;
+	void *p = NULL;
+
+	if (!th_env_is_emu())
+		return;		/* counts the emulated device's objects */
+	a = th_ctx(0);
+	b = th_ctx(0);
+	p = th_alloc_filled(a, CHUNKS(3), 9, NULL);
+	for (size_t k = 0; k < sizeof(calls) / sizeof(calls[0]); k++) {
+		for (uint64_t nth = 1; nth <= 3; nth++) {
+			struct gmlake_ipc_block blk;
+			gmlake_ctx *who = calls[k] == GML_CALL_mem_export ?
+					  a : b;
+			int fds, ret;
+			void *q = NULL;
+
+			if (calls[k] == GML_CALL_mem_export) {
+				fds = open_fds();
+				gml_dev_fail_nth(th_dev(a), calls[k], nth, EIO);
+				ret = gmlake_ipc_export(a, p, &blk);
+				gml_dev_fail_nth(th_dev(a), -1, 0, 0);
+				ck_assert_int_eq(ret, -EIO);
+				ck_assert_int_eq(open_fds(), fds);
+				ck_assert_uint_eq(blk.npieces, 0);
+				th_check(a);
+				continue;
+			}
+			TH_OK(a, gmlake_ipc_export(a, p, &blk));
+			fds = open_fds();
+			th_emu_info(b, &before);
+			gml_dev_fail_nth(th_dev(who), calls[k], nth, EIO);
+			ret = gmlake_ipc_import(b, &blk, &q);
+			gml_dev_fail_nth(th_dev(who), -1, 0, 0);
+			th_emu_info(b, &after);
+			if (ret == 0) {
+				/* fewer calls of that kind than nth */
+				expect_pattern(b, q, CHUNKS(3), 9);
+				TH_OK(b, gmlake_ipc_close(b, q));
+				th_emu_info(b, &after);
+			} else {
+				ck_assert_int_eq(ret, -EIO);
+				ck_assert_ptr_nonnull(strstr(
+					gmlake_last_error(), "injected"));
+			}
+			ck_assert_uint_eq(after.live_mappings,
+					  before.live_mappings);
+			ck_assert_uint_eq(after.live_reservations,
+					  before.live_reservations);
+			ck_assert_uint_eq(after.live_handles,
+					  before.live_handles);
+			ck_assert_int_eq(open_fds(), fds);
+			th_check(b);
+			gmlake_ipc_block_free(&blk);
+		}
+	}
+	/* A close the driver refuses keeps its record: the next one ends it. */
+	for (int k = 0; k < 2; k++) {
+		int call = k ? GMLAKE_CALL_va_free : GMLAKE_CALL_mem_unmap;
+		struct gmlake_ipc_block blk;
+		void *q = NULL;
+
+		TH_OK(a, gmlake_ipc_export(a, p, &blk));
+		th_emu_info(b, &before);
+		TH_OK(b, gmlake_ipc_import(b, &blk, &q));
+		gml_dev_fail_nth(th_dev(b), call, 1, EIO);
+		TH_ERR(b, gmlake_ipc_close(b, q), -EIO);
+		gml_dev_fail_nth(th_dev(b), -1, 0, 0);
+		TH_OK(b, gmlake_ipc_close(b, q));
+		TH_ERR(b, gmlake_ipc_close(b, q), -EINVAL);
+		th_emu_info(b, &after);
+		ck_assert_uint_eq(after.live_mappings, before.live_mappings);
+		ck_assert_uint_eq(after.live_reservations,
+				  before.live_reservations);
+		gmlake_ipc_block_free(&blk);
+	}
+	TH_OK(a, gmlake_free(a, p));
+	th_destroy(b);
+	th_destroy(a);
+}
+END_TEST
+
+/* Destroy unmaps what an importer left mapped, and closes its copies of
+ * the descriptors. */
+START_TEST(test_destroy_unmaps_imports)
+{
+	gmlake_ctx *a = th_ctx(0), *b;
+	struct gmlake_ipc_block blk;
+	void *p = NULL, *q = NULL;
+	int fds;
+
+	TH_OK(a, gmlake_alloc(a, &p, CHUNKS(2), NULL));
+	TH_OK(a, gmlake_ipc_export(a, p, &blk));
+	fds = open_fds();
+	b = th_ctx(0);
+	TH_OK(b, gmlake_ipc_import(b, &blk, &q));
+	TH_OK(b, gmlake_ipc_import(b, &blk, &q));	/* twice is fine */
+	th_destroy(b);
+	ck_assert_int_eq(open_fds(), fds);
+	gmlake_ipc_block_free(&blk);
+	TH_OK(a, gmlake_free(a, p));
+	th_destroy(a);
+}
+END_TEST
+
+static Suite *ipc_suite(void)
+{
+	Suite *s = suite_create("ipc");
+	TCase *tc = th_tcase(s, "ipc");
+
+	tcase_add_test(tc, test_single_chunks);
+	tcase_add_test(tc, test_growth_handles);
+	tcase_add_test(tc, test_stitched);
+	tcase_add_test(tc, test_small_block);
+	tcase_add_test(tc, test_fork_child_imports);
+	tcase_add_test(tc, test_bad_input);
+	tcase_add_test(tc, test_exported_stays);
+	tcase_add_test(tc, test_faults_leave_nothing);
+	tcase_add_test(tc, test_destroy_unmaps_imports);
+	return s;
+}
+
+int main(void)
+{
+	int probe = th_probe();
+
+	if (probe)
+		return probe;
+	return th_run_suite(ipc_suite());
+}
