@@ -28,11 +28,16 @@
  *  - busy: does a mapping call wait for work queued on a stream? Each
  *    call kind is timed on a range of its own with about 50 ms of
  *    memsets queued, and the stream asked whether it is still busy.
+ *  - export: do handles made exportable as POSIX file descriptors (what
+ *    libgmlake asks for, so blocks can be shared with other processes)
+ *    cost more to create, map, grant, unmap and release than plain ones?
+ *    (`vmm_probe MiB export` runs only this one.)
  */
 #include <cuda.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #define ROUNDS 4
@@ -433,6 +438,64 @@ static int busy(void)
 	return 0;
 }
 
+/* One round of every call over n handles of prop p; us per handle. */
+static int export_round(const CUmemAllocationProp *p, int n, double us[5])
+{
+	CUmemGenericAllocationHandle *h = calloc((size_t)n, sizeof(*h));
+	CUdeviceptr va;
+	double t;
+
+	if (!h)
+		return 1;
+	CK(cuMemAddressReserve(&va, (size_t)n * gran, 0, 0, 0));
+	t = now();
+	for (int i = 0; i < n; i++)
+		CK(cuMemCreate(&h[i], gran, p, 0));
+	us[0] += (now() - t) * 1e6 / n;
+	t = now();
+	for (int i = 0; i < n; i++)
+		CK(cuMemMap(va + (size_t)i * gran, gran, 0, h[i], 0));
+	us[1] += (now() - t) * 1e6 / n;
+	t = now();
+	for (int i = 0; i < n; i++)
+		CK(cuMemSetAccess(va + (size_t)i * gran, gran, &acc, 1));
+	us[2] += (now() - t) * 1e6 / n;
+	t = now();
+	for (int i = 0; i < n; i++)
+		CK(cuMemUnmap(va + (size_t)i * gran, gran));
+	us[3] += (now() - t) * 1e6 / n;
+	t = now();
+	for (int i = 0; i < n; i++)
+		CK(cuMemRelease(h[i]));
+	us[4] += (now() - t) * 1e6 / n;
+	CK(cuMemAddressFree(va, (size_t)n * gran));
+	free(h);
+	return 0;
+}
+
+static int export_cost(size_t total)
+{
+	static const char *const name[] = { "create", "map", "access",
+					    "unmap", "release" };
+	CUmemAllocationProp fd = prop;
+	double us[2][5] = { { 0 } };
+	int n = (int)(total / gran);
+
+	fd.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	/* Alternating, so drift in the driver's state hits both alike. */
+	for (int r = 0; r < ROUNDS; r++)
+		if (export_round(&prop, n, us[0]) ||
+		    export_round(&fd, n, us[1]))
+			return 1;
+	printf("\nexport: %d handles of %zu KiB, %d rounds alternating; "
+	       "us per handle\n%-8s %9s %9s %7s\n", n, gran >> 10, ROUNDS,
+	       "call", "plain", "posix-fd", "ratio");
+	for (int k = 0; k < 5; k++)
+		printf("%-8s %9.2f %9.2f %6.2fx\n", name[k], us[0][k] / ROUNDS,
+		       us[1][k] / ROUNDS, us[1][k] / us[0][k]);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	static const int threads[] = { 1, 2, 4 };
@@ -446,6 +509,8 @@ int main(int argc, char **argv)
 	CK(cuDevicePrimaryCtxRetain(&cuctx, dev));
 	CK(cuMemGetAllocationGranularity(&gran, &prop,
 					 CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+	if (argc > 2 && !strcmp(argv[2], "export"))
+		return export_cost(total);
 	printf("%zu MiB per thread, %d rounds; us per 2 MiB\n", total >> 20,
 	       ROUNDS);
 	printf("%8s %-6s %7s %9s %9s %9s %9s\n", "chunkMiB", "access",
@@ -461,5 +526,5 @@ int main(int argc, char **argv)
 				if (measure(threads[i]))
 					return 1;
 	}
-	return pieces() || enqueue() || runs() || busy();
+	return pieces() || enqueue() || runs() || busy() || export_cost(total);
 }
