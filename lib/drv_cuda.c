@@ -524,7 +524,7 @@ static int gml_cu_mem_create(void *priv, size_t size, gml_handle *h)
 	struct gml_cu_dev *d = priv;
 	CUmemGenericAllocationHandle handle;
 	CUmemAllocationProp prop;
-	CUresult r;
+	CUresult r, fd_r = CUDA_SUCCESS;
 
 	gml_cu_prop(d, &prop);
 	if (atomic_load_explicit(&d->exportable, memory_order_relaxed)) {
@@ -534,16 +534,17 @@ static int gml_cu_mem_create(void *priv, size_t size, gml_handle *h)
 		    r != CUDA_ERROR_NOT_PERMITTED &&
 		    r != CUDA_ERROR_INVALID_VALUE)
 			goto out;
-		/* Refused for the handle type, not the memory: say so once
-		 * and make the rest (and this one) unshareable. */
-		if (atomic_exchange(&d->exportable, false))
-			gml_log(GMLAKE_LOG_INFO, "cuda: device %d refuses "
-				"exportable memory (%s): blocks cannot be "
-				"shared with other processes", d->ordinal,
-				gml_cu_name(r));
+		fd_r = r;
 		prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
 	}
 	r = gml_cu.p_cuMemCreate(&handle, size, &prop, 0);
+	/* Refused for the handle type, not the memory: say so once, and
+	 * make the rest unshareable too. */
+	if (r == CUDA_SUCCESS && fd_r != CUDA_SUCCESS &&
+	    atomic_exchange(&d->exportable, false))
+		gml_log(GMLAKE_LOG_INFO, "cuda: device %d refuses exportable "
+			"memory (%s): blocks cannot be shared with other "
+			"processes", d->ordinal, gml_cu_name(fd_r));
 out:
 	if (r != CUDA_SUCCESS)
 		return gml_cu_err(r, "cuMemCreate");

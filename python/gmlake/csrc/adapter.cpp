@@ -709,7 +709,9 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    int d = static_cast<int>(c10::cuda::current_device());
+    DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    int d = static_cast<int>(device);
     void* p = nullptr;
     int ret = api.gmlake_torch_ipc_open(d, handle.data(), handle.size(), &p);
     TORCH_CHECK(ret == 0, "libgmlake: cannot open a CUDA tensor shared by "
