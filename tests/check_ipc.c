@@ -17,21 +17,6 @@
 
 #define CHUNKS(n) ((size_t)(n) * TH_CHUNK)
 
-/* Open descriptors of this process. */
-static int open_fds(void)
-{
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *e;
-	int n = 0;
-
-	ck_assert_ptr_nonnull(d);
-	while ((e = readdir(d)))
-		if (e->d_name[0] != '.')
-			n++;
-	closedir(d);
-	return n - 1;	/* the directory's own */
-}
-
 /* Copy through the device layer: an imported range is no block of the
  * importing context, so gmlake_memcpy_* do not take it. */
 static void dev_copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
@@ -122,7 +107,7 @@ static uint32_t roundtrip(gmlake_ctx *a, gmlake_ctx *b, void *ptr, size_t size,
 
 START_TEST(test_single_chunks)
 {
-	int fds = open_fds();
+	int fds = th_count_fds();
 	gmlake_ctx *a = th_ctx(0), *b = th_ctx(0);
 	void *p = NULL;
 
@@ -131,7 +116,7 @@ START_TEST(test_single_chunks)
 	TH_OK(a, gmlake_free(a, p));
 	th_destroy(b);
 	th_destroy(a);
-	ck_assert_int_eq(open_fds(), fds);
+	ck_assert_int_eq(th_count_fds(), fds);
 }
 END_TEST
 
@@ -358,18 +343,18 @@ START_TEST(test_faults_leave_nothing)
 			void *q = NULL;
 
 			if (calls[k] == GML_CALL_mem_export) {
-				fds = open_fds();
+				fds = th_count_fds();
 				gml_dev_fail_nth(th_dev(a), calls[k], nth, EIO);
 				ret = gmlake_ipc_export(a, p, &blk);
 				gml_dev_fail_nth(th_dev(a), -1, 0, 0);
 				ck_assert_int_eq(ret, -EIO);
-				ck_assert_int_eq(open_fds(), fds);
+				ck_assert_int_eq(th_count_fds(), fds);
 				ck_assert_uint_eq(blk.npieces, 0);
 				th_check(a);
 				continue;
 			}
 			TH_OK(a, gmlake_ipc_export(a, p, &blk));
-			fds = open_fds();
+			fds = th_count_fds();
 			th_emu_info(b, &before);
 			gml_dev_fail_nth(th_dev(who), calls[k], nth, EIO);
 			ret = gmlake_ipc_import(b, &blk, &q);
@@ -391,7 +376,7 @@ START_TEST(test_faults_leave_nothing)
 					  before.live_reservations);
 			ck_assert_uint_eq(after.live_handles,
 					  before.live_handles);
-			ck_assert_int_eq(open_fds(), fds);
+			ck_assert_int_eq(th_count_fds(), fds);
 			th_check(b);
 			gmlake_ipc_block_free(&blk);
 		}
@@ -433,12 +418,12 @@ START_TEST(test_destroy_unmaps_imports)
 
 	TH_OK(a, gmlake_alloc(a, &p, CHUNKS(2), NULL));
 	TH_OK(a, gmlake_ipc_export(a, p, &blk));
-	fds = open_fds();
+	fds = th_count_fds();
 	b = th_ctx(0);
 	TH_OK(b, gmlake_ipc_import(b, &blk, &q));
 	TH_OK(b, gmlake_ipc_import(b, &blk, &q));	/* twice is fine */
 	th_destroy(b);
-	ck_assert_int_eq(open_fds(), fds);
+	ck_assert_int_eq(th_count_fds(), fds);
 	gmlake_ipc_block_free(&blk);
 	TH_OK(a, gmlake_free(a, p));
 	th_destroy(a);

@@ -1162,20 +1162,6 @@ END_TEST
 /* ---------------------------------------------------------------------- */
 /* CUDA IPC (torch.multiprocessing)                                       */
 
-static int open_fd_count(void)
-{
-	DIR *d = opendir("/proc/self/fd");
-	struct dirent *e;
-	int n = 0;
-
-	ck_assert_ptr_nonnull(d);
-	while ((e = readdir(d)))
-		if (e->d_name[0] != '.')
-			n++;
-	closedir(d);
-	return n - 1;
-}
-
 /* [q, q + size) of device d's context holds seed's pattern (q is no
  * block of that context: an imported range). */
 static bool range_holds(int d, const void *q, size_t size, uint64_t seed)
@@ -1206,10 +1192,10 @@ START_TEST(test_ipc_share_open)
 	p = torch_alloc_ok(size, dev(0), NULL);
 	th_fill_ok(torch_ctx(dev(0)), p, size, 11, NULL);
 	(void)torch_alloc_ok(1, dev(1), NULL);	/* the receiver's context */
-	fds = open_fd_count();
+	fds = th_count_fds();
 	ck_assert_int_eq(gmlake_torch_ipc_share(dev(0), p, h, sizeof(h),
 						&len), 0);
-	ck_assert_int_gt(open_fd_count(), fds);
+	ck_assert_int_gt(th_count_fds(), fds);
 	ck_assert_int_eq(gmlake_torch_ipc_share(dev(0), p, h2, sizeof(h2),
 						&len2), 0);
 	ck_assert_uint_eq(len2, len);
@@ -1223,7 +1209,7 @@ START_TEST(test_ipc_share_open)
 	ck_assert_int_eq(gmlake_torch_ipc_close(dev(1), q), 0);
 	ck_assert_int_eq(gmlake_torch_ipc_close(dev(1), q), -EINVAL);
 	gmlake_torch_free(p, size, dev(0), NULL);
-	ck_assert_int_eq(open_fd_count(), fds);
+	ck_assert_int_eq(th_count_fds(), fds);
 }
 END_TEST
 
