@@ -75,7 +75,10 @@ struct gmlake_config {
 	bool stream_order;		/* a request may wait on the device
 					   for memory other streams' work
 					   still covers; true */
-	uint8_t reserved8[3];
+	bool exportable;		/* chunks made exportable as file
+					   descriptors, so blocks can be
+					   shared (gmlake_ipc_export); true */
+	uint8_t reserved8[2];
 	size_t top_fit;			/* requests of at least this many
 					   bytes take the highest free run,
 					   its top end; 0 (default): off */

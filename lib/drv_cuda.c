@@ -402,7 +402,7 @@ static int gml_cu_open(const struct gmlake_config *cfg, void **priv)
 				CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
 				d->dev) != CUDA_SUCCESS)
 			fd_ok = 0;
-		atomic_init(&d->exportable, fd_ok != 0);
+		atomic_init(&d->exportable, fd_ok && cfg->exportable);
 	}
 	r = gml_cu.p_cuDevicePrimaryCtxRetain(&d->ctx, d->dev);
 	if (r != CUDA_SUCCESS) {
@@ -568,8 +568,9 @@ static int gml_cu_mem_export(void *priv, gml_handle h, int *fd, uint64_t *off)
 	if (r != CUDA_SUCCESS) {
 		if (!atomic_load(&d->exportable))
 			return gml_set_error(-EOPNOTSUPP, "cuda: device %d "
-				"made its memory unexportable (the driver "
-				"refused POSIX file descriptor handles): "
+				"makes unexportable memory (GMLAKE_EXPORTABLE "
+				"off, or the driver refused POSIX file "
+				"descriptor handles): "
 				"cuMemExportToShareableHandle: %s", d->ordinal,
 				gml_cu_name(r));
 		return gml_cu_err(r, "cuMemExportToShareableHandle");

@@ -224,6 +224,7 @@ static int emu_open(const struct gmlake_config *cfg, void **priv)
 	dev->pid = getpid();
 	dev->forks = atomic_load_explicit(&emu_forks, memory_order_relaxed);
 	dev->host_fd = -1;
+	dev->exportable = cfg->exportable;
 	dev->host_numa = -1;
 	dev->gran = gran;
 	dev->capacity = cap;

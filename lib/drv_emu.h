@@ -144,6 +144,7 @@ struct emu_dev {
 	pthread_mutex_t ev_lock;
 	pthread_cond_t ev_cond;	/* broadcast when any event completes */
 	int host_fd;		/* host memory of mem_create_host, -1 */
+	bool exportable;	/* cfg->exportable: mem_export works */
 	uint64_t host_next;	/* next free offset in host_fd, in units */
 	int host_numa;		/* reported host NUMA node */
 };

@@ -780,6 +780,10 @@ int gml_emu_mem_export(void *priv, gml_handle h, int *fd, uint64_t *off)
 		ret = gml_set_error(-EOPNOTSUPP, "emu: mem_export: handle "
 				    "%#llx is host memory",
 				    (unsigned long long)h);
+	else if (!dev->exportable)
+		ret = gml_set_error(-EOPNOTSUPP, "emu: mem_export: the device "
+				    "makes unexportable memory (GMLAKE_EXPORTABLE "
+				    "is off)");
 	if (!ret) {
 		got = fcntl(emu_chunk_fd(dev, c, &at), F_DUPFD_CLOEXEC, 0);
 		if (got < 0)

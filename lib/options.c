@@ -55,6 +55,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_HOST_PIN", OPT_SIZE, FIELD(host_pin) },
 	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms) },
 	{ "GMLAKE_STREAM_ORDER", OPT_BOOL, FIELD(stream_order) },
+	{ "GMLAKE_EXPORTABLE", OPT_BOOL, FIELD(exportable) },
 	{ "GMLAKE_TOP_FIT", OPT_SIZE, FIELD(top_fit) },
 	{ "GMLAKE_GROW_HANDLE", OPT_SIZE, FIELD(grow_handle) },
 	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
@@ -201,6 +202,7 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->host_limit = (size_t)16 << 30;
 	cfg->spare_keep_ms = 5000;
 	cfg->stream_order = true;
+	cfg->exportable = true;
 	cfg->grow_handle = 20 << 20;
 }
 

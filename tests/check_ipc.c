@@ -295,6 +295,26 @@ START_TEST(test_bad_input)
 }
 END_TEST
 
+/* With exportable memory off, export says so. */
+START_TEST(test_unexportable)
+{
+	struct gmlake_config cfg;
+	struct gmlake_ipc_block blk;
+	gmlake_ctx *a;
+	void *p = NULL;
+
+	th_config(&cfg, 0);
+	cfg.exportable = false;
+	a = th_ctx_cfg(&cfg);
+	TH_OK(a, gmlake_alloc(a, &p, CHUNKS(2), NULL));
+	TH_ERR(a, gmlake_ipc_export(a, p, &blk), -EOPNOTSUPP);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "unexportable"));
+	ck_assert_uint_eq(blk.npieces, 0);
+	TH_OK(a, gmlake_free(a, p));
+	th_destroy(a);
+}
+END_TEST
+
 /* An exported block stays where it is: no spill takes its memory. */
 START_TEST(test_exported_stays)
 {
@@ -442,6 +462,7 @@ static Suite *ipc_suite(void)
 	tcase_add_test(tc, test_fork_child_imports);
 	tcase_add_test(tc, test_bad_input);
 	tcase_add_test(tc, test_exported_stays);
+	tcase_add_test(tc, test_unexportable);
 	tcase_add_test(tc, test_faults_leave_nothing);
 	tcase_add_test(tc, test_destroy_unmaps_imports);
 	return s;

@@ -115,7 +115,8 @@ START_TEST(test_defaults)
 	ck_assert_uint_eq(cfg.host_pin, 0);
 	ck_assert_uint_eq(cfg.spare_keep_ms, 5000);
 	ck_assert(cfg.stream_order);
-	for (i = 0; i < 3; i++)
+	ck_assert(cfg.exportable);
+	for (i = 0; i < 2; i++)
 		ck_assert_uint_eq(cfg.reserved8[i], 0);
 	ck_assert_uint_eq(cfg.top_fit, 0);
 	ck_assert_uint_eq(cfg.grow_handle, 20 * TH_MiB);
@@ -363,6 +364,18 @@ START_TEST(test_publish)
 	static const struct opt o = OPT("GMLAKE_PUBLISH", publish, bool_at);
 	static const struct val good[] = { { "off", false }, { "1", true } };
 	static const char *const bad[] = { "sometimes" };
+
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), true);	/* the default */
+}
+END_TEST
+
+START_TEST(test_exportable)
+{
+	static const struct opt o =
+		OPT("GMLAKE_EXPORTABLE", exportable, bool_at);
+	static const struct val good[] = { { "off", false }, { "1", true } };
+	static const char *const bad[] = { "maybe" };
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), true);	/* the default */
@@ -906,6 +919,7 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_show_stats);
 	tcase_add_test(tc, test_publish);
 	tcase_add_test(tc, test_stream_order);
+	tcase_add_test(tc, test_exportable);
 	tcase_add_test(tc, test_offload_engine);
 	tcase_add_test(tc, test_several);
 
