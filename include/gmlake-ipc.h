@@ -8,7 +8,8 @@
  * block's range maps them, and where the block begins in the first; a
  * process that has the descriptors (passed over a Unix socket, inherited,
  * or taken with pidfd_getfd) maps the same memory with gmlake_ipc_import,
- * on its own context, at an address of its own. Writes on either side are
+ * on its own context, at an address of its own, which gmlake_memcpy_htod
+ * and gmlake_memcpy_dtoh take like a block. Writes on either side are
  * seen by the other once the writing stream's work completed.
  *
  * The exporting process keeps the block allocated while an importer uses

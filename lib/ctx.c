@@ -463,12 +463,13 @@ static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
 	if (ret)
 		return ret;
 	b = block_containing(ctx, (uintptr_t)dptr, size);
-	if (!b) {
+	if (!b && !gml_ipc_holds(ctx, (uintptr_t)dptr, size)) {
 		ret = gml_set_error(-EINVAL, "%s: [%p, +%zu) is not inside one "
-				    "live block", fn, dptr, size);
+				    "live block or imported block", fn, dptr,
+				    size);
 		goto out_leave;
 	}
-	if (!b->small && b->off_state != GML_OFF_RESIDENT) {
+	if (b && !b->small && b->off_state != GML_OFF_RESIDENT) {
 		ret = gml_set_error(-EFAULT, "%s: the block at %#lx is not on "
 				    "the device (spilled, or moving); fetch it "
 				    "first", fn, (unsigned long)b->ptr);

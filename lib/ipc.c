@@ -32,6 +32,7 @@
 struct gml_import {
 	struct gml_import *next;
 	uintptr_t ptr;			/* what the caller got */
+	size_t size;			/* the block's bytes from ptr */
 	gml_va va;
 	size_t total;
 	uint32_t npieces, mapped;
@@ -313,6 +314,7 @@ GML_EXPORT int gmlake_ipc_import(gmlake_ctx *ctx,
 		gml_set_error(ret, "%s", msg);
 	} else {
 		im->ptr = (uintptr_t)(im->va + blk->start);
+		im->size = blk->size;
 		im->next = ctx->imports;
 		ctx->imports = im;
 		*ptr = (void *)im->ptr;
@@ -343,6 +345,15 @@ GML_EXPORT int gmlake_ipc_close(gmlake_ctx *ctx, void *ptr)
 	}
 	gml_ctx_unlock(ctx);
 	return ret;
+}
+
+bool gml_ipc_holds(const gmlake_ctx *ctx, uintptr_t ptr, size_t size)
+{
+	for (const struct gml_import *im = ctx->imports; im; im = im->next)
+		if (im->ptr && ptr >= im->ptr && size <= im->size &&
+		    ptr - im->ptr <= im->size - size)
+			return true;
+	return false;
 }
 
 /* At destroy: unmap what importers left mapped. */

@@ -291,7 +291,9 @@ int gml_stream_order_run(gmlake_ctx *ctx, struct gml_chunk *const *chunks,
 void gml_events_trim(gmlake_ctx *ctx);
 void gml_streams_fini(gmlake_ctx *ctx);
 
-/* ipc.c: unmap what gmlake_ipc_import left mapped (destroy) */
+/* ipc.c: whether [ptr, ptr + size) lies in one block gmlake_ipc_import
+ * mapped; unmap what imports left mapped (destroy) */
+bool gml_ipc_holds(const gmlake_ctx *ctx, uintptr_t ptr, size_t size);
 void gml_ipc_fini(gmlake_ctx *ctx);
 
 /* alloc.c: large blocks, views and chunks */

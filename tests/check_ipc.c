@@ -87,11 +87,13 @@ static uint32_t roundtrip(gmlake_ctx *a, gmlake_ctx *b, void *ptr, size_t size,
 			  uint64_t seed)
 {
 	struct gmlake_ipc_block blk;
+	uint64_t blk_size;
 	uint32_t n;
 	void *q = NULL;
 
 	TH_OK(a, gmlake_ipc_export(a, ptr, &blk));
 	expect_well_formed(&blk, size);
+	blk_size = blk.size;
 	TH_OK(b, gmlake_ipc_import(b, &blk, &q));
 	ck_assert_ptr_nonnull(q);
 	n = blk.npieces;
@@ -101,7 +103,16 @@ static uint32_t roundtrip(gmlake_ctx *a, gmlake_ctx *b, void *ptr, size_t size,
 	expect_pattern(b, q, size, seed);
 	write_pattern(b, q, size, seed + 1);
 	th_verify_ok(a, ptr, size, seed + 1, NULL);
+	/* The public copies take the imported block, and only the block. */
+	th_verify_ok(b, q, size, seed + 1, NULL);
+	{
+		char c[2];
+
+		TH_ERR(b, gmlake_memcpy_dtoh(b, c, (char *)q + blk_size - 1,
+					     2, NULL), -EINVAL);
+	}
 	TH_OK(b, gmlake_ipc_close(b, q));
+	TH_ERR(b, gmlake_memcpy_dtoh(b, &n, q, 1, NULL), -EINVAL);
 	return n;
 }
 

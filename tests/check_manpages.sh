@@ -118,6 +118,18 @@ else
 	diff "$tmp/example.7" "$tmp/example.c" | head -20
 fi
 
+# gmlake_ipc_export(3)'s EXAMPLES is examples/ipc.c, the same way.
+sed -n '/^\.SH EXAMPLES/,/^\.SH SEE ALSO/p' "$mandir/gmlake_ipc_export.3" |
+	sed -n '/^\.EX/,/^\.EE/p' | sed '1d;$d' |
+	sed 's/\\-/-/g; s/\\e/\\/g' >"$tmp/ipc.3"
+expand "$srcdir/examples/ipc.c" >"$tmp/ipc.c"
+if cmp -s "$tmp/ipc.3" "$tmp/ipc.c"; then
+	passed=$((passed + 1))
+else
+	fail "gmlake_ipc_export.3: EXAMPLES is not examples/ipc.c; diff:"
+	diff "$tmp/ipc.3" "$tmp/ipc.c" | head -20
+fi
+
 # The fields of struct gmlake_config, one a line ("reserved[6]" with its
 # size), from a C declaration; comments, also over several lines, dropped.
 config_fields() {
