@@ -16,9 +16,11 @@
 #endif
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "error.h"
@@ -86,6 +88,40 @@ GML_EXPORT void gmlake_ipc_block_free(struct gmlake_ipc_block *blk)
 	memset(blk, 0, sizeof(*blk));
 }
 
+/*
+ * Whether the process has run out of descriptors (an export takes one a
+ * handle, and a stitched block of 2 MiB chunks has hundreds): a probe
+ * open fails with EMFILE. Then the soft limit is raised to the hard one,
+ * once, as a program that needs many descriptors is expected to; *raised
+ * says whether that happened now.
+ */
+bool gml_ipc_out_of_fds(bool *raised)
+{
+	struct rlimit rl;
+	int fd = open("/", O_RDONLY | O_CLOEXEC);
+
+	*raised = false;
+	if (fd >= 0) {
+		close(fd);
+		return false;
+	}
+	if (errno != EMFILE)
+		return false;
+	if (!getrlimit(RLIMIT_NOFILE, &rl) && rl.rlim_cur < rl.rlim_max) {
+		rlim_t was = rl.rlim_cur;
+
+		rl.rlim_cur = rl.rlim_max;
+		if (!setrlimit(RLIMIT_NOFILE, &rl)) {
+			gml_log(GMLAKE_LOG_INFO, "ipc: raised "
+				"the descriptor limit from %llu to its hard "
+				"limit %llu", (unsigned long long)was,
+				(unsigned long long)rl.rlim_max);
+			*raised = true;
+		}
+	}
+	return true;
+}
+
 /* The pieces of large block b, from its view; out->pieces and the
  * descriptors are new. */
 static int export_large(gmlake_ctx *ctx, const struct gml_block *b,
@@ -93,6 +129,7 @@ static int export_large(gmlake_ctx *ctx, const struct gml_block *b,
 {
 	const struct gml_view *v = b->view;
 	uint32_t p = b->pos, end = b->pos + b->n, first, len;
+	bool tried = false, raised;
 	int ret;
 
 	out->pieces = calloc(b->n, sizeof(*out->pieces));
@@ -114,6 +151,16 @@ static int export_large(gmlake_ctx *ctx, const struct gml_block *b,
 		pc->size = (uint64_t)len * ctx->chunk;
 		ret = gml_dev_mem_export(&ctx->dev, v->chunks[p]->handle,
 					 &pc->fd, &pc->offset);
+		if (ret && gml_ipc_out_of_fds(&raised)) {
+			if (raised && !tried) {
+				tried = true;
+				continue;	/* this piece again */
+			}
+			return gml_set_error(-EMFILE, "gmlake_ipc_export: out "
+					     "of file descriptors after %u of "
+					     "the block's handles (one each; "
+					     "raise ulimit -n)", out->npieces);
+		}
 		if (ret)
 			return ret;
 		out->npieces++;

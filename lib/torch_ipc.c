@@ -32,6 +32,7 @@
 #include "gmlake-ipc.h"
 #include "gmlake-torch.h"
 #include "torch.h"
+#include "types.h"
 
 #define WIRE_MAGIC "gmlkIPC1"
 
@@ -189,6 +190,17 @@ static int take_fd(int pidfd, pid_t pid, int fd)
 	}
 #ifdef SYS_pidfd_getfd
 	got = (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0);
+	if (got < 0 && errno == EMFILE) {
+		bool raised;
+
+		if (gml_ipc_out_of_fds(&raised) && raised)
+			got = (int)syscall(SYS_pidfd_getfd, pidfd, fd, 0);
+		if (got < 0 && errno == EMFILE)
+			return gml_set_error(-EMFILE, "gmlake_torch_ipc_open: "
+					     "out of file descriptors (one a "
+					     "handle of the block; raise "
+					     "ulimit -n)");
+	}
 	if (got >= 0)
 		return got;
 	if (errno == EPERM)

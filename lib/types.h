@@ -294,6 +294,9 @@ void gml_streams_fini(gmlake_ctx *ctx);
 /* ipc.c: whether [ptr, ptr + size) lies in one block gmlake_ipc_import
  * mapped; unmap what imports left mapped (destroy) */
 bool gml_ipc_holds(const gmlake_ctx *ctx, uintptr_t ptr, size_t size);
+/* Whether the process is out of descriptors; then its soft limit is
+ * raised to the hard one if it can be (*raised). */
+bool gml_ipc_out_of_fds(bool *raised);
 void gml_ipc_fini(gmlake_ctx *ctx);
 
 /* alloc.c: large blocks, views and chunks */

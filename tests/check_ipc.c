@@ -12,6 +12,8 @@
  */
 #include "helpers.h"
 
+#include <sys/resource.h>
+
 #include "gmlake-ipc.h"
 #include "types.h"
 
@@ -306,6 +308,64 @@ START_TEST(test_bad_input)
 }
 END_TEST
 
+/*
+ * In a child with few descriptors left: export raises the soft limit to
+ * the hard one and goes on; where the hard limit is as low, it fails with
+ * -EMFILE, saying so, and leaves nothing open.
+ */
+static int export_limited(rlim_t soft, rlim_t hard)
+{
+	gmlake_ctx *a = NULL;
+	struct gmlake_ipc_block blk;
+	struct rlimit rl;
+	void *p = NULL;
+	int fds, ret;
+
+	if (gmlake_ctx_init(&a, NULL) || gmlake_alloc(a, &p, CHUNKS(6), NULL))
+		return 10;
+	fds = th_count_fds();
+	rl.rlim_cur = (rlim_t)fds + soft;
+	rl.rlim_max = (rlim_t)fds + hard;
+	if (setrlimit(RLIMIT_NOFILE, &rl))
+		return 11;
+	ret = gmlake_ipc_export(a, p, &blk);
+	if (ret == -EMFILE) {
+		if (!strstr(gmlake_last_error(), "ulimit") || blk.npieces ||
+		    th_count_fds() != fds)
+			return 12;
+		return 2;
+	}
+	if (ret || blk.npieces != 6)
+		return 13;
+	gmlake_ipc_block_free(&blk);
+	return th_count_fds() == fds ? 0 : 14;
+}
+
+START_TEST(test_descriptor_limit)
+{
+	static const struct { rlim_t soft, hard; int want; } cases[] = {
+		{ 3, 64, 0 },	/* raised, then enough */
+		{ 3, 3, 2 },	/* the hard limit: -EMFILE */
+	};
+
+	if (!th_env_is_emu())
+		return;		/* CUDA state does not survive fork() */
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		int status;
+		pid_t pid;
+
+		fflush(NULL);
+		pid = fork();
+		ck_assert_int_ge(pid, 0);
+		if (pid == 0)
+			_exit(export_limited(cases[i].soft, cases[i].hard));
+		ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+		ck_assert(WIFEXITED(status));
+		ck_assert_int_eq(WEXITSTATUS(status), cases[i].want);
+	}
+}
+END_TEST
+
 /* With exportable memory off, export says so. */
 START_TEST(test_unexportable)
 {
@@ -474,6 +534,7 @@ static Suite *ipc_suite(void)
 	tcase_add_test(tc, test_bad_input);
 	tcase_add_test(tc, test_exported_stays);
 	tcase_add_test(tc, test_unexportable);
+	tcase_add_test(tc, test_descriptor_limit);
 	tcase_add_test(tc, test_faults_leave_nothing);
 	tcase_add_test(tc, test_destroy_unmaps_imports);
 	return s;
