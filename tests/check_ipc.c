@@ -15,6 +15,7 @@
 #include <sys/resource.h>
 
 #include "gmlake-ipc.h"
+#include "gmlake-offload.h"
 #include "types.h"
 
 #define CHUNKS(n) ((size_t)(n) * TH_CHUNK)
@@ -407,6 +408,46 @@ START_TEST(test_exported_stays)
 }
 END_TEST
 
+/* Through an offload ring: the exported block's spill completes with
+ * -EBUSY and it stays; a block beside it that was not exported spills. */
+START_TEST(test_exported_ring_spill)
+{
+	gmlake_ctx *a = th_ctx(0);
+	struct gmlake_offload ring;
+	struct gmlake_ipc_block blk;
+	void *p[2];
+	int res[2] = { 1, 1 };
+
+	p[0] = th_alloc_filled(a, CHUNKS(3), 21, NULL);
+	p[1] = th_alloc_filled(a, CHUNKS(3), 22, NULL);
+	TH_OK(a, gmlake_ipc_export(a, p[0], &blk));
+	TH_OK(a, gmlake_offload_init(&ring, a, 8, 0));
+	for (int i = 0; i < 2; i++) {
+		struct gmlake_offload_sqe *sqe = gmlake_offload_get_sqe(&ring);
+
+		ck_assert_ptr_nonnull(sqe);
+		gmlake_offload_prep_spill(sqe, p[i]);
+		gmlake_offload_sqe_set_data(sqe, (uint64_t)i);
+	}
+	ck_assert_int_eq(gmlake_offload_submit(&ring), 2);
+	for (int i = 0; i < 2; i++) {
+		struct gmlake_offload_cqe *cqe;
+
+		TH_OK(a, gmlake_offload_wait_cqe(&ring, &cqe));
+		res[gmlake_offload_cqe_get_data(cqe)] = cqe->res;
+		gmlake_offload_cqe_seen(&ring, cqe);
+	}
+	ck_assert_int_eq(res[0], -EBUSY);
+	ck_assert_int_eq(res[1], 0);
+	th_verify_ok(a, p[0], CHUNKS(3), 21, NULL);	/* still on the device */
+	TH_OK(a, gmlake_offload_exit(&ring));
+	gmlake_ipc_block_free(&blk);
+	TH_OK(a, gmlake_free(a, p[0]));
+	TH_OK(a, gmlake_free(a, p[1]));
+	th_destroy(a);
+}
+END_TEST
+
 /* Every driver call of an export or import failing in turn: the error
  * comes back, and nothing stays mapped, held or open. */
 START_TEST(test_faults_leave_nothing)
@@ -533,6 +574,7 @@ static Suite *ipc_suite(void)
 	tcase_add_test(tc, test_fork_child_imports);
 	tcase_add_test(tc, test_bad_input);
 	tcase_add_test(tc, test_exported_stays);
+	tcase_add_test(tc, test_exported_ring_spill);
 	tcase_add_test(tc, test_unexportable);
 	tcase_add_test(tc, test_descriptor_limit);
 	tcase_add_test(tc, test_faults_leave_nothing);
