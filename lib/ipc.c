@@ -192,9 +192,10 @@ GML_EXPORT int gmlake_ipc_export(gmlake_ctx *ctx, const void *ptr,
 	lb = large_of(b);
 	if (lb->off_state != GML_OFF_RESIDENT || lb->off_refs) {
 		ret = gml_set_error(-EBUSY, "gmlake_ipc_export: the block at "
-				    "%p is %s", ptr, lb->off_state ==
-				    GML_OFF_RESIDENT ? "moving to the host" :
-				    "spilled to the host or moving");
+				    "%p %s", ptr, lb->off_state ==
+				    GML_OFF_RESIDENT ? "has offload requests "
+				    "queued or in flight" : "is spilled to the "
+				    "host or moving");
 		goto out;
 	}
 	ret = export_large(ctx, lb, out);

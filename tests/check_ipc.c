@@ -191,6 +191,31 @@ START_TEST(test_stitched)
 }
 END_TEST
 
+/* A long-lived block that grew as one handle (a span) is one piece. */
+START_TEST(test_span)
+{
+	gmlake_ctx *a = th_ctx(0), *b = th_ctx(0);
+	struct gmlake_ipc_block blk;
+	void *first = NULL, *p;
+
+	/* A span grows at the end of a segment: make one first. */
+	TH_OK(a, gmlake_alloc(a, &first, CHUNKS(1), NULL));
+	TH_OK(a, gmlake_long_lived(a, true));
+	p = th_alloc_filled(a, CHUNKS(20), 31, NULL);
+	TH_OK(a, gmlake_long_lived(a, false));
+	TH_OK(a, gmlake_ipc_export(a, p, &blk));
+	ck_assert_uint_eq(blk.npieces, 1);
+	ck_assert_uint_eq(blk.pieces[0].size, CHUNKS(20));
+	ck_assert_uint_eq(blk.start, 0);
+	gmlake_ipc_block_free(&blk);
+	ck_assert_uint_eq(roundtrip(a, b, p, CHUNKS(20), 31), 1);
+	TH_OK(a, gmlake_free(a, p));
+	TH_OK(a, gmlake_free(a, first));
+	th_destroy(b);
+	th_destroy(a);
+}
+END_TEST
+
 /* A small block is its place in a shared chunk. */
 START_TEST(test_small_block)
 {
@@ -571,6 +596,7 @@ static Suite *ipc_suite(void)
 	tcase_add_test(tc, test_growth_handles);
 	tcase_add_test(tc, test_stitched);
 	tcase_add_test(tc, test_small_block);
+	tcase_add_test(tc, test_span);
 	tcase_add_test(tc, test_fork_child_imports);
 	tcase_add_test(tc, test_bad_input);
 	tcase_add_test(tc, test_exported_stays);
