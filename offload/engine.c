@@ -180,7 +180,18 @@ static void fetch_batch_fill(struct gml_offload *off, struct req_fifo *q,
 		else
 			fb->req[fb->n++] = req;
 	}
-	for (int i = 0, j; i < fb->n; i = j) {
+	/* One ordering for the batch, before any of its copies: it covers
+	 * what the chunks each prepare took were last used by. */
+	if (fb->n) {
+		gml_clear_error();
+		ret = gml_off_fetch_order(off);
+		for (int k = 0; ret && k < fb->n; k++) {
+			started(off, fb->req[k], gml_off_fetch_copy(
+				off, fb->req[k], &fb->acc[k], ret));
+			fb->req[k] = NULL;
+		}
+	}
+	for (int i = 0, j; i < fb->n && fb->req[i]; i = j) {
 		struct gml_access run = fb->acc[i];
 
 		for (j = i + 1; j < fb->n && run.size && fb->acc[j].size &&

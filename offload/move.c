@@ -619,15 +619,25 @@ int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
 	gml_gauge_add(&ctx->st.resident_bytes, (int64_t)b->alloc_size);
 	gml_log_peak_slack(ctx, "a fetch", b->alloc_size, peak);
 	req->size = b->size;
-	ret = after_all(ctx, off->h2d);
 	/* Held until gml_off_fetch_copy: its lock then needs no enter. */
-	if (!ret)
-		ret = gml_dev_enter(&ctx->dev);
+	ret = gml_dev_enter(&ctx->dev);
 	if (ret)
 		fetch_undo(ctx, b);
 out_unlock:
 	if (ret < 0)
 		ctx->st.offload_failures++;
+	gml_ctx_unlock(ctx);
+	return ret;
+}
+
+int gml_off_fetch_order(struct gml_offload *off)
+{
+	gmlake_ctx *ctx = off->ctx;
+	int ret = gml_ctx_lock(ctx);
+
+	if (ret)
+		return ret;
+	ret = after_all(ctx, off->h2d);
 	gml_ctx_unlock(ctx);
 	return ret;
 }

@@ -161,20 +161,24 @@ void gml_off_unbind(struct gml_off_req *req);
  * (the block as it was). */
 int gml_off_spill_start(struct gml_offload *off, struct gml_off_req *req);
 /*
- * A fetch (or prefetch) in three calls, no lock held across them, so that
- * the engine grants device access once for a run of adjacent blocks: one
- * driver call instead of one a block. (While copies run both ways the
- * call's time grows with the run's length, so on the H200 the time spent
- * stayed the same; offload_bench -c, 07a1f5d.)
+ * A fetch (or prefetch) in four calls, no lock held across them, so that
+ * the engine orders the copy stream and grants device access once for a
+ * batch: one driver call instead of one a block. (While copies run both
+ * ways the set-access's time grows with the run's length, so on the H200
+ * the time spent stayed the same; offload_bench -c, 07a1f5d.)
  *   prepare: the block's chunks mapped at its range, the access left in
  *	*acc; 0 (the block fetching), 1 (already resident) or -errno (the
  *	block as it was). After 0, gml_off_fetch_copy must follow.
+ *   order: the host-to-device stream after all work queued so far, which
+ *	may still use the chunks the batch's prepares took; once, after the
+ *	batch's last prepare and before its first copy.
  *   grant: set-access over run, the union of adjacent prepared ranges.
  *   copy: after grant's result for req's range (0 or -errno): its copy
  *	queued, 0; or -errno, the fetch undone, the block spilled as it was.
  */
 int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
 			  struct gml_access *acc);
+int gml_off_fetch_order(struct gml_offload *off);
 int gml_off_fetch_grant(struct gml_offload *off, const struct gml_access *run);
 int gml_off_fetch_copy(struct gml_offload *off, struct gml_off_req *req,
 		       const struct gml_access *acc, int granted);

@@ -1802,9 +1802,10 @@ static void submit_each(struct gmlake_offload *ring, int op, void **p, int n,
 
 /*
  * Fetches of adjacent blocks submitted together get their device access
- * in one set-access call, not one a block. _i 1: that call fails; every
- * fetch of the run fails, its block still spilled with its bytes, and a
- * fetch after it succeeds.
+ * in one set-access call, not one a block, and the copy stream is ordered
+ * after the other streams' work once for the batch. _i 1: the set-access
+ * fails; every fetch of the run fails, its block still spilled with its
+ * bytes, and a fetch after it succeeds.
  */
 START_TEST(test_fetch_batch_one_access)
 {
@@ -1830,6 +1831,10 @@ START_TEST(test_fetch_batch_one_access)
 	submit_each(&ring, GMLAKE_OFFLOAD_FETCH, p, N, res);
 	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
 	ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_set_access), 1);
+	/* One ordering for the batch (one stream has work), and one done
+	 * event a copy (none when the grant failed). */
+	ck_assert_uint_eq(calls_since(ctx, &m, GMLAKE_CALL_event_record),
+			  _i == 1 ? 1 : N + 1);
 	for (int i = 0; i < N; i++) {
 		if (_i == 1) {
 			ck_assert_int_eq(res[i], -EIO);
