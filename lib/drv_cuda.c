@@ -125,6 +125,11 @@ struct gml_cu_dev {
 	 * ncclMemAlloc make theirs; cleared for good when the driver
 	 * refuses that (a container without it, say). */
 	atomic_bool exportable;
+	/* Chunks are made GPUDirect RDMA capable (a NIC may read them, as
+	 * NCCL's network transports need), where the device supports it
+	 * with virtual memory, as PyTorch's expandable segments and
+	 * ncclMemAlloc do; dropped with exportable. */
+	bool rdma;
 };
 
 /*
@@ -394,15 +399,20 @@ static int gml_cu_open(const struct gmlake_config *cfg, void **priv)
 		d->host_numa = -1;
 #endif
 	{
-		int fd_ok = 0;
+		int fd = 0, rdma = 0;
 
 		if (gml_cu.p_cuMemExportToShareableHandle &&
 		    gml_cu.p_cuMemImportFromShareableHandle &&
-		    gml_cu.p_cuDeviceGetAttribute(&fd_ok,
+		    gml_cu.p_cuDeviceGetAttribute(&fd,
 				CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
 				d->dev) != CUDA_SUCCESS)
-			fd_ok = 0;
-		atomic_init(&d->exportable, fd_ok && cfg->exportable);
+			fd = 0;
+		if (gml_cu.p_cuDeviceGetAttribute(&rdma,
+				CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+				d->dev) != CUDA_SUCCESS)
+			rdma = 0;
+		atomic_init(&d->exportable, fd && cfg->exportable);
+		d->rdma = rdma && cfg->exportable;
 	}
 	r = gml_cu.p_cuDevicePrimaryCtxRetain(&d->ctx, d->dev);
 	if (r != CUDA_SUCCESS) {
@@ -529,6 +539,7 @@ static int gml_cu_mem_create(void *priv, size_t size, gml_handle *h)
 	gml_cu_prop(d, &prop);
 	if (atomic_load_explicit(&d->exportable, memory_order_relaxed)) {
 		prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+		prop.allocFlags.gpuDirectRDMACapable = d->rdma;
 		r = gml_cu.p_cuMemCreate(&handle, size, &prop, 0);
 		if (r != CUDA_ERROR_NOT_SUPPORTED &&
 		    r != CUDA_ERROR_NOT_PERMITTED &&
@@ -536,6 +547,7 @@ static int gml_cu_mem_create(void *priv, size_t size, gml_handle *h)
 			goto out;
 		fd_r = r;
 		prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+		prop.allocFlags.gpuDirectRDMACapable = 0;
 	}
 	r = gml_cu.p_cuMemCreate(&handle, size, &prop, 0);
 	/* Refused for the handle type, not the memory: say so once, and
