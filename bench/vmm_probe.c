@@ -28,9 +28,10 @@
  *  - busy: does a mapping call wait for work queued on a stream? Each
  *    call kind is timed on a range of its own with about 50 ms of
  *    memsets queued, and the stream asked whether it is still busy.
- *  - export: do handles made exportable as POSIX file descriptors (what
- *    libgmlake asks for, so blocks can be shared with other processes)
- *    cost more to create, map, grant, unmap and release than plain ones?
+ *  - export: do handles made exportable as POSIX file descriptors, and
+ *    GPUDirect RDMA capable where supported (what libgmlake asks for, as
+ *    PyTorch's expandable segments do), cost more to create, map, grant,
+ *    unmap and release than plain ones?
  *    (`vmm_probe MiB export` runs only this one.)
  */
 #include <cuda.h>
@@ -477,22 +478,29 @@ static int export_cost(size_t total)
 {
 	static const char *const name[] = { "create", "map", "access",
 					    "unmap", "release" };
-	CUmemAllocationProp fd = prop;
-	double us[2][5] = { { 0 } };
-	int n = (int)(total / gran);
+	CUmemAllocationProp fd = prop, both;
+	double us[3][5] = { { 0 } };
+	int n = (int)(total / gran), rdma = 0;
 
 	fd.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-	/* Alternating, so drift in the driver's state hits both alike. */
+	both = fd;
+	CK(cuDeviceGetAttribute(&rdma,
+		CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev));
+	both.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
+	/* Alternating, so drift in the driver's state hits all alike. */
 	for (int r = 0; r < ROUNDS; r++)
 		if (export_round(&prop, n, us[0]) ||
-		    export_round(&fd, n, us[1]))
+		    export_round(&fd, n, us[1]) ||
+		    export_round(&both, n, us[2]))
 			return 1;
 	printf("\nexport: %d handles of %zu KiB, %d rounds alternating; "
-	       "us per handle\n%-8s %9s %9s %7s\n", n, gran >> 10, ROUNDS,
-	       "call", "plain", "posix-fd", "ratio");
+	       "us per handle (RDMA capable: %s)\n%-8s %9s %9s %9s %7s\n", n,
+	       gran >> 10, ROUNDS, rdma ? "supported" : "not supported",
+	       "call", "plain", "posix-fd", "fd+rdma", "ratio");
 	for (int k = 0; k < 5; k++)
-		printf("%-8s %9.2f %9.2f %6.2fx\n", name[k], us[0][k] / ROUNDS,
-		       us[1][k] / ROUNDS, us[1][k] / us[0][k]);
+		printf("%-8s %9.2f %9.2f %9.2f %6.2fx\n", name[k],
+		       us[0][k] / ROUNDS, us[1][k] / ROUNDS, us[2][k] / ROUNDS,
+		       us[2][k] / us[0][k]);
 	return 0;
 }
 
