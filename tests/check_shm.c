@@ -338,6 +338,46 @@ START_TEST(fork_child_leaves_segment)
 }
 END_TEST
 
+/*
+ * A child of fork() makes and destroys a context of its own while the
+ * parent's publisher waits: the child's copy of the publisher's condition
+ * variable must not count that waiter (its first signal would block for
+ * good). A stuck child is killed by its alarm, and the test fails.
+ */
+START_TEST(fork_child_publishes)
+{
+	gmlake_ctx *ctx = th_ctx(64 * TH_MiB);
+
+	/* Forks at several points of the publisher's waits. */
+	for (int i = 0; i < 8; i++) {
+		gmlake_ctx *mine = th_ctx(64 * TH_MiB);	/* a kick */
+		int status;
+		pid_t pid;
+
+		usleep(5000 * (unsigned)i);
+		pid = fork();
+		ck_assert_int_ge(pid, 0);
+		if (pid == 0) {
+			gmlake_ctx *c = NULL;
+
+			/* See fork_child_leaves_segment. */
+			signal(SIGALRM, SIG_DFL);
+			alarm(20);
+			if (gmlake_ctx_init(&c, NULL))
+				_exit(1);
+			usleep(30000);	/* its own publisher waits too */
+			_exit(gmlake_ctx_destroy(c, false) ? 1 : 0);
+		}
+		ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+		ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+			      "the child's context failed or hung (status "
+			      "%#x)", status);
+		ck_assert_int_eq(gmlake_ctx_destroy(mine, false), 0);
+	}
+	ck_assert_int_eq(gmlake_ctx_destroy(ctx, false), 0);
+}
+END_TEST
+
 /* ---------------------------------------------------------------------- */
 /* A publisher that never kills or stops its program                      */
 
@@ -1581,6 +1621,7 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, leftover_left_alone);
 	tcase_add_test(tc, name_token_lock);
 	tcase_add_test(tc, fork_child_leaves_segment);
+	tcase_add_test(tc, fork_child_publishes);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("Robust");
