@@ -316,7 +316,7 @@ GML_EXPORT int gmlake_ipc_import(gmlake_ctx *ctx,
 				 void **ptr)
 {
 	struct gml_import *im;
-	size_t total;
+	size_t total = 0;
 	int ret;
 
 	if (!ctx || !blk || !ptr)

@@ -130,7 +130,7 @@ void gml_torch_ipc_reset(void)
 GML_EXPORT int gmlake_torch_ipc_share(int device, const void *ptr, void *buf,
 				      size_t cap, size_t *len)
 {
-	const struct gmlake_ipc_block *blk;
+	const struct gmlake_ipc_block *blk = NULL;
 	struct wire_head h;
 	gmlake_ctx *ctx;
 	size_t need;
