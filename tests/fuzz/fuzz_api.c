@@ -10,6 +10,9 @@
  * pointers, record_stream, trim, stream create/destroy/synchronize, copies
  * in and out (good and out of bounds), block_size, stats, and an armed
  * driver fault (gml_dev_fail_nth) that makes one later driver call fail.
+ * The block_size slot also exports a block and imports it on the same
+ * context (gmlake_ipc_*): the imported range must read the block's
+ * pattern, and an exported block's spill must never succeed.
  *
  * Every block is filled with a pattern of its own and checked before it is
  * freed and whenever it is read back; blocks must never overlap. After
@@ -52,6 +55,7 @@
 
 #include "fuzz.h"
 #include "gmlake.h"
+#include "gmlake-ipc.h"
 #include "gmlake-offload.h"
 #include "ctx.h"
 #include "drv.h"
@@ -74,6 +78,7 @@ struct fz_blk {
 	bool spilled;	/* on the host (exact while npend is 0 and it is
 			   not offloadable; offloadable ones may spill) */
 	bool offloadable;
+	bool exported;	/* gmlake_ipc_export said 0: it never spills */
 	uint8_t last_op;	/* the last request to complete, and how */
 	int last_res;
 	bool last_relaxed;
@@ -624,12 +629,73 @@ static void op_sync(struct fz *f, struct fz_in *in)
 	check(f);
 }
 
+/*
+ * The block exported and imported again on the same context (a second
+ * mapping of its memory, as another process would make): the imported
+ * range reads the block's pattern. A block on the device with nothing in
+ * flight exports; one that may be moving may say -EBUSY.
+ */
+static void ipc_roundtrip(struct fz *f, int i)
+{
+	struct fz_blk *b = &f->blk[i];
+	struct gmlake_ipc_block blk;
+	bool settled = !b->npend && !b->spilled && !b->offloadable;
+	uint8_t *buf;
+	void *q = NULL;
+	int ret;
+
+	ret = gmlake_ipc_export(f->ctx, b->p, &blk);
+	if (ret) {
+		if (!f->relaxed && (settled || ret != -EBUSY))
+			fz_fail("gmlake_ipc_export(%p): %d (%s)", b->p, ret,
+				gmlake_last_error());
+		check(f);
+		return;
+	}
+	b->exported = true;
+	if (blk.size < b->size || !blk.npieces)
+		fz_fail("gmlake_ipc_export(%p): %" PRIu64 " bytes in %u "
+			"pieces for a block of %zu", b->p, blk.size,
+			blk.npieces, b->size);
+	ret = gmlake_ipc_import(f->ctx, &blk, &q);
+	gmlake_ipc_block_free(&blk);
+	expect(f, "gmlake_ipc_import", ret, 0);
+	if (ret) {
+		check(f);
+		return;
+	}
+	buf = malloc(b->size ? b->size : 1);
+	if (!buf)
+		fz_fail("out of host memory");
+	ret = gmlake_memcpy_dtoh(f->ctx, buf, q, b->size, NULL);
+	expect(f, "gmlake_memcpy_dtoh(imported)", ret, 0);
+	for (size_t k = 0; !ret && k < b->size; k++)
+		if (buf[k] != pat_byte(b->seed, k))
+			fz_fail("imported %p: byte %zu of block %p is %#x, not "
+				"%#x", q, k, b->p, buf[k],
+				pat_byte(b->seed, k));
+	free(buf);
+	ret = gmlake_ipc_close(f->ctx, q);
+	expect(f, "gmlake_ipc_close", ret, 0);
+	if (ret) {
+		/* Once more, unarmed: nothing may stay mapped. */
+		gml_dev_fail_nth(f->dev, -1, 0, 0);
+		f->relaxed = false;
+		expect(f, "gmlake_ipc_close(again)",
+		       gmlake_ipc_close(f->ctx, q), 0);
+	}
+	check(f);
+}
+
 static void op_block_size(struct fz *f, struct fz_in *in)
 {
 	int i = pick_block(f, in), local;
+	uint8_t how = fz_u8(in);
 	size_t sz = 0;
 
-	if (i >= 0 && fz_u8(in) % 4) {
+	if (i >= 0 && how % 8 == 7 && !f->blk[i].spilled) {
+		ipc_roundtrip(f, i);
+	} else if (i >= 0 && how % 4) {
 		int ret = gmlake_block_size(f->ctx, f->blk[i].p, &sz);
 
 		if (ret || sz != f->blk[i].size)
@@ -899,6 +965,12 @@ static void off_complete(struct fz *f, int k, int res)
 		else
 			ok = res == 0 || res == -ENOMEM || res == -EBUSY;
 		ok |= r.freed && res == -EINVAL;
+		/* An exported block's memory is mapped elsewhere. */
+		if (!r.freed && r.op == GMLAKE_OFFLOAD_SPILL && res == 0) {
+			int i = find_block(f, r.p);
+
+			ok &= i < 0 || !f->blk[i].exported;
+		}
 		break;
 	}
 	if (res > 0 || res <= -4096 || (!ok && !(r.relaxed && res < 0)))
