@@ -481,21 +481,26 @@ static int export_cost(size_t total)
 	CUmemAllocationProp fd = prop, both;
 	double us[3][5] = { { 0 } };
 	int n = (int)(total / gran), rdma = 0;
+	size_t rec = 0;
 
 	fd.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 	both = fd;
 	CK(cuDeviceGetAttribute(&rdma,
 		CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev));
 	both.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
+	/* ncclMemAlloc sizes its handles by the recommended granularity. */
+	CK(cuMemGetAllocationGranularity(&rec, &both,
+					 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
 	/* Alternating, so drift in the driver's state hits all alike. */
 	for (int r = 0; r < ROUNDS; r++)
 		if (export_round(&prop, n, us[0]) ||
 		    export_round(&fd, n, us[1]) ||
 		    export_round(&both, n, us[2]))
 			return 1;
-	printf("\nexport: %d handles of %zu KiB, %d rounds alternating; "
-	       "us per handle (RDMA capable: %s)\n%-8s %9s %9s %9s %7s\n", n,
-	       gran >> 10, ROUNDS, rdma ? "supported" : "not supported",
+	printf("\nexport: %d handles of %zu KiB (recommended granularity %zu "
+	       "KiB), %d rounds alternating; us per handle (RDMA capable: %s)"
+	       "\n%-8s %9s %9s %9s %7s\n", n, gran >> 10, rec >> 10, ROUNDS,
+	       rdma ? "supported" : "not supported",
 	       "call", "plain", "posix-fd", "fd+rdma", "ratio");
 	for (int k = 0; k < 5; k++)
 		printf("%-8s %9.2f %9.2f %9.2f %6.2fx\n", name[k],
