@@ -27,6 +27,14 @@
 #	With --report, bench needs no build: it reads the results in
 #	${GML_GPU_OUT:-/tmp}/bench (or those named) and runs nothing.
 #
+#   tools/gpu.sh ipc
+#	On the GPU machine, after build: sharing blocks between processes
+#	(check_ipc, check_torch's IPC case, examples/ipc with
+#	GMLAKE_BACKEND=cuda; vmm_probe's export question, what exportable
+#	handles cost; gpu_parity's enable and ipc rows, torch.multiprocessing
+#	through the adapter). Writes gpu-ipc.log, gpu-ipc-summary.log,
+#	gpu-vmm-export.txt and gpu-parity-ipc.json to ${GML_GPU_OUT:-/tmp}.
+#
 #   tools/gpu.sh capture [CAPTURE-ARGS...]
 #	On the GPU machine: python3 bench/capture_eco.py into
 #	${GML_GPU_OUT:-/tmp}/traces, the ecosystem workloads' allocation
@@ -228,7 +236,8 @@ do_run() {
 
 	for backend in cuda emu; do
 		echo "== GMLAKE_BACKEND=$backend"
-		for t in "$build"/tests/check_* "$build"/examples/example; do
+		for t in "$build"/tests/check_* "$build"/examples/example \
+			 "$build"/examples/ipc; do
 			name=$(basename "$t")
 			case $name in *.*) continue ;; esac
 			[ -f "$t" ] && [ -x "$t" ] || continue
@@ -254,18 +263,18 @@ do_run() {
 
 	echo "== offload bandwidth (cuda)"
 	step "offload_bench (cuda)" \
-		sh -c '"$@" | tee "$0"' "$out/gpu-offload.txt" \
+		bash -c 'set -o pipefail; "$@" | tee "$0"' "$out/gpu-offload.txt" \
 		env GMLAKE_BACKEND=cuda "$build/tools/offload_bench"
 	# Mapping costs per chunk, whatever its size: the same with 32 MiB.
 	step "offload_bench 32 MiB chunks (cuda)" \
-		sh -c '"$@" | tee "$0"' "$out/gpu-offload-32m.txt" \
+		bash -c 'set -o pipefail; "$@" | tee "$0"' "$out/gpu-offload-32m.txt" \
 		env GMLAKE_BACKEND=cuda GMLAKE_CHUNK_SIZE=32M \
 		"$build/tools/offload_bench" -q -s 1024 -t 4096
 
 	if [ -x "$build/vmm_probe" ]; then
 		echo "== driver mapping costs (cuda)"
 		step "vmm_probe (cuda)" \
-			sh -c '"$@" | tee "$0"' "$out/gpu-vmm.txt" "$build/vmm_probe"
+			bash -c 'set -o pipefail; "$@" | tee "$0"' "$out/gpu-vmm.txt" "$build/vmm_probe"
 	fi
 
 	# gmlake-top against a live process on the GPU, with NVML.
@@ -316,6 +325,49 @@ do_bench() {
 		--out "$out/bench" "$@"
 }
 
+# Sharing blocks between processes on the GPU, in one short call: the C
+# suites' IPC cases, examples/ipc, what exportable handles cost
+# (vmm_probe's export question), and torch.multiprocessing through the
+# adapter (gpu_parity's enable and ipc rows; enable builds the adapter).
+do_ipc() {
+	local t0
+	if [ ! -x "$build/tests/check_ipc" ]; then
+		echo "gpu.sh: $build/tests/check_ipc missing; run 'tools/gpu.sh build' first" >&2
+		exit 1
+	fi
+	mkdir -p "$out"
+	logdir=$(mktemp -d)
+	trap 'rm -rf "$logdir"' EXIT
+	t0=$(now)
+	export LD_LIBRARY_PATH="$root/$build/runtime-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+	export CK_DEFAULT_TIMEOUT="${CK_DEFAULT_TIMEOUT:-120}"
+	export srcdir=. top_srcdir=. top_builddir="$build"
+	echo "ptrace_scope: $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo none)"
+	step "check_ipc (cuda)" env GMLAKE_BACKEND=cuda "$build/tests/check_ipc"
+	step "check_torch IPC (cuda)" \
+		env GMLAKE_BACKEND=cuda CK_RUN_CASE=IPC "$build/tests/check_torch"
+	step "examples/ipc (cuda)" env GMLAKE_BACKEND=cuda "$build/examples/ipc"
+	if [ -x "$build/vmm_probe" ]; then
+		step "vmm_probe export (cuda)" \
+			bash -c 'set -o pipefail; "$@" | tee "$0"' "$out/gpu-vmm-export.txt" \
+			"$build/vmm_probe" 256 export
+	fi
+	step "gpu_parity enable,ipc (cuda)" \
+		python3 python/tests/gpu_parity.py --lib "$root/$build/libgmlake.so" \
+		--rows enable,ipc --json "$out/gpu-parity-ipc.json"
+	for i in "${!steps[@]}"; do
+		echo "===== ${steps[$i]}"
+		cat "$logdir/$(printf '%03d' "$i").log"
+	done >"$out/gpu-ipc.log"
+	{
+		echo "== summary ($(elapsed "$t0" "$(now)") s in all)"
+		printf '%s\n' "${summary[@]}"
+		echo "output of each step: $out/gpu-ipc.log"
+		echo "$n_pass passed, $n_fail failed, $n_skip skipped"
+	} | tee "$out/gpu-ipc-summary.log"
+	[ "$n_fail" -eq 0 ]
+}
+
 do_capture() {
 	mkdir -p "$out/traces"
 	python3 bench/capture_eco.py "$out/traces" "$@"
@@ -328,5 +380,6 @@ build) do_build "$@" ;;
 run) do_run ;;
 bench) do_bench "$@" ;;
 capture) do_capture "$@" ;;
+ipc) do_ipc ;;
 *) usage ;;
 esac
