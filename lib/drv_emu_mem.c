@@ -248,7 +248,6 @@ static void emu_extent_give(struct emu_dev *dev, uint64_t start,
 	}
 }
 
-/* The chunk's memory goes back: hole punched, extent freed, id dead. */
 /* The descriptor and offset a chunk's memory lies at. */
 static int emu_chunk_fd(const struct emu_dev *dev, const struct emu_chunk *c,
 			off_t *off)
@@ -261,6 +260,8 @@ static int emu_chunk_fd(const struct emu_dev *dev, const struct emu_chunk *c,
 	return c->host ? dev->host_fd : dev->fd;
 }
 
+/* The chunk's memory goes back: hole punched, extent freed, id dead (an
+ * import: its descriptor closed). */
 static void emu_chunk_free(struct emu_dev *dev, struct emu_chunk *c)
 {
 	size_t off = c->start * dev->gran;
