@@ -105,30 +105,24 @@ while read -r sym; do
 	passed=$((passed + 1))
 done <"$tmp/map"
 
-# gmlake(7)'s EXAMPLES shows examples/example.c (tabs expanded, groff's
-# escapes for '-' and '\\'): the two must not drift apart.
-sed -n '/^\.SH EXAMPLES/,/^\.SH SEE ALSO/p' "$mandir/gmlake.7" |
-	sed -n '/^\.EX/,/^\.EE/p' | sed '1d;$d' |
-	sed 's/\\-/-/g; s/\\e/\\/g' >"$tmp/example.7"
-expand "$srcdir/examples/example.c" >"$tmp/example.c"
-if cmp -s "$tmp/example.7" "$tmp/example.c"; then
-	passed=$((passed + 1))
-else
-	fail "gmlake.7: EXAMPLES is not examples/example.c; diff:"
-	diff "$tmp/example.7" "$tmp/example.c" | head -20
-fi
-
-# gmlake_ipc_export(3)'s EXAMPLES is examples/ipc.c, the same way.
-sed -n '/^\.SH EXAMPLES/,/^\.SH SEE ALSO/p' "$mandir/gmlake_ipc_export.3" |
-	sed -n '/^\.EX/,/^\.EE/p' | sed '1d;$d' |
-	sed 's/\\-/-/g; s/\\e/\\/g' >"$tmp/ipc.3"
-expand "$srcdir/examples/ipc.c" >"$tmp/ipc.c"
-if cmp -s "$tmp/ipc.3" "$tmp/ipc.c"; then
-	passed=$((passed + 1))
-else
-	fail "gmlake_ipc_export.3: EXAMPLES is not examples/ipc.c; diff:"
-	diff "$tmp/ipc.3" "$tmp/ipc.c" | head -20
-fi
+# A page's EXAMPLES shows a program of examples/ (tabs expanded, groff's
+# escapes for '-' and '\\'): the two must not drift apart. gmlake(7)
+# shows examples/example.c, gmlake_ipc_export(3) examples/ipc.c.
+same_example() {
+	page=$1 prog=$2 name=$(basename "$1")
+	sed -n '/^\.SH EXAMPLES/,/^\.SH SEE ALSO/p' "$page" |
+		sed -n '/^\.EX/,/^\.EE/p' | sed '1d;$d' |
+		sed 's/\\-/-/g; s/\\e/\\/g' >"$tmp/$name.ex"
+	expand "$prog" >"$tmp/$name.c"
+	if cmp -s "$tmp/$name.ex" "$tmp/$name.c"; then
+		passed=$((passed + 1))
+	else
+		fail "$name: EXAMPLES is not $(basename "$prog"); diff:"
+		diff "$tmp/$name.ex" "$tmp/$name.c" | head -20
+	fi
+}
+same_example "$mandir/gmlake.7" "$srcdir/examples/example.c"
+same_example "$mandir/gmlake_ipc_export.3" "$srcdir/examples/ipc.c"
 
 # The fields of struct gmlake_config, one a line ("reserved[6]" with its
 # size), from a C declaration; comments, also over several lines, dropped.

@@ -203,6 +203,27 @@ step() {
 	esac
 }
 
+# Before the steps of run and ipc: the output folder, a folder for each
+# step's log, and the environment the check programs need.
+steps_begin() {
+	mkdir -p "$out"
+	logdir=$(mktemp -d)
+	trap 'rm -rf "$logdir"' EXIT
+	export LD_LIBRARY_PATH="$root/$build/runtime-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+	export CK_DEFAULT_TIMEOUT="${CK_DEFAULT_TIMEOUT:-120}"
+	# Test data is found through srcdir, relative to the repository root.
+	export srcdir=. top_srcdir=. top_builddir="$build"
+}
+
+# Every step's output, in order, into file $1.
+steps_log() {
+	local i
+	for i in "${!steps[@]}"; do
+		echo "===== ${steps[$i]}"
+		cat "$logdir/$(printf '%03d' "$i").log"
+	done >"$1"
+}
+
 xid_count() {
 	dmesg 2>/dev/null | grep -c 'NVRM: Xid' || true
 }
@@ -213,14 +234,8 @@ do_run() {
 		echo "gpu.sh: $build/tests missing; run 'tools/gpu.sh build' first" >&2
 		exit 1
 	fi
-	mkdir -p "$out"
-	logdir=$(mktemp -d)
-	trap 'rm -rf "$logdir"' EXIT
+	steps_begin
 	t0=$(now)
-	export LD_LIBRARY_PATH="$root/$build/runtime-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-	export CK_DEFAULT_TIMEOUT="${CK_DEFAULT_TIMEOUT:-120}"
-	# Test data is found through srcdir, relative to the repository root.
-	export srcdir=. top_srcdir=. top_builddir="$build"
 
 	{
 		echo "host: $(uname -n) $(uname -r)"
@@ -290,10 +305,7 @@ do_run() {
 		exit $rc' "$out/gpu-top.txt" "$build"
 
 	xid1=$(xid_count)
-	for i in "${!steps[@]}"; do
-		echo "===== ${steps[$i]}"
-		cat "$logdir/$(printf '%03d' "$i").log"
-	done >"$out/gpu-tests.log"
+	steps_log "$out/gpu-tests.log"
 	{
 		cat "$logdir/machine"
 		echo "== summary ($(elapsed "$t0" "$(now)") s in all)"
@@ -335,13 +347,8 @@ do_ipc() {
 		echo "gpu.sh: $build/tests/check_ipc missing; run 'tools/gpu.sh build' first" >&2
 		exit 1
 	fi
-	mkdir -p "$out"
-	logdir=$(mktemp -d)
-	trap 'rm -rf "$logdir"' EXIT
+	steps_begin
 	t0=$(now)
-	export LD_LIBRARY_PATH="$root/$build/runtime-libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-	export CK_DEFAULT_TIMEOUT="${CK_DEFAULT_TIMEOUT:-120}"
-	export srcdir=. top_srcdir=. top_builddir="$build"
 	echo "ptrace_scope: $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo none)"
 	step "check_ipc (cuda)" env GMLAKE_BACKEND=cuda "$build/tests/check_ipc"
 	step "check_torch IPC (cuda)" \
@@ -355,10 +362,7 @@ do_ipc() {
 	step "gpu_parity enable,ipc (cuda)" \
 		python3 python/tests/gpu_parity.py --lib "$root/$build/libgmlake.so" \
 		--rows enable,ipc --json "$out/gpu-parity-ipc.json"
-	for i in "${!steps[@]}"; do
-		echo "===== ${steps[$i]}"
-		cat "$logdir/$(printf '%03d' "$i").log"
-	done >"$out/gpu-ipc.log"
+	steps_log "$out/gpu-ipc.log"
 	{
 		echo "== summary ($(elapsed "$t0" "$(now)") s in all)"
 		printf '%s\n' "${summary[@]}"
