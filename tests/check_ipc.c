@@ -20,47 +20,6 @@
 
 #define CHUNKS(n) ((size_t)(n) * TH_CHUNK)
 
-/* Copy through the device layer: an imported range is no block of the
- * importing context, so gmlake_memcpy_* do not take it. */
-static void dev_copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
-		     enum gml_copy_kind kind)
-{
-	struct gml_dev *dev = th_dev(ctx);
-	int ret = gml_dev_memcpy(dev, dst, src, size, kind, NULL);
-
-	ck_assert_msg(ret == 0, "gml_dev_memcpy: %d (%s)", ret,
-		      gmlake_last_error());
-	ret = gml_dev_stream_sync(dev, NULL);
-	ck_assert_msg(ret == 0, "gml_dev_stream_sync: %d (%s)", ret,
-		      gmlake_last_error());
-}
-
-/* The imported range [p, p + size) holds seed's pattern. */
-static void expect_pattern(gmlake_ctx *ctx, const void *p, size_t size,
-			   uint64_t seed)
-{
-	void *buf = malloc(size);
-	size_t at;
-
-	ck_assert_ptr_nonnull(buf);
-	dev_copy(ctx, buf, p, size, GML_COPY_DTOH);
-	at = th_pattern_diff(buf, size, seed);
-	ck_assert_msg(at == SIZE_MAX, "imported bytes differ at %zu of %zu",
-		      at, size);
-	free(buf);
-}
-
-static void write_pattern(gmlake_ctx *ctx, void *p, size_t size,
-			  uint64_t seed)
-{
-	void *buf = malloc(size);
-
-	ck_assert_ptr_nonnull(buf);
-	th_pattern(buf, size, seed);
-	dev_copy(ctx, p, buf, size, GML_COPY_HTOD);
-	free(buf);
-}
-
 /* The structure every export must have: the block inside its pieces,
  * the last piece needed, whole granules. */
 static void expect_well_formed(const struct gmlake_ipc_block *blk,
@@ -103,11 +62,10 @@ static uint32_t roundtrip(gmlake_ctx *a, gmlake_ctx *b, void *ptr, size_t size,
 	/* The descriptors are the exporter's to close, the mapping stays. */
 	gmlake_ipc_block_free(&blk);
 	ck_assert_uint_eq(blk.npieces, 0);
-	expect_pattern(b, q, size, seed);
-	write_pattern(b, q, size, seed + 1);
-	th_verify_ok(a, ptr, size, seed + 1, NULL);
 	/* The public copies take the imported block, and only the block. */
-	th_verify_ok(b, q, size, seed + 1, NULL);
+	th_verify_ok(b, q, size, seed, NULL);
+	th_fill_ok(b, q, size, seed + 1, NULL);
+	th_verify_ok(a, ptr, size, seed + 1, NULL);
 	{
 		char c[2];
 
@@ -253,22 +211,14 @@ START_TEST(test_fork_child_imports)
 	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
 		gmlake_ctx *c = NULL;
-		void *q = NULL, *buf = malloc(CHUNKS(5));
-		int ok = buf && !gmlake_ctx_init(&c, NULL) &&
+		void *q = NULL;
+		int ok = !gmlake_ctx_init(&c, NULL) &&
 			 !gmlake_ipc_import(c, &blk, &q) &&
-			 !gml_dev_memcpy(gml_ctx_dev(c), buf, q, CHUNKS(5),
-					 GML_COPY_DTOH, NULL) &&
-			 !gml_dev_stream_sync(gml_ctx_dev(c), NULL) &&
-			 th_pattern_diff(buf, CHUNKS(5), 7) == SIZE_MAX;
+			 !th_verify(c, q, CHUNKS(5), 7, NULL, NULL) &&
+			 !th_fill(c, q, CHUNKS(5), 8, NULL) &&
+			 !gmlake_ipc_close(c, q) &&
+			 !gmlake_ctx_destroy(c, false);
 
-		if (ok) {
-			th_pattern(buf, CHUNKS(5), 8);
-			ok = !gml_dev_memcpy(gml_ctx_dev(c), q, buf,
-					     CHUNKS(5), GML_COPY_HTOD, NULL) &&
-			     !gml_dev_stream_sync(gml_ctx_dev(c), NULL) &&
-			     !gmlake_ipc_close(c, q) &&
-			     !gmlake_ctx_destroy(c, false);
-		}
 		if (!ok)
 			fprintf(stderr, "child: %s\n", gmlake_last_error());
 		_exit(ok ? 0 : 1);
@@ -519,7 +469,7 @@ START_TEST(test_faults_leave_nothing)
 			th_emu_info(b, &after);
 			if (ret == 0) {
 				/* fewer calls of that kind than nth */
-				expect_pattern(b, q, CHUNKS(3), 9);
+				th_verify_ok(b, q, CHUNKS(3), 9, NULL);
 				TH_OK(b, gmlake_ipc_close(b, q));
 				th_emu_info(b, &after);
 			} else {

@@ -1162,23 +1162,6 @@ END_TEST
 /* ---------------------------------------------------------------------- */
 /* CUDA IPC (torch.multiprocessing)                                       */
 
-/* [q, q + size) of device d's context holds seed's pattern (q is no
- * block of that context: an imported range). */
-static bool range_holds(int d, const void *q, size_t size, uint64_t seed)
-{
-	struct gml_dev *gd = th_dev(torch_ctx(d));
-	void *buf = malloc(size);
-	bool ok;
-
-	ck_assert_ptr_nonnull(buf);
-	ck_assert_int_eq(gml_dev_memcpy(gd, buf, q, size, GML_COPY_DTOH,
-					NULL), 0);
-	ck_assert_int_eq(gml_dev_stream_sync(gd, NULL), 0);
-	ok = th_pattern_diff(buf, size, seed) == SIZE_MAX;
-	free(buf);
-	return ok;
-}
-
 /* A block shared and opened again (on another device's context where
  * the emulated device has one): the same bytes; the sender's descriptors
  * stay open until the block is freed, one set however often it is shared. */
@@ -1205,7 +1188,7 @@ START_TEST(test_ipc_share_open)
 	ck_assert_uint_eq(len2, len);
 	ck_assert_int_eq(gmlake_torch_ipc_open(dev(1), h, len, &q), 0);
 	ck_assert_ptr_nonnull(q);
-	ck_assert(range_holds(dev(1), q, size, 11));
+	th_verify_ok(torch_ctx(dev(1)), q, size, 11, NULL);
 	ck_assert_int_eq(gmlake_torch_ipc_close(dev(1), q), 0);
 	ck_assert_int_eq(gmlake_torch_ipc_close(dev(1), q), -EINVAL);
 	gmlake_torch_free(p, size, dev(0), NULL);
@@ -1245,7 +1228,7 @@ START_TEST(test_ipc_child_opens)
 				gmlake_last_error());
 			_exit(1);
 		}
-		_exit(range_holds(1, q, size, 12) &&
+		_exit(!th_verify(torch_ctx(1), q, size, 12, NULL, NULL) &&
 		      !gmlake_torch_ipc_close(1, q) ? 0 : 4);
 	}
 	ck_assert_int_eq(waitpid(pid, &status, 0), pid);
