@@ -25,6 +25,7 @@
 
 #include "error.h"
 #include "gmlake-ipc.h"
+#include "large.h"
 #include "lock.h"
 #include "types.h"
 
@@ -51,10 +52,7 @@ static void handle_at(const struct gml_view *v, uint32_t p, uint32_t *first,
 {
 	const struct gml_chunk *c = v->chunks[p];
 
-	if (c->slab_len) {
-		*first = p - c->slab_off;
-		*len = c->slab_len;
-	} else if (c->spanned) {
+	if (c->spanned) {
 		/* A span's chunk structs are one array, in order. */
 		uint32_t q = p;
 
@@ -66,8 +64,9 @@ static void handle_at(const struct gml_view *v, uint32_t p, uint32_t *first,
 		*first = q;
 		*len = v->chunks[q]->span_len;
 	} else {
-		*first = p;
-		*len = 1;
+		/* A slab's mapping, or the chunk's own (view.c). */
+		*first = gml_mapping_start(v, p);
+		*len = p - *first + gml_mapping_len(v, p);
 	}
 }
 
