@@ -247,16 +247,36 @@ static void on_device(struct fz *f, int i)
 			f->blk[i].p);
 }
 
+/* buf, read from [off, off+len) of the block at p (or a mapping of it,
+ * at), holds the block's pattern (seed's), or the run fails. */
+static void pat_check(struct fz *f, const uint8_t *buf, size_t off,
+		      size_t len, uint64_t seed, const void *p, const void *at)
+{
+	uint8_t *want = malloc(len ? len : 1);
+	size_t k = 0;
+
+	if (!want)
+		fz_fail("out of host memory");
+	pat_fill(want, off, len, seed);
+	if (memcmp(buf, want, len)) {
+		while (buf[k] == want[k])
+			k++;
+		fz_fail("%s: block %p read at %p corrupt at offset %zu",
+			f->op, p, at, off + k);
+	}
+	free(want);
+}
+
 /* Read [off, off+len) of block i back and compare with its pattern;
  * false when the block is not on the device (see not_on_device). */
 static bool verify(struct fz *f, int i, size_t off, size_t len, int s)
 {
 	struct fz_blk *b = &f->blk[i];
-	uint8_t *buf = malloc(len ? len : 1), *want = malloc(len ? len : 1);
+	uint8_t *buf = malloc(len ? len : 1);
 	bool done = false;
 	int ret;
 
-	if (!buf || !want)
+	if (!buf)
 		fz_fail("out of host memory");
 	memset(buf, 0xa5, len);
 	ret = gmlake_memcpy_dtoh(f->ctx, buf, (uint8_t *)b->p + off, len,
@@ -275,18 +295,9 @@ static bool verify(struct fz *f, int i, size_t off, size_t len, int s)
 				gmlake_last_error());
 	}
 	on_device(f, i);
-	pat_fill(want, off, len, b->seed);
-	if (memcmp(buf, want, len)) {
-		size_t k = 0;
-
-		while (buf[k] == want[k])
-			k++;
-		fz_fail("%s: block %p (%zu bytes) corrupt at offset %zu",
-			f->op, b->p, b->size, off + k);
-	}
+	pat_check(f, buf, off, len, b->seed, b->p, b->p);
 	done = true;
 out:
-	free(want);
 	free(buf);
 	return done;
 }
@@ -669,11 +680,8 @@ static void ipc_roundtrip(struct fz *f, int i)
 		fz_fail("out of host memory");
 	ret = gmlake_memcpy_dtoh(f->ctx, buf, q, b->size, NULL);
 	expect(f, "gmlake_memcpy_dtoh(imported)", ret, 0);
-	for (size_t k = 0; !ret && k < b->size; k++)
-		if (buf[k] != pat_byte(b->seed, k))
-			fz_fail("imported %p: byte %zu of block %p is %#x, not "
-				"%#x", q, k, b->p, buf[k],
-				pat_byte(b->seed, k));
+	if (!ret)
+		pat_check(f, buf, 0, b->size, b->seed, b->p, q);
 	free(buf);
 	ret = gmlake_ipc_close(f->ctx, q);
 	expect(f, "gmlake_ipc_close", ret, 0);
