@@ -153,8 +153,7 @@ int gmlake_torch_stats_reset_accumulated(int device);
 int gmlake_torch_cache_info(int device, size_t *largest);
 
 /*
- * Private pools (CUDA graphs, torch.cuda.MemPool without an allocator of
- * its own), named by PyTorch's MempoolId_t (id0, id1). Memory allocated
+ * Private pools (CUDA graphs, torch.cuda.MemPool), named by PyTorch's MempoolId_t (id0, id1). Memory allocated
  * into a pool belongs to it: freed, it is parked in the pool (still held
  * from the allocator, so nothing outside the pool is handed those bytes,
  * which a captured graph writes again at each replay) and serves later
@@ -208,6 +207,56 @@ int gmlake_torch_pool_empty(int device, uint64_t id0, uint64_t id1);
 int gmlake_torch_pool_of(int device, const void *ptr, uint64_t id[2]);
 /* Whether allocations go to some pool on device now. */
 bool gmlake_torch_pool_routing(int device);
+/*
+ * A pool's own allocator (torch.cuda.MemPool(allocator=...), NCCL's
+ * ncclMemAlloc for buffers it registers): every block allocated into the
+ * pool is then a segment of its own from alloc, of the request rounded up
+ * to 2 MiB, never libgmlake's memory. A freed block is parked and reused
+ * as any pool block is, so a segment keeps its address (and a
+ * registration) while the pool lives; free gives it back after the sync
+ * hook, when the pool's last user has released it, or at the block's own
+ * free once the pool is gone. alloc runs on the allocating thread and
+ * returns NULL for no memory; free gets what alloc returned, its size
+ * and device; done(user) follows the last free and the pool's end, and
+ * may run with a pool lock held. None of them may call libgmlake's pool
+ * functions. The segments count in gmlake_torch_stats_get's figures and
+ * are listed by gmlake_torch_pool_segments, not by gmlake_stats_get or a
+ * context's snapshot.
+ *
+ * set_source: for a pool with users and no blocks yet; 0 when src is
+ * now the pool's (copied), 1 when the pool already has a source (src is
+ * not used and done not called for it), or -errno: -EINVAL (bad device,
+ * NULL src, alloc or free), -ENOENT (unknown pool, or no users), -EBUSY
+ * (the pool holds libgmlake blocks already), -ENOMEM.
+ */
+struct gmlake_torch_pool_source {
+	void *(*alloc)(size_t size, int device, gmlake_stream_t stream,
+		       void *user);
+	void (*free)(void *ptr, size_t size, int device,
+		     gmlake_stream_t stream, void *user);
+	void (*done)(void *user);	/* may be NULL */
+	void *user;
+};
+int gmlake_torch_pool_set_source(int device, uint64_t id0, uint64_t id1,
+				 const struct gmlake_torch_pool_source *src);
+
+/* A segment from a pool's own allocator, for snapshots. */
+struct gmlake_torch_pool_segment {
+	uint64_t address;
+	uint64_t size;		/* as alloc gave it */
+	uint64_t requested;	/* what the block in it asked for */
+	uint64_t pool_id[2];
+	gmlake_stream_t stream;
+	int parked;		/* 1: free to PyTorch's eyes, kept by the pool */
+	int reserved;
+};
+/* The segments of pool (id0, id1) from its own allocator, or of every
+ * pool with (0, 0): at most n into segs; returns how many there are, or
+ * -EINVAL. */
+int gmlake_torch_pool_segments(int device, uint64_t id0, uint64_t id1,
+			       struct gmlake_torch_pool_segment *segs,
+			       size_t n);
+
 /* Called before the blocks of a released pool are freed: the caller's
  * device-wide synchronize (kernels of a replayed graph may run on any
  * stream). NULL: none; the emulated device needs none. */

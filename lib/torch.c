@@ -329,6 +329,19 @@ static void report_oom(gmlake_ctx *ctx, int device, size_t size)
 		   cause);
 }
 
+int gml_torch_oom(int device, size_t size, const char *cause)
+{
+	char req[32];
+
+	atomic_fetch_add(&torch_counts[device].ooms, 1);
+	if (gml_history_on())
+		gml_history_add(device, GMLAKE_TORCH_OOM, 0, size, NULL, 0, 0);
+	return torch_fail(-ENOMEM, atomic_load(&torch_fail_level),
+			  "device %d: out of memory allocating %s (%zu bytes): "
+			  "%s", device, fmt_bytes(req, sizeof(req),
+						  (double)size), size, cause);
+}
+
 /* The allocator's size for the block at p (what it handed out). */
 static size_t handed_out(gmlake_ctx *ctx, void *p, size_t size)
 {
@@ -471,7 +484,9 @@ GML_EXPORT void gmlake_torch_raw_delete(void *ptr)
 
 	if (!ptr)
 		return;
-	device = owner_device(ptr);
+	device = gml_pool_source_device(ptr);
+	if (device < 0)
+		device = owner_device(ptr);
 	if (device < 0) {
 		torch_fail(-EINVAL, level, "free of %p ignored: no device's "
 			   "context holds it (never allocated here, or already "
@@ -539,7 +554,14 @@ GML_EXPORT void gmlake_torch_memory_fraction(double fraction, int device)
 
 GML_EXPORT void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream)
 {
+	int src_dev = gml_pool_source_device(ptr);
 	size_t size;
+
+	if (src_dev >= 0) {
+		/* A pool's own segment: never reused inside its pool. */
+		gml_pool_record_stream(src_dev, ptr);
+		return;
+	}
 
 	for (int i = 0; i < GML_TORCH_MAX_DEVICES; i++) {
 		gmlake_ctx *ctx = atomic_load_explicit(&torch_ctx[i],
@@ -690,6 +712,32 @@ static void torch_raw(const struct gmlake_stats *g,
 	raw->num_device_free = (int64_t)g->calls[GMLAKE_CALL_mem_release];
 }
 
+static void stat_add(struct gmlake_stat *g, const struct gmlake_stat *more)
+{
+	g->current += more->current;
+	g->peak += more->peak;		/* at most: peaks of two gauges */
+	g->total += more->total;
+}
+
+/* device's figures: its context's, if it has one, and those of the
+ * segments pools' own allocators gave (one block each). */
+static int torch_figures(int device, struct gmlake_stats *g)
+{
+	struct gmlake_stat segs, bytes, req;
+	gmlake_ctx *ctx = gml_torch_ctx_peek(device);
+	int ret = ctx ? gmlake_stats_get(ctx, g) : 0;
+
+	if (ret)
+		return ret;
+	gml_pool_source_stats(device, &segs, &bytes, &req);
+	stat_add(&g->active_blocks, &segs);
+	stat_add(&g->chunks, &segs);
+	stat_add(&g->allocated_bytes, &bytes);
+	stat_add(&g->reserved_bytes, &bytes);
+	stat_add(&g->requested_bytes, &req);
+	return 0;
+}
+
 GML_EXPORT int gmlake_torch_stats_get(int device,
 				      struct gmlake_torch_stats *st)
 {
@@ -697,7 +745,6 @@ GML_EXPORT int gmlake_torch_stats_get(int device,
 				  .size = sizeof(g) };
 	struct gmlake_torch_stats base;
 	int64_t nparked, preq, palloc;
-	gmlake_ctx *ctx;
 	int ret = check_device(device);
 
 	if (ret)
@@ -710,10 +757,7 @@ GML_EXPORT int gmlake_torch_stats_get(int device,
 				     "st is NULL", GMLAKE_TORCH_STATS_VERSION,
 				     sizeof(*st));
 	memset((char *)st + 8, 0, sizeof(*st) - 8);
-	ctx = gml_torch_ctx_peek(device);
-	if (!ctx)
-		return 0;
-	ret = gmlake_stats_get(ctx, &g);
+	ret = torch_figures(device, &g);
 	if (ret)
 		return ret;
 	pthread_mutex_lock(&torch_lock);
@@ -752,6 +796,7 @@ GML_EXPORT int gmlake_torch_stats_reset_peaks(int device)
 
 	if (ret)
 		return ret;
+	gml_pool_source_reset_peaks(device);
 	ctx = gml_torch_ctx_peek(device);
 	return ctx ? gmlake_stats_reset_peaks(ctx) : 0;
 }
@@ -761,15 +806,11 @@ GML_EXPORT int gmlake_torch_stats_reset_accumulated(int device)
 	struct gmlake_stats g = { .version = GMLAKE_STATS_VERSION,
 				  .size = sizeof(g) };
 	struct gmlake_torch_stats raw;
-	gmlake_ctx *ctx;
 	int ret = check_device(device);
 
 	if (ret)
 		return ret;
-	ctx = gml_torch_ctx_peek(device);
-	if (!ctx)
-		return 0;
-	ret = gmlake_stats_get(ctx, &g);
+	ret = torch_figures(device, &g);
 	if (ret)
 		return ret;
 	memset(&raw, 0, sizeof(raw));

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "gmlake.h"
+#include "gmlake-stats.h"
 #include "gmlake-torch.h"
 
 /* Device ordinals served; PyTorch's DeviceIndex is an int8_t. */
@@ -35,6 +36,9 @@ gmlake_ctx *gml_torch_ctx_peek(int device);
  * (alloc_size may be NULL). */
 void *gml_torch_alloc_in(size_t size, int device, gmlake_stream_t stream,
 			 size_t *alloc_size);
+/* An allocation of size on device failed for want of memory (cause):
+ * counted as PyTorch counts it, and the error set; -ENOMEM. */
+int gml_torch_oom(int device, size_t size, const char *cause);
 /* Free ptr for real (no pool), with its history events and errors. */
 void gml_torch_free_now(void *ptr, size_t size, int device,
 			const uint64_t pool[2]);
@@ -55,6 +59,14 @@ void gml_pool_record_stream(int device, void *ptr);
 /* What parked blocks of device hold: count, asked-for and handed-out bytes. */
 void gml_pool_parked(int device, int64_t *n, int64_t *requested,
 		     int64_t *allocated);
+/* The device of the pool segment from a pool's own allocator at ptr, or
+ * -1 (gmlake_torch_pool_set_source). */
+int gml_pool_source_device(const void *ptr);
+/* What the segments of pools' own allocators on device hold: segments,
+ * bytes, bytes asked for (gauges with their peaks). */
+void gml_pool_source_stats(int device, struct gmlake_stat *segs,
+			   struct gmlake_stat *bytes, struct gmlake_stat *req);
+void gml_pool_source_reset_peaks(int device);
 /* Free the parked blocks of device's pools without users; for emptyCache. */
 void gml_pool_empty_unused(int device);
 void gml_pool_reset(void);

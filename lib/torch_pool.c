@@ -15,10 +15,18 @@
  * it, after the owner's device-wide sync hook, since a replay may still
  * run on a stream the allocator never saw.
  *
+ * A pool with an allocator of its own (gmlake_torch_pool_set_source,
+ * torch.cuda.MemPool(allocator=...)) takes no memory from libgmlake: each
+ * of its blocks is a segment of its own from that allocator (NCCL
+ * registers such a segment whole), parked and reused like any pool block,
+ * so it keeps its address while the pool lives. The source is shared by
+ * the pool and each of its segments, and done is called when the last of
+ * them goes.
+ *
  * One lock per device guards its pools and the map from pointer to pool
- * entry; it is never held across an allocator call or a history event
- * (whose hooks may take Python's lock). A free on a device without pool
- * entries costs one atomic load.
+ * entry; it is never held across an allocator call, a source's alloc or
+ * free, or a history event (whose hooks may take Python's lock). A free
+ * on a device without pool entries costs one atomic load.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -34,8 +42,18 @@
 #include "error.h"
 #include "ptrmap.h"
 #include "torch.h"
+#include "types.h"
 
 struct pool;
+
+/* Segments from a pool's own allocator are rounded up to this. */
+#define SOURCE_ROUND ((size_t)2 << 20)
+
+/* A pool's own allocator; refs: the pool and each segment it made. */
+struct source {
+	struct gmlake_torch_pool_source s;
+	atomic_int refs;
+};
 
 /* A block allocated into a pool. */
 struct entry {
@@ -44,6 +62,7 @@ struct entry {
 	size_t alloc_size;		/* handed out by the allocator */
 	gmlake_stream_t stream;
 	struct pool *pool;
+	struct source *src;		/* its segment's allocator, or NULL */
 	bool parked;
 	bool multi;			/* record_stream named another stream */
 };
@@ -52,6 +71,7 @@ struct pool {
 	uint64_t id[2];
 	int users;
 	int routes;			/* begins not yet ended */
+	struct source *src;		/* its own allocator, or NULL */
 	struct entry **parked;		/* by (stream, size, ptr) */
 	size_t nparked, cap_parked;
 	size_t nlive;
@@ -65,7 +85,14 @@ struct pool_dev {
 	atomic_size_t nentries;
 	atomic_int routes;
 	int64_t nparked, parked_req, parked_alloc;
+	/* Segments of pools' own allocators: count, bytes, asked for. */
+	struct gmlake_stat src_segs, src_bytes, src_req;
+	atomic_int nsrc;
 };
+
+/* Source segments on every device: frees by pointer alone look for one
+ * only when there are some. */
+static atomic_int src_total;
 
 static struct pool_dev pdev[GML_TORCH_MAX_DEVICES] = {
 	[0 ... GML_TORCH_MAX_DEVICES - 1] = {
@@ -113,6 +140,16 @@ static struct pool *pool_get(struct pool_dev *pd, uint64_t id0, uint64_t id1)
 	return p;
 }
 
+/* One reference to src less; done and the free at the last. */
+static void source_put(struct source *src)
+{
+	if (!src || atomic_fetch_sub(&src->refs, 1) != 1)
+		return;
+	if (src->s.done)
+		src->s.done(src->s.user);
+	free(src);
+}
+
 /* Drop p once nothing refers to it; pd->lock held. */
 static void pool_maybe_drop(struct pool_dev *pd, struct pool *p)
 {
@@ -123,8 +160,21 @@ static void pool_maybe_drop(struct pool_dev *pd, struct pool *p)
 	for (link = &pd->pools; *link != p; link = &(*link)->next)
 		;
 	*link = p->next;
+	source_put(p->src);
 	free(p->parked);
 	free(p);
+}
+
+/* A source segment came into pd's map (sign 1) or left it (-1). */
+static void source_count(struct pool_dev *pd, const struct entry *e, int sign)
+{
+	if (!e->src)
+		return;
+	gml_gauge_add(&pd->src_segs, sign);
+	gml_gauge_add(&pd->src_bytes, sign * (int64_t)e->alloc_size);
+	gml_gauge_add(&pd->src_req, sign * (int64_t)e->size);
+	atomic_fetch_add(&pd->nsrc, sign);
+	atomic_fetch_add(&src_total, sign);
 }
 
 static bool parked_less(const struct entry *a, gmlake_stream_t stream,
@@ -238,21 +288,54 @@ static size_t take_all_parked(struct pool_dev *pd, struct pool *p,
 		gml_ptrmap_del(&pd->entries, e->ptr);
 		atomic_fetch_sub(&pd->nentries, 1);
 		parked_count(pd, e, -1);
+		source_count(pd, e, -1);
 	}
 	return n;
+}
+
+/* The owner's device-wide sync before pool memory goes back. */
+static void pool_sync_device(int device)
+{
+	int (*sync)(int) = atomic_load(&pool_sync);
+
+	if (sync && sync(device))
+		gml_log(GMLAKE_LOG_WARN, "torch: device %d: the sync before "
+			"freeing a pool's memory failed; freeing anyway",
+			device);
+}
+
+/* Give source segment e (out of the map) back to its allocator, and the
+ * entry; no lock held, the device's work on it done. */
+static void source_free(int device, const uint64_t id[2], struct entry *e)
+{
+	struct source *src = e->src;
+
+	if (gml_history_on() && !e->parked) {
+		gml_history_add(device, GMLAKE_TORCH_FREE_REQUESTED, e->ptr,
+				e->size, NULL, id[0], id[1]);
+		gml_history_add(device, GMLAKE_TORCH_FREE_COMPLETED, e->ptr,
+				e->size, NULL, id[0], id[1]);
+	}
+	src->s.free((void *)e->ptr, e->alloc_size, device, e->stream,
+		    src->s.user);
+	if (gml_history_on())
+		gml_history_add(device, GMLAKE_TORCH_SEGMENT_FREE, e->ptr,
+				e->alloc_size, e->stream, id[0], id[1]);
+	source_put(src);
+	free(e);
 }
 
 /* Free blocks taken out of pool id on device for real; no lock held. */
 static void free_taken(int device, const uint64_t id[2], struct entry **v,
 		       size_t n)
 {
-	int (*sync)(int) = atomic_load(&pool_sync);
-
-	if (n && sync && sync(device))
-		gml_log(GMLAKE_LOG_WARN, "torch: device %d: the sync before "
-			"freeing a released pool failed; freeing anyway",
-			device);
+	if (n)
+		pool_sync_device(device);
 	for (size_t i = 0; i < n; i++) {
+		if (v[i]->src) {
+			source_free(device, id, v[i]);
+			continue;
+		}
 		gml_torch_free_now((void *)v[i]->ptr, v[i]->size, device, id);
 		free(v[i]);
 	}
@@ -358,6 +441,51 @@ GML_EXPORT int gmlake_torch_pool_release(int device, uint64_t id0,
 	return ret;
 }
 
+GML_EXPORT int gmlake_torch_pool_set_source(
+	int device, uint64_t id0, uint64_t id1,
+	const struct gmlake_torch_pool_source *src)
+{
+	struct source *own;
+	struct pool_dev *pd;
+	struct pool *p;
+	int ret = check_dev(device, "gmlake_torch_pool_set_source");
+
+	if (ret)
+		return ret;
+	if (!src || !src->alloc || !src->free)
+		return gml_set_error(-EINVAL, "gmlake_torch_pool_set_source: "
+				     "%s is NULL", !src ? "src" :
+				     !src->alloc ? "src->alloc" : "src->free");
+	own = calloc(1, sizeof(*own));
+	if (!own)
+		return gml_set_error(-ENOMEM, "no host memory for a pool's "
+				     "allocator");
+	own->s = *src;
+	atomic_init(&own->refs, 1);
+	pd = &pdev[device];
+	pthread_mutex_lock(&pd->lock);
+	p = pool_find(pd, id0, id1);
+	if (!p || p->users <= 0)
+		ret = gml_set_error(-ENOENT, "device %d: pool (%llu, %llu) "
+				    "has no users to give an allocator",
+				    device, (unsigned long long)id0,
+				    (unsigned long long)id1);
+	else if (p->src)
+		ret = 1;
+	else if (p->nlive || p->nparked)
+		ret = gml_set_error(-EBUSY, "device %d: pool (%llu, %llu) "
+				    "already holds libgmlake's blocks; its "
+				    "allocator must come before them", device,
+				    (unsigned long long)id0,
+				    (unsigned long long)id1);
+	else
+		p->src = own;
+	pthread_mutex_unlock(&pd->lock);
+	if (ret)
+		free(own);
+	return ret;
+}
+
 GML_EXPORT int gmlake_torch_pool_use_count(int device, uint64_t id0,
 					   uint64_t id1)
 {
@@ -446,10 +574,60 @@ static bool entry_add(struct pool_dev *pd, const uint64_t id[2],
 		e->pool = p;
 		p->nlive++;
 		atomic_fetch_add(&pd->nentries, 1);
+		source_count(pd, e, 1);
 		ok = true;
 	}
 	pthread_mutex_unlock(&pd->lock);
 	return ok;
+}
+
+/*
+ * A new block of pool id from its own allocator src, whose reference
+ * (taken by the caller) the block keeps: the block with *out its entry,
+ * or NULL with the error set, *out NULL and the reference dropped.
+ */
+static void *source_alloc(int device, gmlake_stream_t stream, size_t size,
+			  const uint64_t id[2], struct source *src,
+			  struct entry **out)
+{
+	struct pool_dev *pd = &pdev[device];
+	struct entry *e;
+	size_t asz;
+	void *ptr;
+
+	*out = NULL;
+	if (size > SIZE_MAX - SOURCE_ROUND) {
+		source_put(src);
+		gml_torch_oom(device, size, "too large for any segment");
+		return NULL;
+	}
+	asz = (size + SOURCE_ROUND - 1) & ~(SOURCE_ROUND - 1);
+	e = calloc(1, sizeof(*e));
+	ptr = e ? src->s.alloc(asz, device, stream, src->s.user) : NULL;
+	if (!ptr) {
+		free(e);
+		source_put(src);
+		gml_torch_oom(device, size, e ? "the pool's own allocator "
+			      "returned no memory" : "no host memory");
+		return NULL;
+	}
+	*e = (struct entry){ .ptr = (uintptr_t)ptr, .size = size,
+			     .alloc_size = asz, .stream = stream, .src = src };
+	if (!entry_add(pd, id, e)) {
+		src->s.free(ptr, asz, device, stream, src->s.user);
+		free(e);
+		source_put(src);
+		gml_set_error(-ENOENT, "device %d: pool (%llu, %llu) went, or "
+			      "no host memory to record its segment", device,
+			      (unsigned long long)id[0],
+			      (unsigned long long)id[1]);
+		return NULL;
+	}
+	if (gml_history_on())
+		gml_history_add(device, GMLAKE_TORCH_SEGMENT_ALLOC, e->ptr, asz,
+				stream, id[0], id[1]);
+	*out = e;
+	return ptr;
 }
 
 GML_EXPORT void *gmlake_torch_pool_alloc(size_t size, int device,
@@ -457,6 +635,7 @@ GML_EXPORT void *gmlake_torch_pool_alloc(size_t size, int device,
 					 uint64_t id1)
 {
 	const uint64_t id[2] = { id0, id1 };
+	struct source *src = NULL;
 	struct entry *e = NULL;
 	struct pool_dev *pd;
 	struct pool *p;
@@ -470,7 +649,15 @@ GML_EXPORT void *gmlake_torch_pool_alloc(size_t size, int device,
 	p = pool_find(pd, id0, id1);
 	if (p)
 		e = take_parked(pd, p, stream, size);
+	if (p && !e && p->src) {
+		src = p->src;
+		atomic_fetch_add(&src->refs, 1);
+	}
 	pthread_mutex_unlock(&pd->lock);
+	if (src) {
+		ptr = source_alloc(device, stream, size, id, src, &e);
+		goto out_event;
+	}
 	if (!p)
 		gml_log(GMLAKE_LOG_WARN, "torch: device %d: allocation into "
 			"unknown pool (%llu, %llu); made outside any pool",
@@ -533,6 +720,7 @@ bool gml_pool_free(int device, void *ptr)
 
 		gml_ptrmap_del(&pd->entries, e->ptr);
 		atomic_fetch_sub(&pd->nentries, 1);
+		source_count(pd, e, -1);
 		p->nlive--;
 		pool_maybe_drop(pd, p);
 	}
@@ -548,9 +736,94 @@ bool gml_pool_free(int device, void *ptr)
 		}
 		return true;
 	}
+	if (e->src) {
+		/* Its pool is gone, but a graph's replay or another stream
+		 * may still use it: after the owner's sync, as at release. */
+		pool_sync_device(device);
+		source_free(device, id, e);
+		return true;
+	}
 	free(e);
 	gml_torch_free_now(ptr, size, device, id);
 	return true;
+}
+
+int gml_pool_source_device(const void *ptr)
+{
+	if (!atomic_load_explicit(&src_total, memory_order_acquire))
+		return -1;
+	for (int d = 0; d < GML_TORCH_MAX_DEVICES; d++) {
+		struct pool_dev *pd = &pdev[d];
+		struct entry *e;
+
+		if (!atomic_load_explicit(&pd->nsrc, memory_order_acquire))
+			continue;
+		pthread_mutex_lock(&pd->lock);
+		e = gml_ptrmap_get(&pd->entries, (uintptr_t)ptr);
+		pthread_mutex_unlock(&pd->lock);
+		if (e && e->src)
+			return d;
+	}
+	return -1;
+}
+
+GML_EXPORT int gmlake_torch_pool_segments(int device, uint64_t id0,
+					  uint64_t id1,
+					  struct gmlake_torch_pool_segment *segs,
+					  size_t n)
+{
+	bool all = !id0 && !id1;
+	struct pool_dev *pd;
+	size_t k = 0;
+	int ret = check_dev(device, "gmlake_torch_pool_segments");
+
+	if (ret)
+		return ret;
+	if (n && !segs)
+		return gml_set_error(-EINVAL, "gmlake_torch_pool_segments: "
+				     "segs is NULL");
+	pd = &pdev[device];
+	pthread_mutex_lock(&pd->lock);
+	for (size_t i = 0; i < pd->entries.cap; i++) {
+		const struct gml_ptrmap_slot *s = &pd->entries.slots[i];
+		const struct entry *e = s->val;
+
+		if (s->key <= 1 || !e->src ||
+		    (!all && (e->pool->id[0] != id0 || e->pool->id[1] != id1)))
+			continue;
+		if (k < n)
+			segs[k] = (struct gmlake_torch_pool_segment){
+				.address = e->ptr, .size = e->alloc_size,
+				.requested = e->size,
+				.pool_id = { e->pool->id[0], e->pool->id[1] },
+				.stream = e->stream, .parked = e->parked };
+		k++;
+	}
+	pthread_mutex_unlock(&pd->lock);
+	return k > INT32_MAX ? INT32_MAX : (int)k;
+}
+
+void gml_pool_source_stats(int device, struct gmlake_stat *segs,
+			   struct gmlake_stat *bytes, struct gmlake_stat *req)
+{
+	struct pool_dev *pd = &pdev[device];
+
+	pthread_mutex_lock(&pd->lock);
+	*segs = pd->src_segs;
+	*bytes = pd->src_bytes;
+	*req = pd->src_req;
+	pthread_mutex_unlock(&pd->lock);
+}
+
+void gml_pool_source_reset_peaks(int device)
+{
+	struct pool_dev *pd = &pdev[device];
+
+	pthread_mutex_lock(&pd->lock);
+	pd->src_segs.peak = pd->src_segs.current;
+	pd->src_bytes.peak = pd->src_bytes.current;
+	pd->src_req.peak = pd->src_req.current;
+	pthread_mutex_unlock(&pd->lock);
 }
 
 GML_EXPORT int gmlake_torch_pool_of(int device, const void *ptr, uint64_t id[2])
@@ -796,22 +1069,39 @@ void gml_pool_reset(void)
 		struct pool_dev *pd = &pdev[d];
 		struct pool *p, *next;
 
+		/* Source segments go back to their allocators: a test's
+		 * sources count them. */
 		pthread_mutex_lock(&pd->lock);
-		for (size_t i = 0; i < pd->entries.cap; i++)
-			if (pd->entries.slots[i].key > 1)
-				free(pd->entries.slots[i].val);
+		for (size_t i = 0; i < pd->entries.cap; i++) {
+			struct entry *e = pd->entries.slots[i].val;
+
+			if (pd->entries.slots[i].key <= 1)
+				continue;
+			if (e->src) {
+				e->src->s.free((void *)e->ptr, e->alloc_size,
+					       d, e->stream, e->src->s.user);
+				source_put(e->src);
+			}
+			free(e);
+		}
 		gml_ptrmap_fini(&pd->entries);
 		memset(&pd->entries, 0, sizeof(pd->entries));
 		for (p = pd->pools; p; p = next) {
 			next = p->next;
+			source_put(p->src);
 			free(p->parked);
 			free(p);
 		}
 		pd->pools = NULL;
 		atomic_store(&pd->nentries, 0);
 		atomic_store(&pd->routes, 0);
+		atomic_store(&pd->nsrc, 0);
 		pd->nparked = pd->parked_req = pd->parked_alloc = 0;
+		memset(&pd->src_segs, 0, sizeof(pd->src_segs));
+		memset(&pd->src_bytes, 0, sizeof(pd->src_bytes));
+		memset(&pd->src_req, 0, sizeof(pd->src_req));
 		pthread_mutex_unlock(&pd->lock);
 	}
+	atomic_store(&src_total, 0);
 	atomic_store(&pool_sync, NULL);
 }

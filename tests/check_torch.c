@@ -910,6 +910,293 @@ START_TEST(test_pool_sync_hook)
 END_TEST
 
 /* ---------------------------------------------------------------------- */
+/* Pools with an allocator of their own (MemPool(allocator=...))          */
+
+/* A pool allocator on host memory (libgmlake never touches its bytes)
+ * that remembers what it handed out, to check each free against it. */
+struct fake_src {
+	int allocs, frees, dones;
+	int fail;			/* allocations left before NULL; <0 none */
+	size_t last_size;
+	int last_dev;
+	gmlake_stream_t last_stream;
+	void *ptr[16];
+	size_t size[16];
+	int n;
+};
+
+static void *fake_alloc(size_t size, int device, gmlake_stream_t s, void *u)
+{
+	struct fake_src *f = u;
+	void *p;
+
+	f->last_size = size;
+	f->last_dev = device;
+	f->last_stream = s;
+	if (!f->fail || f->n == 16)
+		return NULL;
+	if (f->fail > 0)
+		f->fail--;
+	p = malloc(size);
+	ck_assert_ptr_nonnull(p);
+	f->ptr[f->n] = p;
+	f->size[f->n++] = size;
+	f->allocs++;
+	return p;
+}
+
+static void fake_free(void *ptr, size_t size, int device, gmlake_stream_t s,
+		      void *u)
+{
+	struct fake_src *f = u;
+	int i;
+
+	(void)s;
+	ck_assert_int_eq(device, 0);
+	for (i = 0; i < f->n && f->ptr[i] != ptr; i++)
+		;
+	ck_assert_msg(i < f->n, "free of %p, never allocated or freed twice",
+		      ptr);
+	ck_assert_uint_eq(size, f->size[i]);
+	f->ptr[i] = f->ptr[--f->n];
+	f->size[i] = f->size[f->n];
+	free(ptr);
+	f->frees++;
+}
+
+static void fake_done(void *u)
+{
+	struct fake_src *f = u;
+
+	ck_assert_int_eq(f->n, 0);	/* after every segment went back */
+	f->dones++;
+}
+
+static void set_fake_source(int device, uint64_t id0, uint64_t id1,
+			    struct fake_src *f, int expect)
+{
+	struct gmlake_torch_pool_source src = {
+		.alloc = fake_alloc, .free = fake_free, .done = fake_done,
+		.user = f };
+
+	ck_assert_int_eq(gmlake_torch_pool_set_source(device, id0, id1, &src),
+			 expect);
+}
+
+static void torch_figures(int device, struct gmlake_torch_stats *ts)
+{
+	*ts = (struct gmlake_torch_stats){
+		.version = GMLAKE_TORCH_STATS_VERSION, .size = sizeof(*ts) };
+	ck_assert_int_eq(gmlake_torch_stats_get(device, ts), 0);
+}
+
+START_TEST(test_pool_source_bad)
+{
+	struct fake_src f = { .fail = -1 }, g = { .fail = -1 };
+	struct gmlake_torch_pool_source src = {
+		.alloc = fake_alloc, .free = fake_free, .user = &f };
+	struct gmlake_torch_pool_segment seg;
+	void *p;
+
+	ck_assert_int_eq(gmlake_torch_pool_set_source(-1, POOL_A, &src),
+			 -EINVAL);
+	ck_assert_int_eq(gmlake_torch_pool_set_source(0, POOL_A, NULL),
+			 -EINVAL);
+	src.free = NULL;
+	ck_assert_int_eq(gmlake_torch_pool_set_source(0, POOL_A, &src),
+			 -EINVAL);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "src->free"));
+	/* No pool, or one without users. */
+	set_fake_source(0, POOL_A, &f, -ENOENT);
+	/* A pool with libgmlake's blocks cannot change its memory. */
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_B), 0);
+	p = gmlake_torch_pool_alloc(TH_MiB, 0, NULL, POOL_B);
+	ck_assert_ptr_nonnull(p);
+	set_fake_source(0, POOL_B, &f, -EBUSY);
+	gmlake_torch_free(p, TH_MiB, 0, NULL);
+	set_fake_source(0, POOL_B, &f, -EBUSY);	/* parked still counts */
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_B), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_B), 0);
+	/* The first source stays; a second is not used. */
+	ck_assert_int_eq(gmlake_torch_pool_incref(0, POOL_A), 0);
+	set_fake_source(0, POOL_A, &f, 0);
+	set_fake_source(0, POOL_A, &g, 1);
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	p = gmlake_torch_pool_alloc(TH_MiB, 0, NULL, POOL_A);
+	ck_assert_ptr_nonnull(p);
+	ck_assert_int_eq(f.allocs, 1);
+	ck_assert_int_eq(g.allocs, 0);
+	ck_assert_int_eq(gmlake_torch_pool_segments(-1, POOL_A, &seg, 1),
+			 -EINVAL);
+	ck_assert_int_eq(gmlake_torch_pool_segments(0, POOL_A, NULL, 1),
+			 -EINVAL);
+	gmlake_torch_free(p, TH_MiB, 0, NULL);
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 1);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(f.frees, 1);
+	ck_assert_int_eq(f.dones, 1);
+	ck_assert_int_eq(g.dones, 0);	/* never the pool's */
+}
+END_TEST
+
+/*
+ * Each block of a pool with its own allocator is a segment of its own
+ * from it (rounded up to 2 MiB), none of libgmlake's memory; freed, it is
+ * parked and reused at the same address by the pool's rules; the pool's
+ * end gives every segment back after the sync hook, then calls done.
+ */
+START_TEST(test_pool_source_park)
+{
+	gmlake_stream_t s2 = (gmlake_stream_t)(uintptr_t)0x1000;
+	struct gmlake_torch_pool_segment seg[4];
+	struct gmlake_torch_stats ts;
+	struct fake_src f = { .fail = -1 };
+	void *p, *q, *r;
+
+	nsyncs = 0;
+	gmlake_torch_set_sync_hook(count_sync);
+	ck_assert_int_eq(gmlake_torch_pool_incref(0, POOL_A), 0);
+	set_fake_source(0, POOL_A, &f, 0);
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	p = gmlake_torch_pool_alloc(3 * TH_MiB + 5, 0, NULL, POOL_A);
+	ck_assert_ptr_nonnull(p);
+	ck_assert_int_eq(f.allocs, 1);
+	ck_assert_uint_eq(f.last_size, 4 * TH_MiB);
+	ck_assert_int_eq(f.last_dev, 0);
+	ck_assert_ptr_eq(f.ptr[0], p);
+	ck_assert_ptr_null(gml_torch_ctx_peek(0));	/* nothing of ours */
+	ck_assert_int_eq(pool_of(0, p), 1);
+
+	torch_figures(0, &ts);
+	ck_assert_int_eq(ts.reserved_bytes.current, 4 * TH_MiB);
+	ck_assert_int_eq(ts.allocated_bytes.current, 4 * TH_MiB);
+	ck_assert_int_eq(ts.requested_bytes.current, 3 * TH_MiB + 5);
+	ck_assert_int_eq(ts.segment.current, 1);
+	ck_assert_int_eq(ts.allocation.current, 1);
+	ck_assert_int_eq(gmlake_torch_pool_segments(0, POOL_A, seg, 4), 1);
+	ck_assert_uint_eq(seg[0].address, (uintptr_t)p);
+	ck_assert_uint_eq(seg[0].size, 4 * TH_MiB);
+	ck_assert_uint_eq(seg[0].requested, 3 * TH_MiB + 5);
+	ck_assert_uint_eq(seg[0].pool_id[0], 7);
+	ck_assert_int_eq(seg[0].parked, 0);
+	ck_assert_int_eq(gmlake_torch_pool_segments(0, POOL_B, seg, 4), 0);
+	ck_assert_int_eq(gmlake_torch_pool_segments(0, 0, 0, seg, 4), 1);
+
+	/* Freed: parked, free to PyTorch's eyes, reserved still. */
+	gmlake_torch_free(p, 3 * TH_MiB + 5, 0, NULL);
+	ck_assert_int_eq(f.frees, 0);
+	ck_assert_int_eq(pool_of(0, p), 2);
+	torch_figures(0, &ts);
+	ck_assert_int_eq(ts.allocated_bytes.current, 0);
+	ck_assert_int_eq(ts.reserved_bytes.current, 4 * TH_MiB);
+	ck_assert_int_eq(gmlake_torch_pool_segments(0, POOL_A, seg, 4), 1);
+	ck_assert_int_eq(seg[0].parked, 1);
+
+	/* Same stream, fits: the same segment, no new one. */
+	q = gmlake_torch_pool_alloc(3 * TH_MiB, 0, NULL, POOL_A);
+	ck_assert_ptr_eq(q, p);
+	ck_assert_int_eq(f.allocs, 1);
+	/* Another stream: a segment of its own. */
+	r = gmlake_torch_pool_alloc(3 * TH_MiB, 0, s2, POOL_A);
+	ck_assert_ptr_nonnull(r);
+	ck_assert_ptr_ne(r, p);
+	ck_assert_int_eq(f.allocs, 2);
+	ck_assert_ptr_eq(f.last_stream, s2);
+	/* Used on another stream: never reused in the pool. */
+	gmlake_torch_record_stream(q, s2);
+	gmlake_torch_free(q, 3 * TH_MiB, 0, NULL);
+	p = gmlake_torch_pool_alloc(3 * TH_MiB, 0, NULL, POOL_A);
+	ck_assert_ptr_ne(p, q);
+	ck_assert_int_eq(f.allocs, 3);
+	/* By pointer alone, as PyTorch's deleter frees. */
+	gmlake_torch_raw_delete(p);
+	gmlake_torch_raw_delete(r);
+	ck_assert_int_eq(pool_of(0, p), 2);
+	ck_assert_int_eq(f.frees, 0);
+	torch_figures(0, &ts);
+	ck_assert_int_eq(ts.reserved_bytes.current, 12 * TH_MiB);
+	ck_assert_int_eq(ts.reserved_bytes.peak, 12 * TH_MiB);
+	ck_assert_int_eq(ts.allocated_bytes.current, 0);
+	/* As for libgmlake's pool blocks, the peak counts parked ones. */
+	ck_assert_int_eq(ts.allocated_bytes.peak, 12 * TH_MiB);
+
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 1);
+	ck_assert_int_eq(nsyncs, 0);
+	ck_assert_int_eq(f.frees, 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(nsyncs, 1);
+	ck_assert_int_eq(f.frees, 3);
+	ck_assert_int_eq(f.dones, 1);
+	torch_figures(0, &ts);
+	ck_assert_int_eq(ts.reserved_bytes.current, 0);
+	ck_assert_int_eq(ts.segment.current, 0);
+	ck_assert_int_eq(gmlake_torch_pool_segments(0, 0, 0, seg, 4), 0);
+	ck_assert_ptr_null(gml_torch_ctx_peek(0));
+	gmlake_torch_set_sync_hook(NULL);
+}
+END_TEST
+
+/* A segment outliving its pool goes back at its own free, after the sync
+ * hook, and done follows it; an allocator with no memory is PyTorch's
+ * out of memory. */
+START_TEST(test_pool_source_outlives)
+{
+	struct gmlake_torch_stats ts;
+	struct fake_src f = { .fail = 1 };
+	void *p;
+
+	nsyncs = 0;
+	gmlake_torch_set_sync_hook(count_sync);
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_B), 0);
+	set_fake_source(0, POOL_B, &f, 0);
+	p = gmlake_torch_pool_alloc(TH_MiB, 0, NULL, POOL_B);
+	ck_assert_ptr_nonnull(p);
+	ck_assert_uint_eq(f.last_size, 2 * TH_MiB);
+	ck_assert_ptr_null(gmlake_torch_pool_alloc(TH_MiB, 0, NULL, POOL_B));
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "out of memory"));
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "own allocator"));
+	ck_assert_int_eq(f.allocs, 1);
+	torch_figures(0, &ts);
+	ck_assert_int_eq(ts.num_ooms, 1);
+	ck_assert_int_eq(ts.allocation.current, 1);
+
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_B), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_B), 0);
+	ck_assert_int_eq(f.frees, 0);
+	ck_assert_int_eq(f.dones, 0);
+	ck_assert_int_eq(pool_of(0, p), 1);
+	gmlake_torch_raw_delete(p);
+	ck_assert_int_eq(nsyncs, 1);
+	ck_assert_int_eq(f.frees, 1);
+	ck_assert_int_eq(f.dones, 1);
+	ck_assert_int_eq(pool_of(0, p), 0);
+	torch_figures(0, &ts);
+	ck_assert_int_eq(ts.allocation.current, 0);
+	ck_assert_int_eq(ts.reserved_bytes.current, 0);
+	gmlake_torch_set_sync_hook(NULL);
+}
+END_TEST
+
+/* A process's reset (and so the tests' teardown) gives segments back. */
+START_TEST(test_pool_source_reset)
+{
+	struct fake_src f = { .fail = -1 };
+
+	ck_assert_int_eq(gmlake_torch_pool_incref(0, POOL_A), 0);
+	set_fake_source(0, POOL_A, &f, 0);
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	ck_assert_ptr_nonnull(gmlake_torch_pool_alloc(5 * TH_MiB, 0, NULL,
+						      POOL_A));
+	ck_assert_int_eq(gml_torch_reset(), 0);
+	ck_assert_int_eq(f.frees, 1);
+	ck_assert_int_eq(f.dones, 1);
+	ck_assert_int_eq(gml_pool_source_device(f.ptr[0]), -1);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
 /* PyTorch's statistics, snapshots, history                               */
 
 START_TEST(test_torch_stats)
@@ -1317,6 +1604,10 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_no_order_while_routing);
 		tcase_add_test(tc, test_pool_checkpoint);
 		tcase_add_test(tc, test_raw_delete);
+		tcase_add_test(tc, test_pool_source_bad);
+		tcase_add_test(tc, test_pool_source_park);
+		tcase_add_test(tc, test_pool_source_outlives);
+		tcase_add_test(tc, test_pool_source_reset);
 
 		tc = th_tcase(s, "Figures");
 		tcase_add_checked_fixture(tc, setup, teardown);

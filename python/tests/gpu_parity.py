@@ -16,7 +16,11 @@ backward), compile_reduce_overhead (a 20-step training loop against the
 same loop run eagerly), graph_pool (free inside a capture, allocate
 outside afterwards, replay, nothing outside overwritten; a second graph
 sharing the pool), ipc (CUDA tensors through a pipe to a spawned
-process that reads them and writes to them), mempool (torch.cuda.MemPool and use_mem_pool), oom_linear (out
+process that reads them and writes to them), mempool (torch.cuda.MemPool
+and use_mem_pool), nccl_mempool (a one-rank NCCL group: a MemPool on
+the backend's mem_allocator, register_mem_pool, all_reduce on tensors
+allocated before and after the registration, the pool's segments in
+the snapshot, deregistration), oom_linear (out
 of memory inside a Linear caught as torch.cuda.OutOfMemoryError, then
 the process goes on), oom_400g (torch.empty(400 GiB) + 1 raises
 OutOfMemoryError; CUDA still works), cross_stream (memory freed on a
@@ -25,9 +29,9 @@ after the first's reads; under libgmlake it says how often the memory
 was taken and the stream made to wait). --slow adds compile_max_autotune;
 --rows alloc_cost measures an allocation and free through PyTorch
 (run it with --backend ctypes too, to compare the adapter's cost).
-mempool passes when it works or fails with libgmlake's documented error;
-ipc must work, but under the ctypes backend (PyTorch's pluggable
-allocator, which shares nothing) its refusal passes.
+ipc and nccl_mempool must work, but under the ctypes backend (PyTorch's
+pluggable allocator, which shares nothing and keeps no pools) a
+refusal passes.
 
 Prints a table and, last, "N passed, M failed"; exit 1 on any failure.
 Needs torch with CUDA; the library's Python package is taken from this
@@ -51,13 +55,13 @@ MiB = 1 << 20
 
 ROWS = ("enable", "memory_stats", "reset_peak", "memory_history",
         "cudnn_benchmark", "compile_reduce_overhead", "graph_pool", "ipc",
-        "mempool", "oom_linear", "oom_400g", "cross_stream")
+        "mempool", "nccl_mempool", "oom_linear", "oom_400g",
+        "cross_stream")
 SLOW_ROWS = ("compile_max_autotune",)
 # Rows that measure and always pass (--rows to run them).
 EXTRA_ROWS = ("alloc_cost",)
 # Messages that make a refusal a pass (documented, says what to do).
 IPC_REFUSAL = "PluggableAllocator"
-MEMPOOL_REFUSAL = "torch.cuda.MemPool(allocator=...) is not supported"
 
 
 class RowFailed(Exception):
@@ -396,18 +400,56 @@ def row_mempool(torch, ctx):
     del pool
     torch.cuda.synchronize()
     check(bool((z == 5.0).all()), "a tensor outside the pool changed")
-    try:
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(
-            ctx["lib"] or "libc.so.6", "malloc", "free") \
-            if ctx["mode"] == "gmlake" else None
-        if alloc is not None:
-            torch.cuda.MemPool(alloc.allocator())
-    except RuntimeError as e:
-        check(MEMPOOL_REFUSAL in str(e), "MemPool(allocator=...) failed "
-              "without libgmlake's message: %s" % e)
-        return "MemPool() works (use_count %d); MemPool(allocator) refused " \
-            "clearly" % uses
     return "MemPool() works (use_count %d)" % uses
+
+
+def row_nccl_mempool(torch, ctx):
+    """NCCL's user-buffer registration on one rank: the pool's memory
+    comes from the backend's allocator (ncclMemAlloc), a segment per
+    block, registered whole."""
+    import torch.distributed as dist
+    dev = torch.device("cuda", 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method="file://%s/store" % tmp,
+                                rank=0, world_size=1, device_id=dev)
+        try:
+            backend = dist.group.WORLD._get_backend(dev)
+            try:
+                pool = torch.cuda.MemPool(backend.mem_allocator)
+            except RuntimeError as e:
+                check(_gmlake_backend() == "ctypes",
+                      "MemPool(mem_allocator) failed: %s" % e)
+                return "refused under the ctypes backend: %s" % str(e)[:120]
+            reserved0 = torch.cuda.memory_reserved()
+            with torch.cuda.use_mem_pool(pool):
+                a = torch.full((16 * MiB,), 2.0, device=dev)
+            backend.register_mem_pool(pool)
+            with torch.cuda.use_mem_pool(pool):     # after: the hook's
+                b = torch.full((3 * MiB,), 5.0, device=dev)
+            dist.all_reduce(a)
+            dist.all_reduce(b)
+            torch.cuda.synchronize()
+            check(bool((a == 2.0).all()) and bool((b == 5.0).all()),
+                  "all_reduce on one rank changed the values")
+            segs = [s for s in torch.cuda.memory_snapshot()
+                    if tuple(s.get("segment_pool_id", (0, 0))) ==
+                    tuple(pool.id)]
+            sizes = sorted(s["total_size"] for s in segs)
+            check(len(segs) == 2 and sizes[0] >= 12 * MiB and
+                  sizes[1] >= 64 * MiB,
+                  "the pool's segments in the snapshot: %s" % sizes)
+            grown = torch.cuda.memory_reserved() - reserved0
+            check(grown >= 76 * MiB, "memory_reserved grew by %d bytes, "
+                  "not by the pool's segments" % grown)
+            del a, b
+            backend.deregister_mem_pool(pool)
+            del pool
+            torch.cuda.synchronize()
+        finally:
+            dist.destroy_process_group()
+    return ("registered a pool of %d segments (%s MiB) from NCCL's "
+            "allocator; all_reduce right" %
+            (len(segs), "+".join(str(x // MiB) for x in sizes)))
 
 
 def row_oom_linear(torch, ctx):

@@ -93,6 +93,8 @@ using c10::MempoolId_t;
   X(gmlake_torch_pool_live)                \
   X(gmlake_torch_pool_restore)             \
   X(gmlake_torch_pool_routing)             \
+  X(gmlake_torch_pool_set_source)          \
+  X(gmlake_torch_pool_segments)            \
   X(gmlake_torch_set_sync_hook)            \
   X(gmlake_torch_history_start)            \
   X(gmlake_torch_history_stop)             \
@@ -279,6 +281,102 @@ uint32_t skip_mask(const std::vector<std::string>& skip) {
     TORCH_CHECK(known, "libgmlake: unknown trace action to skip: ", s);
   }
   return mask;
+}
+
+// ---------------------------------------------------------------------------
+// Pools with an allocator of their own: torch.cuda.MemPool(allocator=...),
+// as torch.distributed's NCCL backend makes them for buffers it registers
+// (register_mem_pool). libgmlake keeps the pool (parking, reuse, its end);
+// these only call the allocator, and tell the trace trackers (NCCL's
+// registration hooks) of each segment after it came and before it goes.
+
+std::mutex g_trackers_mutex;
+std::vector<cda::AllocatorTraceTracker> g_trackers;
+
+struct PoolSource {
+  std::shared_ptr<cca::CUDAAllocator> allocator;
+  MempoolId_t pool;
+};
+
+void warn_quietly(const std::string& msg) {
+  try {
+    TORCH_WARN(msg);
+  } catch (...) {
+  }
+}
+
+void tell_trackers(
+    cda::TraceEntry::Action action,
+    int device,
+    void* ptr,
+    size_t size,
+    cudaStream_t stream,
+    MempoolId_t pool) {
+  std::vector<cda::AllocatorTraceTracker> trackers;
+  {
+    std::lock_guard<std::mutex> lock(g_trackers_mutex);
+    trackers = g_trackers;
+  }
+  if (trackers.empty())
+    return;
+  try {
+    cda::TraceEntry te(
+        action,
+        static_cast<DeviceIndex>(device),
+        reinterpret_cast<size_t>(ptr),
+        size,
+        static_cast<void*>(stream),
+        pool,
+        c10::getApproximateTime());
+    for (auto& t : trackers)
+      t(te);
+  } catch (const std::exception& e) {
+    // NCCL's registration failed: collectives still work, unregistered.
+    warn_quietly(
+        std::string("libgmlake: a trace tracker failed on a memory "
+                    "pool's segment: ") +
+        e.what());
+  }
+}
+
+void* source_alloc(size_t size, int device, gmlake_stream_t stream,
+                   void* user) {
+  auto* src = static_cast<PoolSource*>(user);
+  void* p = nullptr;
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+    p = src->allocator->raw_alloc_with_stream(size, stream);
+  } catch (const std::exception& e) {
+    warn_quietly(
+        std::string("libgmlake: a memory pool's own allocator failed: ") +
+        e.what());
+    return nullptr;
+  }
+  if (p)
+    tell_trackers(
+        cda::TraceEntry::SEGMENT_ALLOC, device, p, size, stream, src->pool);
+  return p;
+}
+
+void source_free(void* ptr, size_t size, int device, gmlake_stream_t stream,
+                 void* user) {
+  auto* src = static_cast<PoolSource*>(user);
+  // Deregistered before the memory goes, as PyTorch's own allocator does.
+  tell_trackers(
+      cda::TraceEntry::SEGMENT_FREE, device, ptr, size, stream, src->pool);
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+    src->allocator->raw_delete(ptr);
+  } catch (const std::exception& e) {
+    warn_quietly(
+        std::string("libgmlake: a memory pool's own allocator could not "
+                    "free a segment: ") +
+        e.what());
+  }
+}
+
+void source_done(void* user) {
+  delete static_cast<PoolSource*>(user);
 }
 
 // ---------------------------------------------------------------------------
@@ -541,13 +639,23 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     oom_observers_.push_back(std::move(observer));
   }
 
-  void attachAllocatorTraceTracker(cda::AllocatorTraceTracker /*tracker*/)
+  // Trackers hear of the segments of pools with their own allocator
+  // (NCCL's register_mem_pool); libgmlake's own ranges span many handles,
+  // which a registration of the range cannot take whole.
+  void attachAllocatorTraceTracker(cda::AllocatorTraceTracker tracker)
       override {
-    TORCH_WARN_ONCE(
-        "libgmlake does not call allocator trace trackers (they serve "
-        "NCCL's buffer registration hook, "
-        "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK); ignored. Leave "
-        "that variable unset under libgmlake.");
+    const char* all =
+        std::getenv("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK");
+    if (all && std::strcmp(all, "0") != 0)
+      TORCH_WARN_ONCE(
+          "libgmlake registers with NCCL only the memory of pools with "
+          "their own allocator (torch.cuda.MemPool(backend.mem_allocator) "
+          "and register_mem_pool), not every tensor as "
+          "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK asks: its ranges "
+          "span many physical handles. Collectives on other tensors run "
+          "unregistered.");
+    std::lock_guard<std::mutex> lock(g_trackers_mutex);
+    g_trackers.push_back(std::move(tracker));
   }
 
   // -- CUDA graphs and memory pools ----------------------------------------
@@ -604,18 +712,25 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       MempoolId_t mempool_id,
       std::shared_ptr<cca::CUDAAllocator> allocator) override {
     TORCH_CHECK(
-        !allocator,
-        "libgmlake: torch.cuda.MemPool(allocator=...) is not supported: "
-        "libgmlake serves all CUDA memory itself and cannot hand a pool's "
-        "segments to another allocator. Use torch.cuda.MemPool() without "
-        "an allocator (a private pool libgmlake keeps), or run this "
-        "process without libgmlake (no gmlake.torch.enable(), no "
-        "python -m gmlake.run) to use a custom allocator.");
-    TORCH_CHECK(
         api.gmlake_torch_pool_incref(
             device, mempool_id.first, mempool_id.second) == 0,
         "libgmlake: createOrIncrefPool: ",
         last_error());
+    // libgmlake's own allocator as the pool's is a plain private pool.
+    if (!allocator || dynamic_cast<GmlakeAllocator*>(allocator.get()))
+      return;
+    auto* src = new PoolSource{std::move(allocator), mempool_id};
+    gmlake_torch_pool_source s{source_alloc, source_free, source_done, src};
+    int r = api.gmlake_torch_pool_set_source(
+        device, mempool_id.first, mempool_id.second, &s);
+    if (r == 0)
+      return;
+    delete src;
+    if (r > 0)
+      return; // the pool has its allocator already
+    std::string why = last_error();
+    api.gmlake_torch_pool_release(device, mempool_id.first, mempool_id.second);
+    TORCH_CHECK(false, "libgmlake: torch.cuda.MemPool(allocator=...): ", why);
   }
 
   void setUseOnOOM(DeviceIndex, MempoolId_t, bool) override {
@@ -844,6 +959,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       MempoolId_t pool_id) {
     gmlake_ctx* ctx = nullptr;
     gmlake_snapshot* snap = nullptr;
+    add_source_segments(info, device, filter, pool_id);
     if (api.gmlake_torch_ctx_get(device, &ctx))
       return; // nothing allocated on it yet
     TORCH_CHECK(
@@ -862,6 +978,44 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       throw;
     }
     api.gmlake_snapshot_free(snap);
+  }
+
+  // The segments pools' own allocators gave: one block each.
+  void add_source_segments(
+      cca::SnapshotInfo& info,
+      int device,
+      bool filter,
+      MempoolId_t pool_id) {
+    uint64_t a = filter ? pool_id.first : 0, b = filter ? pool_id.second : 0;
+    int n = api.gmlake_torch_pool_segments(device, a, b, nullptr, 0);
+    TORCH_CHECK(n >= 0, "libgmlake: snapshot: ", last_error());
+    if (!n)
+      return;
+    std::vector<gmlake_torch_pool_segment> v(static_cast<size_t>(n));
+    n = api.gmlake_torch_pool_segments(device, a, b, v.data(), v.size());
+    TORCH_CHECK(n >= 0, "libgmlake: snapshot: ", last_error());
+    for (size_t i = 0; i < std::min(v.size(), static_cast<size_t>(n)); i++) {
+      const gmlake_torch_pool_segment& s = v[i];
+      cda::SegmentInfo seg;
+      seg.device = static_cast<DeviceIndex>(device);
+      seg.address = s.address;
+      seg.total_size = s.size;
+      seg.stream = s.stream;
+      seg.is_large = true;
+      seg.is_expandable = false;
+      seg.owner_private_pool_id = {s.pool_id[0], s.pool_id[1]};
+      cda::BlockInfo blk;
+      blk.size = s.size;
+      blk.requested_size = s.requested;
+      blk.allocated = blk.active = !s.parked;
+      if (blk.allocated) {
+        seg.allocated_size = s.size;
+        seg.requested_size = s.requested;
+        seg.active_size = s.size;
+      }
+      seg.blocks.push_back(std::move(blk));
+      info.segments.push_back(std::move(seg));
+    }
   }
 
   cda::SegmentInfo segment(
