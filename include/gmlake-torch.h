@@ -147,6 +147,11 @@ int gmlake_torch_stats_reset_peaks(int device);
 /* torch.cuda.reset_accumulated_memory_stats(): the allocated and freed
  * figures and the counters start again from 0. */
 int gmlake_torch_stats_reset_accumulated(int device);
+/* gmlake_peer_access() on device's context (made now if it has none):
+ * device peer may access device's memory (PyTorch's enablePeerAccess
+ * (peer, device)). 0 or -errno. */
+int gmlake_torch_peer_access(int device, int peer);
+
 /* The largest request the device's cache serves without asking the
  * driver for memory (gmlake_cache_info()), as PyTorch's cacheInfo answers
  * for cuDNN's workspace; 0 before the first allocation. 0 or -EINVAL. */

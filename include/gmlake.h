@@ -133,6 +133,16 @@ int gmlake_record_stream(gmlake_ctx *ctx, void *ptr, gmlake_stream_t stream);
  * chunk. -EINVAL for off without on.
  */
 int gmlake_long_lived(gmlake_ctx *ctx, bool on);
+/*
+ * Peer access: device ordinal peer may read and write every block of ctx,
+ * now and later (a kernel on peer reading this device's tensors, as
+ * PyTorch's enablePeerAccess asks). Off unless asked: each peer lengthens
+ * every later set-access. 0 (also when granted before); -EINVAL (ctx
+ * NULL, peer this device or no device), -ENODEV (peer cannot access this
+ * device), -ENOSPC (31 peers already), or the driver's error, with later
+ * mappings granted but some of the present ones perhaps not: call again.
+ */
+int gmlake_peer_access(gmlake_ctx *ctx, int peer);
 /* Size the block at ptr was asked for, or -EINVAL if ptr is no block. */
 int gmlake_block_size(gmlake_ctx *ctx, const void *ptr, size_t *size);
 

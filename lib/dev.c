@@ -277,7 +277,29 @@ int gml_dev_set_access(struct gml_dev *dev, gml_va va, size_t size)
 
 	if (begin(dev, GMLAKE_CALL_set_access, &t0))
 		return injected(dev, GMLAKE_CALL_set_access);
-	return end(dev, GMLAKE_CALL_set_access, t0, dev->ops->set_access(dev->priv, va, size));
+	return end(dev, GMLAKE_CALL_set_access, t0,
+		   dev->ops->set_access(dev->priv, va, size, dev->peers,
+					atomic_load_explicit(&dev->npeers,
+							     memory_order_acquire)));
+}
+
+int gml_dev_peer_add(struct gml_dev *dev, int peer)
+{
+	int n = atomic_load_explicit(&dev->npeers, memory_order_relaxed);
+	int ret;
+
+	for (int i = 0; i < n; i++)
+		if (dev->peers[i] == peer)
+			return 1;
+	if (n == GML_MAX_PEERS)
+		return gml_set_error(-ENOSPC, "device peers: %d listed already, "
+				     "the most there can be", n);
+	ret = dev->ops->peer_check(dev->priv, peer);
+	if (ret)
+		return ret;
+	dev->peers[n] = peer;
+	atomic_store_explicit(&dev->npeers, n + 1, memory_order_release);
+	return 0;
 }
 
 int gml_dev_event_create(struct gml_dev *dev, gml_event *e)

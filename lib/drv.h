@@ -50,8 +50,15 @@ struct gml_drv_ops {
 	/* Map all of h (size bytes) at va; unmap exactly one earlier map. */
 	int (*mem_map)(void *priv, gml_va va, size_t size, gml_handle h);
 	int (*mem_unmap)(void *priv, gml_va va, size_t size);
-	/* Read-write access for the device over [va, va+size). */
-	int (*set_access)(void *priv, gml_va va, size_t size);
+	/* Read-write access over [va, va+size) for the device and for the
+	 * npeers devices of peers (other ordinals; unlisted devices keep
+	 * what access they had). */
+	int (*set_access)(void *priv, gml_va va, size_t size,
+			  const int *peers, int npeers);
+	/* Whether device ordinal peer may be given access to this device's
+	 * memory: 0, -EINVAL (this device, or no ordinal), -ENODEV (it
+	 * cannot access it). */
+	int (*peer_check)(void *priv, int peer);
 
 	int (*stream_create)(void *priv, gmlake_stream_t *s);
 	int (*stream_destroy)(void *priv, gmlake_stream_t s);
@@ -143,10 +150,17 @@ struct gml_fault {
 };
 
 /* An open device: the backend plus the counters of its calls. */
+/* Devices given access besides the device itself (gml_dev_peer_add). */
+#define GML_MAX_PEERS 31
+
 struct gml_dev {
 	const struct gml_drv_ops *ops;
 	void *priv;
 	size_t granularity;
+	/* Appended under the owner's lock, never removed; read by every
+	 * set_access without one (offload's threads too). */
+	int peers[GML_MAX_PEERS];
+	atomic_int npeers;
 	uint64_t calls[GML_CALL_COUNT];
 	uint64_t call_ns[GML_CALL_COUNT];
 	uint64_t call_failures[GML_CALL_COUNT];
@@ -177,7 +191,12 @@ int gml_dev_va_reserve(struct gml_dev *dev, size_t size, size_t align,
 int gml_dev_va_free(struct gml_dev *dev, gml_va va, size_t size);
 int gml_dev_mem_map(struct gml_dev *dev, gml_va va, size_t size, gml_handle h);
 int gml_dev_mem_unmap(struct gml_dev *dev, gml_va va, size_t size);
+/* Access for the device and its peers (gml_dev_peer_add). */
 int gml_dev_set_access(struct gml_dev *dev, gml_va va, size_t size);
+/* Every later set_access also grants device ordinal peer: 0, 1 when it
+ * was already listed, -ENOSPC (GML_MAX_PEERS listed), or peer_check's
+ * error. The caller serializes adds. */
+int gml_dev_peer_add(struct gml_dev *dev, int peer);
 int gml_dev_event_create(struct gml_dev *dev, gml_event *e);
 void gml_dev_event_destroy(struct gml_dev *dev, gml_event e);
 int gml_dev_event_record(struct gml_dev *dev, gml_event e, gmlake_stream_t s);

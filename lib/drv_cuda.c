@@ -49,6 +49,7 @@
 	X(cuDeviceGet, 2000, true)				\
 	X(cuDeviceGetCount, 2000, true)				\
 	X(cuDeviceGetAttribute, 2000, true)			\
+	X(cuDeviceCanAccessPeer, 4000, true)			\
 	X(cuDevicePrimaryCtxRetain, 7000, true)			\
 	X(cuDevicePrimaryCtxRelease, 11000, true)		\
 	X(cuCtxGetCurrent, 4000, true)				\
@@ -653,17 +654,53 @@ static int gml_cu_mem_unmap(void *priv, gml_va va, size_t size)
 	return gml_cu_err(gml_cu.p_cuMemUnmap(va, size), "cuMemUnmap");
 }
 
-/* One access descriptor for the whole range, however many chunks back it. */
-static int gml_cu_set_access(void *priv, gml_va va, size_t size)
+/* One call for the whole range, however many chunks back it: a
+ * descriptor for the device and one per peer. */
+static int gml_cu_set_access(void *priv, gml_va va, size_t size,
+			     const int *peers, int npeers)
 {
 	const struct gml_cu_dev *d = priv;
-	CUmemAccessDesc desc;
+	CUmemAccessDesc desc[1 + GML_MAX_PEERS];
 
-	memset(&desc, 0, sizeof(desc));
-	desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-	desc.location.id = d->dev;
-	desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-	return gml_cu_err(gml_cu.p_cuMemSetAccess(va, size, &desc, 1), "cuMemSetAccess");
+	if (npeers < 0 || npeers > GML_MAX_PEERS)
+		return gml_set_error(-EINVAL, "cuda: set_access: %d peers",
+				     npeers);
+	memset(desc, 0, sizeof(desc));
+	for (int i = 0; i <= npeers; i++) {
+		desc[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+		desc[i].location.id = i ? peers[i - 1] : d->dev;
+		desc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	}
+	return gml_cu_err(gml_cu.p_cuMemSetAccess(va, size, desc,
+						  (size_t)npeers + 1),
+			  "cuMemSetAccess");
+}
+
+static int gml_cu_peer_check(void *priv, int peer)
+{
+	const struct gml_cu_dev *d = priv;
+	CUdevice pd;
+	int count = 0, can = 0, ret;
+
+	if (peer == d->ordinal)
+		return gml_set_error(-EINVAL, "cuda: device %d is no peer of "
+				     "itself", peer);
+	ret = gml_cu_err(gml_cu.p_cuDeviceGetCount(&count),
+			 "cuDeviceGetCount");
+	if (ret)
+		return ret;
+	if (peer < 0 || peer >= count)
+		return gml_set_error(-EINVAL, "cuda: no device %d (%d devices)",
+				     peer, count);
+	ret = gml_cu_err(gml_cu.p_cuDeviceGet(&pd, peer), "cuDeviceGet");
+	if (!ret)
+		ret = gml_cu_err(gml_cu.p_cuDeviceCanAccessPeer(&can, pd,
+								 d->dev),
+				 "cuDeviceCanAccessPeer");
+	if (!ret && !can)
+		ret = gml_set_error(-ENODEV, "cuda: device %d cannot access "
+				    "device %d's memory", peer, d->ordinal);
+	return ret;
 }
 
 static int gml_cu_stream_create(void *priv, gmlake_stream_t *s)
@@ -851,6 +888,7 @@ const struct gml_drv_ops gml_drv_cuda = {
 	.mem_map = gml_cu_mem_map,
 	.mem_unmap = gml_cu_mem_unmap,
 	.set_access = gml_cu_set_access,
+	.peer_check = gml_cu_peer_check,
 	.stream_create = gml_cu_stream_create,
 	.stream_destroy = gml_cu_stream_destroy,
 	.stream_sync = gml_cu_stream_sync,

@@ -226,6 +226,7 @@ static int emu_open(const struct gmlake_config *cfg, void **priv)
 	dev->host_fd = -1;
 	dev->exportable = cfg->exportable;
 	dev->host_numa = -1;
+	dev->ordinal = cfg->device;
 	dev->gran = gran;
 	dev->capacity = cap;
 	gml_emu_table_init(&dev->chunks);
@@ -358,6 +359,7 @@ const struct gml_drv_ops gml_drv_emu = {
 	.mem_map = gml_emu_mem_map,
 	.mem_unmap = gml_emu_mem_unmap,
 	.set_access = gml_emu_set_access,
+	.peer_check = gml_emu_peer_check,
 	.stream_create = gml_emu_stream_create,
 	.stream_destroy = gml_emu_stream_destroy,
 	.stream_sync = gml_emu_stream_sync,

@@ -67,11 +67,15 @@ struct emu_chunk {
 	uint64_t import_off;	/* in bytes */
 };
 
+/* Device ordinals the emulated device knows (any opens). */
+#define EMU_DEVICES 128
+
 struct emu_map {
 	gml_va va;		/* first: the arrays are sorted by it */
 	size_t size;
 	struct emu_chunk *chunk;
 	bool access;
+	uint64_t peers[EMU_DEVICES / 64];	/* ordinals given access too */
 };
 
 struct emu_resv {
@@ -147,6 +151,7 @@ struct emu_dev {
 	bool exportable;	/* cfg->exportable: mem_export works */
 	uint64_t host_next;	/* next free offset in host_fd, in units */
 	int host_numa;		/* reported host NUMA node */
+	int ordinal;		/* cfg->device */
 };
 
 /* drv_emu_mem.c */
@@ -163,7 +168,12 @@ int gml_emu_mem_import(void *priv, int fd, uint64_t off, size_t size,
 		       gml_handle *h);
 int gml_emu_mem_release(void *priv, gml_handle h);
 int gml_emu_mem_unmap(void *priv, gml_va va, size_t size);
-int gml_emu_set_access(void *priv, gml_va va, size_t size);
+int gml_emu_set_access(void *priv, gml_va va, size_t size, const int *peers,
+		       int npeers);
+int gml_emu_peer_check(void *priv, int peer);
+/* For tests: whether device ordinal peer was given access to all of
+ * [va, va+size), mapped without gaps. */
+bool gml_emu_peer_has_access(void *priv, gml_va va, size_t size, int peer);
 int gml_emu_table_add(struct emu_table *t, void *obj, uint64_t *id);
 void gml_emu_table_del(struct emu_table *t, uint64_t id);
 void *gml_emu_table_get(const struct emu_table *t, uint64_t id);

@@ -527,10 +527,7 @@ int gml_emu_mem_map(void *priv, gml_va va, size_t size, gml_handle h)
 	ret = emu_map_check(dev, va, size, c, &at);
 	if (ret)
 		goto out_unlock;
-	m.va = va;
-	m.size = size;
-	m.chunk = c;
-	m.access = false;
+	m = (struct emu_map){ .va = va, .size = size, .chunk = c };
 	ret = gml_emu_vec_insert(&dev->maps, sizeof(m), at, &m);
 	if (ret) {
 		gml_set_error(ret, "emu: mem_map: out of host memory");
@@ -622,8 +619,10 @@ static gml_va emu_maps_reach(struct emu_dev *dev, gml_va va, gml_va end,
 	return at;
 }
 
-/* Read-write over whole mappings that cover [va, va+size) without a gap. */
-int gml_emu_set_access(void *priv, gml_va va, size_t size)
+/* Read-write over whole mappings that cover [va, va+size) without a gap;
+ * the peers are recorded (one address space serves every ordinal). */
+int gml_emu_set_access(void *priv, gml_va va, size_t size, const int *peers,
+		       int npeers)
 {
 	struct emu_dev *dev = priv;
 	struct emu_map *m;
@@ -631,6 +630,11 @@ int gml_emu_set_access(void *priv, gml_va va, size_t size)
 	gml_va end = va + size;
 	int ret = 0;
 
+	for (int k = 0; k < npeers; k++)
+		if (peers[k] < 0 || peers[k] >= EMU_DEVICES ||
+		    peers[k] == dev->ordinal)
+			return gml_set_error(-EINVAL, "emu: set_access: bad "
+					     "peer %d", peers[k]);
 	pthread_mutex_lock(&dev->lock);
 	m = dev->maps.v;
 	if (!size || end < va ||
@@ -646,11 +650,44 @@ int gml_emu_set_access(void *priv, gml_va va, size_t size)
 				    strerror(errno));
 		goto out_unlock;
 	}
-	for (i = first; i < dev->maps.len && m[i].va < end; i++)
+	for (i = first; i < dev->maps.len && m[i].va < end; i++) {
 		m[i].access = true;
+		for (int k = 0; k < npeers; k++)
+			m[i].peers[peers[k] / 64] |= 1ull << (peers[k] % 64);
+	}
 out_unlock:
 	pthread_mutex_unlock(&dev->lock);
 	return ret;
+}
+
+int gml_emu_peer_check(void *priv, int peer)
+{
+	const struct emu_dev *dev = priv;
+
+	if (peer < 0 || peer >= EMU_DEVICES || peer == dev->ordinal)
+		return gml_set_error(-EINVAL, "emu: device %d cannot be a peer "
+				     "of device %d (ordinals 0-%d)", peer,
+				     dev->ordinal, EMU_DEVICES - 1);
+	return 0;
+}
+
+bool gml_emu_peer_has_access(void *priv, gml_va va, size_t size, int peer)
+{
+	struct emu_dev *dev = priv;
+	struct emu_map *m;
+	size_t first = 0, i;
+	gml_va end = va + size;
+	bool ok;
+
+	if (peer < 0 || peer >= EMU_DEVICES)
+		return false;
+	pthread_mutex_lock(&dev->lock);
+	m = dev->maps.v;
+	ok = size && emu_maps_reach(dev, va, end, true, &first) >= end;
+	for (i = first; ok && i < dev->maps.len && m[i].va < end; i++)
+		ok = m[i].peers[peer / 64] & (1ull << (peer % 64));
+	pthread_mutex_unlock(&dev->lock);
+	return ok;
 }
 
 /* Whether [p, p+size) is mapped and accessible on this device. */

@@ -310,6 +310,20 @@ static int import_map(gmlake_ctx *ctx, const struct gmlake_ipc_block *blk,
 	return gml_dev_set_access(&ctx->dev, im->va, im->total);
 }
 
+int gml_ipc_grant(gmlake_ctx *ctx)
+{
+	for (struct gml_import *im = ctx->imports; im; im = im->next) {
+		int ret;
+
+		if (im->mapped < im->npieces)
+			continue;	/* being set up or torn down */
+		ret = gml_dev_set_access(&ctx->dev, im->va, im->total);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
 GML_EXPORT int gmlake_ipc_import(gmlake_ctx *ctx,
 				 const struct gmlake_ipc_block *blk,
 				 void **ptr)

@@ -268,6 +268,8 @@ struct gmlake_ctx {
 	uint32_t long_lived;		/* gmlake_long_lived() calls on, less
 					   off: large growth takes spans */
 	struct gml_import *imports;	/* ranges gmlake_ipc_import mapped */
+	int peers[GML_MAX_PEERS];	/* granted over every mapping */
+	uint32_t npeers;
 
 	struct gmlake_stats st;
 };
@@ -298,6 +300,8 @@ bool gml_ipc_holds(const gmlake_ctx *ctx, uintptr_t ptr, size_t size);
  * raised to the hard one if it can be (*raised). */
 bool gml_ipc_out_of_fds(bool *raised);
 void gml_ipc_fini(gmlake_ctx *ctx);
+/* Set-access over every imported range (peer.c). */
+int gml_ipc_grant(gmlake_ctx *ctx);
 
 /* alloc.c: large blocks, views and chunks */
 int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,

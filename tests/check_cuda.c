@@ -162,7 +162,7 @@ START_TEST(test_stitch)
 	ck_assert_uint_eq(va % gran, 0);
 	ck_assert_int_eq(ops->mem_map(dev, va, gran, h1), 0);
 	ck_assert_int_eq(ops->mem_map(dev, va + gran, gran, h0), 0);
-	ck_assert_int_eq(ops->set_access(dev, va, n), 0);
+	ck_assert_int_eq(ops->set_access(dev, va, n, NULL, 0), 0);
 
 	ck_assert_int_eq(ops->stream_create(dev, &s), 0);
 	ck_assert_ptr_nonnull(s);
@@ -190,7 +190,7 @@ START_TEST(test_stitch)
 	memset(out, 0, n);
 	ck_assert_int_eq(ops->va_reserve(dev, gran, gran, &va2), 0);
 	ck_assert_int_eq(ops->mem_map(dev, va2, gran, h0), 0);
-	ck_assert_int_eq(ops->set_access(dev, va2, gran), 0);
+	ck_assert_int_eq(ops->set_access(dev, va2, gran, NULL, 0), 0);
 	ck_assert_int_eq(ops->memcpy_async(dev, out, (void *)(uintptr_t)va2, gran,
 					   GML_COPY_DTOH, s), 0);
 	ck_assert_int_eq(ops->stream_sync(dev, s), 0);

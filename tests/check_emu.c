@@ -154,7 +154,7 @@ static void *mapped(size_t units, gml_handle *h)
 
 	*h = chunk(units);
 	ck_assert_int_eq(ops->mem_map(dev, va, units * G, *h), 0);
-	ck_assert_int_eq(ops->set_access(dev, va, units * G), 0);
+	ck_assert_int_eq(ops->set_access(dev, va, units * G, NULL, 0), 0);
 	return (void *)(uintptr_t)va;
 }
 
@@ -435,7 +435,7 @@ START_TEST(test_map_access_unmap)
 	ck_assert_int_eq(ops->mem_map(dev, va + G, 2 * G, h), 0);
 	ck_assert(!readable(p));	/* mapped, no access yet */
 	ck_assert_uint_eq(info().live_mappings, 1);
-	ck_assert_int_eq(ops->set_access(dev, va + G, 2 * G), 0);
+	ck_assert_int_eq(ops->set_access(dev, va + G, 2 * G, NULL, 0), 0);
 	ck_assert(readable(p) && writable(p));
 	ck_assert(readable(p + 2 * G - 1));
 	ck_assert(!readable(p + 2 * G));
@@ -448,7 +448,7 @@ START_TEST(test_map_access_unmap)
 	ck_assert_uint_eq(info().live_mappings, 0);
 	/* The reservation stays: the same range maps again, same bytes. */
 	ck_assert_int_eq(ops->mem_map(dev, va + G, 2 * G, h), 0);
-	ck_assert_int_eq(ops->set_access(dev, va + G, 2 * G), 0);
+	ck_assert_int_eq(ops->set_access(dev, va + G, 2 * G, NULL, 0), 0);
 	ck_assert(filled(p, 2 * G, 3));
 	ck_assert_int_eq(ops->mem_unmap(dev, va + G, 2 * G), 0);
 	ck_assert_int_eq(ops->mem_release(dev, h), 0);
@@ -573,23 +573,23 @@ START_TEST(test_set_access_errors)
 	ck_assert_int_eq(ops->mem_map(dev, va + G, G, b), 0);
 	ck_assert_int_eq(ops->mem_map(dev, va + 3 * G, 2 * G, c), 0);
 
-	ck_assert_err(ops->set_access(dev, va, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va, 0, NULL, 0), -EINVAL);
 	/* Over the gap, in it, over half of c. */
-	ck_assert_err(ops->set_access(dev, va, 5 * G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va, 3 * G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va + 2 * G, G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va + 3 * G, G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va + 4 * G, G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va + 3 * G, 3 * G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va + 4096, G), -EINVAL);
-	ck_assert_err(ops->set_access(dev, va, SIZE_MAX), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va, 5 * G, NULL, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va, 3 * G, NULL, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va + 2 * G, G, NULL, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va + 3 * G, G, NULL, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va + 4 * G, G, NULL, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va + 3 * G, 3 * G, NULL, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va + 4096, G, NULL, 0), -EINVAL);
+	ck_assert_err(ops->set_access(dev, va, SIZE_MAX, NULL, 0), -EINVAL);
 	ck_assert(!readable((void *)(uintptr_t)va));
 
 	/* Two mappings side by side take one call. */
-	ck_assert_int_eq(ops->set_access(dev, va, 2 * G), 0);
+	ck_assert_int_eq(ops->set_access(dev, va, 2 * G, NULL, 0), 0);
 	ck_assert(writable((void *)(uintptr_t)(va + 2 * G - 1)));
 	ck_assert(!readable((void *)(uintptr_t)(va + 3 * G)));
-	ck_assert_int_eq(ops->set_access(dev, va + 3 * G, 2 * G), 0);
+	ck_assert_int_eq(ops->set_access(dev, va + 3 * G, 2 * G, NULL, 0), 0);
 	ck_assert(writable((void *)(uintptr_t)(va + 5 * G - 1)));
 
 	ck_assert_int_eq(ops->mem_unmap(dev, va, G), 0);
@@ -619,10 +619,10 @@ START_TEST(test_stitch_two_chunks)
 	ck_assert_int_eq(ops->mem_map(dev, z, G, a), 0);
 	ck_assert_int_eq(ops->mem_map(dev, z + G, G, b), 0);
 	ck_assert_int_eq(ops->mem_map(dev, f, G, filler), 0);
-	ck_assert_int_eq(ops->set_access(dev, z, 2 * G), 0);
-	ck_assert_int_eq(ops->set_access(dev, x, G), 0);
-	ck_assert_int_eq(ops->set_access(dev, y, G), 0);
-	ck_assert_int_eq(ops->set_access(dev, f, G), 0);
+	ck_assert_int_eq(ops->set_access(dev, z, 2 * G, NULL, 0), 0);
+	ck_assert_int_eq(ops->set_access(dev, x, G, NULL, 0), 0);
+	ck_assert_int_eq(ops->set_access(dev, y, G, NULL, 0), 0);
+	ck_assert_int_eq(ops->set_access(dev, f, G, NULL, 0), 0);
 	ck_assert_uint_eq(info().live_mappings, 5);
 
 	fill(pz, 2 * G, 7);
@@ -666,7 +666,7 @@ START_TEST(test_stitch_reversed)
 	/* b first, then a: the order in the range is the caller's. */
 	ck_assert_int_eq(ops->mem_map(dev, z, 2 * G, b), 0);
 	ck_assert_int_eq(ops->mem_map(dev, z + 2 * G, G, a), 0);
-	ck_assert_int_eq(ops->set_access(dev, z, 3 * G), 0);
+	ck_assert_int_eq(ops->set_access(dev, z, 3 * G, NULL, 0), 0);
 	ck_assert(filled(pz, 2 * G, 2));
 	ck_assert(filled(pz + 2 * G, G, 1));
 	ck_assert_int_eq(ops->mem_unmap(dev, z, 2 * G), 0);
@@ -711,7 +711,7 @@ START_TEST(test_release_mapped_keeps_bytes)
 	ck_assert_uint_eq(free_bytes(), G);
 	again = chunk(1);
 	ck_assert_int_eq(ops->mem_map(dev, (uintptr_t)p, G, again), 0);
-	ck_assert_int_eq(ops->set_access(dev, (uintptr_t)p, G), 0);
+	ck_assert_int_eq(ops->set_access(dev, (uintptr_t)p, G, NULL, 0), 0);
 	ck_assert(zeroed(p, G));
 	unmapped(p, 1, again);
 	ck_assert_int_eq(ops->va_free(dev, other, G), 0);
@@ -726,7 +726,7 @@ START_TEST(test_release_mapped_twice)
 	gml_va v2 = reserve(1);
 
 	ck_assert_int_eq(ops->mem_map(dev, v2, G, h), 0);
-	ck_assert_int_eq(ops->set_access(dev, v2, G), 0);
+	ck_assert_int_eq(ops->set_access(dev, v2, G, NULL, 0), 0);
 	fill(p, G, 5);
 	ck_assert(filled((void *)(uintptr_t)v2, G, 5));
 	ck_assert_int_eq(ops->mem_release(dev, h), 0);
@@ -1039,7 +1039,7 @@ START_TEST(test_memcpy_roundtrip)
 	ck_assert_ptr_nonnull(out);
 	ck_assert_int_eq(ops->mem_map(dev, z, G, a), 0);
 	ck_assert_int_eq(ops->mem_map(dev, z + G, G, b), 0);
-	ck_assert_int_eq(ops->set_access(dev, z, 2 * G), 0);
+	ck_assert_int_eq(ops->set_access(dev, z, 2 * G, NULL, 0), 0);
 	ck_assert_int_eq(ops->stream_create(dev, &s), 0);
 
 	/* Host to a stitched range and back, across the seam. */
@@ -1088,7 +1088,7 @@ START_TEST(test_memcpy_errors)
 
 	/* v: b mapped with access, a gap, c mapped without access. */
 	ck_assert_int_eq(ops->mem_map(dev, v, G, b), 0);
-	ck_assert_int_eq(ops->set_access(dev, v, G), 0);
+	ck_assert_int_eq(ops->set_access(dev, v, G, NULL, 0), 0);
 	ck_assert_int_eq(ops->mem_map(dev, v + 2 * G, G, c), 0);
 
 	ck_assert_err(ops->memcpy_async(dev, host, host + 128, 64,
@@ -1222,7 +1222,7 @@ static void *churn(void *arg)
 			continue;	/* another thread holds it all */
 		bad |= ops->va_reserve(dev, G, 0, &va);
 		bad |= ops->mem_map(dev, va, G, h);
-		bad |= ops->set_access(dev, va, G);
+		bad |= ops->set_access(dev, va, G, NULL, 0);
 		if (bad)
 			break;
 		p = (char *)(uintptr_t)va;

@@ -1896,10 +1896,11 @@ static int issue_memcpy(void *priv, void *dst, const void *src, size_t size,
 	return issue_real->memcpy_async(priv, dst, src, size, kind, s);
 }
 
-static int issue_set_access(void *priv, gml_va va, size_t size)
+static int issue_set_access(void *priv, gml_va va, size_t size,
+			    const int *peers, int npeers)
 {
 	issue_hold(HOLD_FETCH_ACCESS);
-	return issue_real->set_access(priv, va, size);
+	return issue_real->set_access(priv, va, size, peers, npeers);
 }
 
 struct side_alloc {

@@ -94,6 +94,7 @@ using c10::MempoolId_t;
   X(gmlake_torch_pool_restore)             \
   X(gmlake_torch_pool_routing)             \
   X(gmlake_torch_pool_set_source)          \
+  X(gmlake_torch_peer_access)              \
   X(gmlake_torch_pool_segments)            \
   X(gmlake_torch_set_sync_hook)            \
   X(gmlake_torch_history_start)            \
@@ -846,6 +847,16 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       (void)cudaGetLastError();
     else
       C10_CUDA_CHECK(err);
+    // That covers cudaMalloc's memory only: libgmlake's mappings name the
+    // devices that may access them, so dev joins dev_to_access's.
+    TORCH_CHECK(
+        api.gmlake_torch_peer_access(dev_to_access, dev) == 0,
+        "libgmlake: giving device ",
+        static_cast<int>(dev),
+        " access to device ",
+        static_cast<int>(dev_to_access),
+        "'s memory: ",
+        last_error());
   }
 
   cudaError_t memcpyAsync(
@@ -856,8 +867,9 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       size_t count,
       cudaStream_t stream,
       bool p2p_enabled) override {
-    // Virtual-memory mappings carry no peer access: across devices,
-    // without P2P, only the Peer copy works (as for expandable segments).
+    // Without P2P the mappings carry no peer access (enablePeerAccess
+    // grants it): across devices only the Peer copy works then, as for
+    // expandable segments.
     if (p2p_enabled || dstDevice == srcDevice)
       return cudaMemcpyAsync(
           dst, src, count, cudaMemcpyDeviceToDevice, stream);
