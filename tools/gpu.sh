@@ -31,8 +31,10 @@
 #	On the GPU machine, after build: sharing blocks between processes
 #	(check_ipc, check_torch's IPC case, examples/ipc with
 #	GMLAKE_BACKEND=cuda; vmm_probe's export question, what exportable
-#	handles cost; gpu_parity's enable and ipc rows, torch.multiprocessing
-#	through the adapter). Writes gpu-ipc.log, gpu-ipc-summary.log,
+#	handles cost; check_peer, which needs two GPUs; gpu_parity's enable,
+#	ipc, mempool and nccl_mempool rows: torch.multiprocessing and NCCL's
+#	buffer registration through the adapter). Writes gpu-ipc.log,
+#	gpu-ipc-summary.log,
 #	gpu-vmm-export.txt and gpu-parity-ipc.json to ${GML_GPU_OUT:-/tmp}.
 #
 #   tools/gpu.sh capture [CAPTURE-ARGS...]
@@ -339,8 +341,9 @@ do_bench() {
 
 # Sharing blocks between processes on the GPU, in one short call: the C
 # suites' IPC cases, examples/ipc, what exportable handles cost
-# (vmm_probe's export question), and torch.multiprocessing through the
-# adapter (gpu_parity's enable and ipc rows; enable builds the adapter).
+# (vmm_probe's export question), peer access, and torch.multiprocessing
+# and NCCL's buffer registration through the adapter (gpu_parity's enable,
+# ipc, mempool and nccl_mempool rows; enable builds the adapter).
 do_ipc() {
 	local t0
 	if [ ! -x "$build/tests/check_ipc" ]; then
@@ -354,14 +357,16 @@ do_ipc() {
 	step "check_torch IPC (cuda)" \
 		env GMLAKE_BACKEND=cuda CK_RUN_CASE=IPC "$build/tests/check_torch"
 	step "examples/ipc (cuda)" env GMLAKE_BACKEND=cuda "$build/examples/ipc"
+	step "check_peer (cuda)" env GMLAKE_BACKEND=cuda "$build/tests/check_peer"
 	if [ -x "$build/vmm_probe" ]; then
 		step "vmm_probe export (cuda)" \
 			bash -c 'set -o pipefail; "$@" | tee "$0"' "$out/gpu-vmm-export.txt" \
 			"$build/vmm_probe" 256 export
 	fi
-	step "gpu_parity enable,ipc (cuda)" \
+	step "gpu_parity enable,ipc,mempool,nccl_mempool (cuda)" \
 		python3 python/tests/gpu_parity.py --lib "$root/$build/libgmlake.so" \
-		--rows enable,ipc --json "$out/gpu-parity-ipc.json"
+		--rows enable,ipc,mempool,nccl_mempool \
+		--json "$out/gpu-parity-ipc.json"
 	steps_log "$out/gpu-ipc.log"
 	{
 		echo "== summary ($(elapsed "$t0" "$(now)") s in all)"
