@@ -23,7 +23,13 @@ Workloads (--workloads, comma-separated names or groups):
        Mask R-CNN, torch_geometric GraphSAGE, transformers Llama under
        FSDP2, torch.compile; one round of them takes about 5-8 minutes on
        an H200;
-  all  both.
+  dist  distributed training over NCCL (distributed.py): the bench's GPT
+       under DDP, transformers Llama under FSDP2, the same with peft LoRA,
+       and all_reduce/all_gather bandwidth over stitched tensors; with
+       --nproc N each allocator's child runs as N processes, one per GPU
+       (torch.distributed.run), and its figures are rank 0's step times
+       and loss with the highest peaks of any rank;
+  all  all of them.
 
 On the GPU machine, after `tools/gpu.sh build` on the build machine, run
 each round as its own invocation, K = 1, 2, 3 (at least three rounds):
@@ -101,6 +107,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "python"))
 
 import benchlib  # noqa: E402
+import distributed  # noqa: E402
 import ecosystem  # noqa: E402
 
 MARK = "BENCH-RESULT "
@@ -112,27 +119,33 @@ STEPS = {"full": dict({"gpt_ckpt": 12, "gpt_plain": 10, "lora": 12,
                        "gpt_keep": 12, "gpt_save_on_cpu": 12,
                        "gpt_offload": 12, "generate": 16,
                        "llama_save_on_cpu": 8, "llama_offload": 8},
-                      **ecosystem.STEPS["full"]),
+                      **ecosystem.STEPS["full"],
+                      **distributed.STEPS["full"]),
          "quick": dict({"gpt_ckpt": 4, "gpt_plain": 3, "lora": 4,
                         "gpt_keep": 4, "gpt_save_on_cpu": 4,
                         "gpt_offload": 4, "generate": 4,
                         "llama_save_on_cpu": 3, "llama_offload": 3},
-                       **ecosystem.STEPS["quick"])}
+                       **ecosystem.STEPS["quick"],
+                       **distributed.STEPS["quick"])}
 # gpt_offload last: a child that fails there has done the rest.
 GPT = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep", "gpt_save_on_cpu",
        "generate", "gpt_offload")
 # Activation offload on transformers' Llama (not in the default group).
 LLAMA = ("llama_save_on_cpu", "llama_offload")
-WORKLOADS = GPT + LLAMA + ecosystem.WORKLOADS
-GROUPS = {"gpt": GPT, "eco": ecosystem.WORKLOADS, "all": WORKLOADS,
+WORKLOADS = GPT + LLAMA + ecosystem.WORKLOADS + distributed.WORKLOADS
+GROUPS = {"gpt": GPT, "eco": ecosystem.WORKLOADS,
+          "dist": distributed.WORKLOADS, "all": WORKLOADS,
           "offload": ("gpt_save_on_cpu", "gpt_offload") + LLAMA}
 # Seconds a workload may take in a child, building included (the child's
 # timeout is their sum, child_timeout()).
 BUDGET = {"full": dict(dict.fromkeys(GPT, 70), **dict.fromkeys(LLAMA, 90),
                        eco_vit=60, eco_maskrcnn=60,
-                       eco_sage=45, eco_llama_fsdp=75, eco_compile=150),
+                       eco_sage=45, eco_llama_fsdp=75, eco_compile=150,
+                       dist_gpt_ddp=90, dist_llama_fsdp=90,
+                       dist_lora_fsdp=90, dist_collectives=60),
           "quick": dict(dict.fromkeys(GPT + LLAMA, 10),
-                        **dict.fromkeys(ecosystem.WORKLOADS, 40))}
+                        **dict.fromkeys(ecosystem.WORKLOADS +
+                                        distributed.WORKLOADS, 40))}
 # A child's start (imports, CUDA) and the most any child may take.
 CHILD_START, CHILD_MAX = 45, 480
 # Capacity sweep: per workload, the memory cap; each trial is one round of
@@ -182,7 +195,8 @@ def requires(names):
     workload's library."""
     mods = ["torch"]
     for n in names:
-        mods += [m for m in ecosystem.REQUIRES.get(n, ()) if m not in mods]
+        need = ecosystem.REQUIRES.get(n, ()) + distributed.REQUIRES.get(n, ())
+        mods += [m for m in need if m not in mods]
     return mods
 
 
@@ -202,6 +216,9 @@ def compile_cache_dir():
 # Child: one allocator, several workloads (or the sweep), results on stdout.
 
 def emit(kind, data):
+    """A record for the parent; under torchrun rank 0's only."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     data = dict(data, kind=kind)
     sys.stdout.write(MARK + json.dumps(data) + "\n")
     sys.stdout.flush()
@@ -354,6 +371,9 @@ def build_workload(name, size, seed):
     if name in ecosystem.WORKLOADS:
         state = ecosystem.build(name, size, seed, STEPS[size][name])
         return state, state["steps"]
+    if name in distributed.WORKLOADS:
+        state = distributed.build(name, size, seed, STEPS[size][name])
+        return state, state["steps"]
     import workloads
     state = workloads.build(name, size, seed)
     return state, state["warmup"] + STEPS[size][name]
@@ -486,6 +506,8 @@ def run_workload(name, index, args, mem):
         r["error"] = "%s: %s" % (type(e).__name__, str(e)[:2000])
     if state and state.get("stats"):
         r["offload"] = state["stats"]()
+    if state and state.get("figures"):
+        r.update(state["figures"]())
     if state and state.get("close"):
         try:
             state["close"]()
@@ -501,7 +523,30 @@ def run_workload(name, index, args, mem):
     r.update(peak_allocated=alloc, peak_reserved=reserved,
              driver_used=used - base, **extra)
     r["fragmentation"] = benchlib.fragmentation(alloc, reserved)
+    across_ranks(r)
     return r
+
+
+def across_ranks(r):
+    """Under several ranks: each rank's peaks in r["ranks"], and the
+    highest of them (the GPU that needs the most) in r's."""
+    dist = sys.modules.get("torch.distributed")   # no group without it
+    if dist is None or not dist.is_initialized() or \
+            dist.get_world_size() == 1:
+        return
+    mine = {k: r.get(k) for k in ("peak_allocated", "peak_reserved",
+                                  "driver_used", "fragmentation")}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    r["ranks"] = ranks
+    for k in ("peak_allocated", "peak_reserved", "driver_used"):
+        vals = [x[k] for x in ranks if x[k] is not None]
+        if vals:
+            r[k] = max(vals)
+    frags = [x["fragmentation"] for x in ranks
+             if x["fragmentation"] is not None]
+    if frags:
+        r["fragmentation"] = max(frags)
 
 
 def run_sweep(name, args, mem):
@@ -613,6 +658,8 @@ def child(args):
     if not torch.cuda.is_available():
         emit("fatal", dict(error="no CUDA device visible to PyTorch"))
         return 1
+    # torchrun's rank of this process: its GPU.
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     mem = Memory(args.allocator)
@@ -622,6 +669,7 @@ def child(args):
                       gpu_bytes=props.total_memory,
                       alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
                                                 ""),
+                      world=int(os.environ.get("WORLD_SIZE", "1")),
                       cpus=sorted(os.sched_getaffinity(0))))
     if args.child == "sweep":
         for name in args.workloads.split(","):
@@ -786,10 +834,20 @@ def result_line(r):
             benchlib._cell(r.get("fragmentation"), "%.1f"))
 
 
-def run_child(args, allocator, what, extra, names=(), label=None):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", what,
+def child_command(args, allocator, what, extra):
+    """The child's command line: this script, under torch.distributed.run
+    with --nproc above 1 (one process per GPU)."""
+    cmd = [os.path.abspath(__file__), "--child", what,
            "--allocator", allocator, "--size", args.size,
            "--seed", str(args.seed), "--lib", args.lib] + extra
+    if args.nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run",
+                "--standalone", "--nproc_per_node", str(args.nproc)] + cmd
+    return [sys.executable] + cmd
+
+
+def run_child(args, allocator, what, extra, names=(), label=None):
+    cmd = child_command(args, allocator, what, extra)
     label = label or benchlib.ALLOCATOR_NAMES[allocator]
     print("== %s: %s %s" % (label, what, ",".join(names)), flush=True)
     rc, out = run_process(cmd, child_env(allocator, args.lib),
@@ -897,6 +955,10 @@ def parse(argv):
                    "them in this order, even rounds in reverse" %
                    ",".join(benchlib.ALLOCATORS))
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="processes (GPUs) per allocator for the dist "
+                   "workloads, under torch.distributed.run (default 1; "
+                   "above 1 only dist workloads may run)")
     rounds = p.add_mutually_exclusive_group()
     rounds.add_argument("--round", type=int, metavar="K",
                         help="run round K (1, 2, ...) only, into --out's "
@@ -1121,6 +1183,12 @@ def main(argv=None):
         names = expand_workloads(args.workloads)
     except ValueError as e:
         sys.stderr.write("bench.py: %s\n" % e)
+        return 2
+    if args.nproc < 1 or (args.nproc > 1 and
+                          set(names) - set(distributed.WORKLOADS)):
+        sys.stderr.write("bench.py: --nproc %d: %s\n" % (
+            args.nproc, "must be at least 1" if args.nproc < 1 else
+            "above 1 runs only dist workloads, one process per GPU"))
         return 2
     allocators = args.allocators.split(",")
     for a in allocators:

@@ -950,6 +950,15 @@ def results_markdown(data):
                   "not fall) and mean step time; ratios are against "
                   "save_on_cpu under the same allocator.\n",
                   offload]
+    losses = loss_table(rounds)
+    if losses:
+        parts += ["\n## Loss curves\n",
+                  "The largest difference of rank 0's loss at the same "
+                  "step between two allocators, per round (same seeds, "
+                  "shapes and data).\n", losses]
+    coll = collectives_table(rounds)
+    if coll:
+        parts += ["\n## Collectives\n", coll]
     sweeps = [s for r in rounds for s in r.get("sweeps") or []]
     if sweeps:
         parts += ["\n## Capacity sweep\n",
@@ -973,6 +982,75 @@ def results_markdown(data):
     if notes:
         parts += ["\n## Notes\n", "".join("- %s\n" % n for n in notes)]
     return "\n".join(parts)
+
+
+def loss_table(rounds):
+    """Per workload with a loss per step (step_loss: the distributed
+    ones) and round: the largest difference between two allocators' loss
+    at the same step. PyTorch's two allocators against each other give
+    the noise (bf16, NCCL's reduction order); None without such data."""
+    pairs = (("gmlake", "default"), ("gmlake", "expandable"),
+             ("default", "expandable"))
+    rows = []
+    for rnd in rounds:
+        by = {}
+        for r in rnd["results"]:
+            if r.get("ok") and r.get("step_loss"):
+                by.setdefault(r["workload"], {})[r["allocator"]] = \
+                    r["step_loss"]
+        for w, losses in by.items():
+            cells = []
+            for a, b in pairs:
+                if a in losses and b in losses:
+                    cells.append("%.4f" % max(
+                        abs(x - y) for x, y in zip(losses[a], losses[b])))
+                else:
+                    cells.append("-")
+            rows.append([w, str(rnd["round"])] + cells)
+    if not rows:
+        return None
+    return markdown_table(["workload", "round", "libgmlake - default",
+                           "libgmlake - expandable",
+                           "default - expandable"], rows)
+
+
+def collectives_table(rounds):
+    """dist_collectives: each (collective, MiB)'s mean bus bandwidth
+    (algorithm bandwidth on one rank, where the bus carries nothing) per
+    allocator over every step of every round, libgmlake's share of the
+    faster PyTorch allocator's, and whether libgmlake's tensor was
+    stitched; None without such results."""
+    gbps, stitched, world = {}, {}, None
+    for rnd in rounds:
+        for r in rnd["results"]:
+            c = r.get("collectives") if r.get("ok") else None
+            if not c:
+                continue
+            world = c["world"]
+            key = "busbw" if world > 1 else "algbw"
+            for shape, v in c["gbps"].items():
+                gbps.setdefault(shape, {}).setdefault(
+                    r["allocator"], []).extend(v[key])
+            for mib, s in c.get("stitched", {}).items():
+                stitched[mib] = stitched.get(mib, True) and s
+    if not gbps:
+        return None
+    rows = []
+    for shape in sorted(gbps, key=lambda s: (int(s.split(":")[1]), s)):
+        mean = {a: statistics.fmean(v) for a, v in gbps[shape].items() if v}
+        refs = [mean[a] for a in REFERENCES if a in mean]
+        ratio = mean["gmlake"] / max(refs) if "gmlake" in mean and refs \
+            else None
+        st = stitched.get(shape.split(":")[1])
+        rows.append([shape.replace(":", " ") + " MiB"] +
+                    [_cell(mean.get(a), "%.1f") for a in ALLOCATORS] +
+                    [_cell(ratio, "%.3f"),
+                     "-" if st is None else "yes" if st else "no"])
+    return "%s bandwidth, GB/s (%d rank%s)\n\n" % (
+        "Bus" if world > 1 else "Algorithm", world,
+        "" if world == 1 else "s") + markdown_table(
+        ["collective"] + [_name(a) for a in ALLOCATORS] +
+        ["libgmlake / faster", "stitched"], rows)
 
 
 DEFINITIONS = """Definitions: a *settling step* is a step at a shape no \

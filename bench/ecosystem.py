@@ -386,13 +386,20 @@ def build(name, size, seed, steps):
     if name not in BUILDERS:
         raise ValueError("unknown workload %r (known: %s)" %
                          (name, ", ".join(WORKLOADS)))
+    return assemble(BUILDERS[name], NOTES[name], shape_set(name, size, seed),
+                    sequence(name, size, seed, steps), size, seed)
+
+
+def assemble(make, note, shapes, seq, size, seed):
+    """The state of a workload made by make(size, seed) (a dict with
+    step_at and keep, perhaps note, close, figures) under torch's seed, as
+    build() describes it, stepping through the shapes of seq."""
     import torch
-    seq = sequence(name, size, seed, steps)
     torch.manual_seed(seed)
-    state = dict(BUILDERS[name](size, seed))
-    state.setdefault("note", NOTES[name])
+    state = dict(make(size, seed))
+    state.setdefault("note", note)
     state.setdefault("close", None)
-    state.update(shapes=shape_set(name, size, seed), steps=steps)
+    state.update(shapes=shapes, steps=len(seq))
     todo = iter(seq)
     step_at = state["step_at"]
 

@@ -620,6 +620,120 @@ class TestEcosystem(unittest.TestCase):
         self.assertTrue(0 < p < 65536)
 
 
+class TestDistributed(unittest.TestCase):
+    """The distributed workloads' shapes and the child's command line,
+    without torch."""
+
+    def setUp(self):
+        import distributed
+        self.dist = distributed
+
+    def test_import_needs_no_torch(self):
+        for name in self.dist.WORKLOADS:
+            self.assertIn(name, self.dist.BUILDERS)
+            self.assertIn(name, self.dist.REQUIRES)
+        if "torch" not in sys.modules:
+            with self.assertRaises(ValueError):
+                self.dist.build("nope", "full", 1, 4)
+            self.assertNotIn("torch", sys.modules)
+
+    def test_shapes(self):
+        d = self.dist
+        for size in ("full", "quick"):
+            for name in d.WORKLOADS:
+                shapes = d.shape_set(name, size, 7)
+                self.assertEqual(shapes, d.shape_set(name, size, 7))
+                seq = d.sequence(name, size, 7, d.STEPS[size][name])
+                self.assertEqual(len(seq), d.STEPS[size][name])
+                self.assertEqual(set(seq), set(shapes))  # each at least once
+                spec = d.SHAPES[size][name]
+                if name == "dist_collectives":
+                    self.assertEqual(len(shapes),
+                                     len(spec["mib"]) * len(d.OPS))
+                    continue
+                self.assertEqual(len(shapes), spec["count"])
+                for b, t in shapes:
+                    self.assertIn(b, spec["batch"])
+                    self.assertIn(t, spec["seq"])
+                    self.assertLessEqual(b * t, spec["tokens"])
+        self.assertEqual([m for op, m in d.shape_set("dist_collectives",
+                                                     "full", 1)],
+                         [64, 64, 256, 256, 1024, 1024])
+        with self.assertRaises(ValueError):
+            d.shape_set("eco_vit", "full", 1)
+
+    def test_bus_factor(self):
+        # nccl-tests: all-reduce moves 2(n-1)/n bytes a byte, all-gather
+        # (n-1)/n; one rank moves none.
+        self.assertEqual(self.dist.bus_factor("all_reduce", 8), 1.75)
+        self.assertEqual(self.dist.bus_factor("all_gather", 4), 0.75)
+        self.assertEqual(self.dist.bus_factor("all_reduce", 1), 0.0)
+        with self.assertRaises(ValueError):
+            self.dist.bus_factor("broadcast", 2)
+
+    def test_loss_and_collectives_tables(self):
+        def rec(alloc, loss=None, coll=None, ok=True):
+            r = dict(workload="dist_llama_fsdp" if loss else
+                     "dist_collectives", allocator=alloc, ok=ok,
+                     step_times=[0.1, 0.1])
+            if loss:
+                r["step_loss"] = loss
+            if coll:
+                r["collectives"] = coll
+            return r
+        rounds = [dict(round=1, results=[
+            rec("default", loss=[2.0, 1.5, 1.25]),
+            rec("expandable", loss=[2.0, 1.5, 1.2500625]),
+            rec("gmlake", loss=[2.0, 1.49, 1.25]),
+            rec("gmlake", loss=[9.0, 9.0, 9.0], ok=False)])]
+        text = benchlib.loss_table(rounds)
+        self.assertIn("| dist_llama_fsdp | 1 | 0.0100 | 0.0100 | 0.0001 |",
+                      text)
+        self.assertIsNone(benchlib.collectives_table(rounds))
+
+        def coll(bus, stitched):
+            return dict(world=2, iters=10, gbps={
+                "all_reduce:64": dict(algbw=[1.0], busbw=bus)},
+                stitched=stitched)
+        rounds = [dict(round=1, results=[
+            rec("default", coll=coll([100.0, 80.0], {})),
+            rec("expandable", coll=coll([95.0], {})),
+            rec("gmlake", coll=coll([85.5], {"64": True}))]),
+            dict(round=2, results=[
+                rec("gmlake", coll=coll([90.5], {"64": False}))])]
+        text = benchlib.collectives_table(rounds)
+        self.assertIn("Bus bandwidth, GB/s (2 ranks)", text)
+        # gmlake 88.0 against the faster reference, expandable's 95.0.
+        self.assertIn("| all_reduce 64 MiB | 90.0 | 95.0 | 88.0 | 0.926 | "
+                      "no |", text)
+        self.assertIsNone(benchlib.loss_table(rounds))
+
+    def test_child_command(self):
+        import bench
+        a = bench.parse(["--lib", "L", "--workloads", "dist"])
+        a.size = "full"
+        one = bench.child_command(a, "gmlake", "workloads", ["--x"])
+        self.assertEqual(one[0], sys.executable)
+        self.assertNotIn("torch.distributed.run", one)
+        a.nproc = 4
+        many = bench.child_command(a, "gmlake", "workloads", ["--x"])
+        self.assertEqual(many[:6], [sys.executable, "-m",
+                                    "torch.distributed.run", "--standalone",
+                                    "--nproc_per_node", "4"])
+        self.assertEqual(many[6:], one[1:])
+        self.assertEqual(one[1], os.path.abspath(bench.__file__))
+
+    def test_nproc_needs_dist_workloads(self):
+        import bench
+        err = io.StringIO()
+        with mock.patch("sys.stderr", err):
+            self.assertEqual(bench.main(["--nproc", "2", "--workloads",
+                                         "dist,eco_vit", "--report"]), 2)
+            self.assertEqual(bench.main(["--nproc", "0", "--report"]), 2)
+        self.assertIn("only dist workloads", err.getvalue())
+        self.assertIn("at least 1", err.getvalue())
+
+
 class TestBenchCli(unittest.TestCase):
     """bench.py's argument handling, rounds and report (no torch)."""
 
