@@ -1008,13 +1008,8 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     TORCH_CHECK(n >= 0, "libgmlake: snapshot: ", last_error());
     for (size_t i = 0; i < std::min(v.size(), static_cast<size_t>(n)); i++) {
       const gmlake_torch_pool_segment& s = v[i];
-      cda::SegmentInfo seg;
-      seg.device = static_cast<DeviceIndex>(device);
-      seg.address = s.address;
-      seg.total_size = s.size;
-      seg.stream = s.stream;
-      seg.is_large = true;
-      seg.is_expandable = false;
+      cda::SegmentInfo seg =
+          segment_head(device, s.address, s.size, s.stream, false);
       seg.owner_private_pool_id = {s.pool_id[0], s.pool_id[1]};
       cda::BlockInfo blk;
       blk.size = s.size;
@@ -1030,17 +1025,28 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     }
   }
 
+  static cda::SegmentInfo segment_head(
+      int device,
+      uint64_t address,
+      uint64_t size,
+      void* stream,
+      bool expandable) {
+    cda::SegmentInfo seg;
+    seg.device = static_cast<DeviceIndex>(device);
+    seg.address = address;
+    seg.total_size = size;
+    seg.stream = stream;
+    seg.is_large = true;
+    seg.is_expandable = expandable;
+    return seg;
+  }
+
   cda::SegmentInfo segment(
       int device,
       const gmlake_snapshot* snap,
       const gmlake_snap_range& r) {
-    cda::SegmentInfo seg;
-    seg.device = static_cast<DeviceIndex>(device);
-    seg.address = r.address;
-    seg.total_size = r.size;
-    seg.stream = r.stream;
-    seg.is_large = true;
-    seg.is_expandable = r.kind == GMLAKE_RANGE_STITCHED;
+    cda::SegmentInfo seg = segment_head(
+        device, r.address, r.size, r.stream, r.kind == GMLAKE_RANGE_STITCHED);
     bool pool_known = false;
     for (uint32_t j = 0; j < r.count; j++) {
       const gmlake_snap_piece& p = snap->pieces[r.first + j];
