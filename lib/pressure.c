@@ -34,8 +34,10 @@ int gml_streams_wait_all(gmlake_ctx *ctx)
 }
 
 /*
- * Wait for every stream, unmap every unused stitched view and, with all,
- * give every free chunk back to the driver (trim). 0 or the first error.
+ * Wait for every stream, unmap every unused stitched view and every
+ * position whose unmap failed before (the memory of its released handle
+ * comes back with it) and, with all, give every free chunk back to the
+ * driver (trim). 0 or the first error.
  */
 int gml_release_cached(gmlake_ctx *ctx, bool all)
 {
@@ -54,20 +56,22 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 			gml_view_evict(ctx, v, true);
 	}
 	gml_reap_dying(ctx, true);
-	for (v = ctx->segs; all && v; v = next) {
+	for (v = ctx->segs; v; v = next) {
 		next = v->next;
 		for (uint32_t i = 0; i < v->n; i++) {
-			/* A position whose unmap failed earlier: again. */
+			/* A position whose unmap failed earlier: again (every
+			 * stream's work is done). */
 			if (!v->chunks[i] && v->mapped[i] &&
 			    !gml_view_unmap_run(ctx, v, i, 1))
 				v->maxfree = GML_RUN_UNKNOWN;
-			if (!gml_chunk_releasable(v->chunks[i]))
+			if (!all || !gml_chunk_releasable(v->chunks[i]))
 				continue;
 			err = gml_chunk_release(ctx, v, i);
 			if (err < 0 && err != -EBUSY && !ret)
 				ret = err;
 		}
-		gml_seg_drop_if_empty(ctx, v);
+		if (all)
+			gml_seg_drop_if_empty(ctx, v);
 	}
 	return ret;
 }

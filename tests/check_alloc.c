@@ -956,6 +956,37 @@ static gmlake_ctx *slab_ctx(size_t capacity)
 }
 
 /*
+ * A chunk released while its unmap failed leaves its position mapped, the
+ * memory held by the mapping. An allocation that needs that memory climbs
+ * the pressure ladder, whose first rung unmaps the position again: it must
+ * not take a trim for the memory to come back.
+ */
+START_TEST(test_failed_unmap_retried_under_pressure)
+{
+	struct gml_emu_info info;
+	gmlake_ctx *ctx;
+	void *p;
+
+	if (!th_env_is_emu())
+		return;		/* the emulated device's size, and its faults */
+	ctx = slab_ctx_grow(8 * TH_CHUNK, TH_CHUNK);
+	p = th_alloc(ctx, 8 * TH_CHUNK, NULL);
+	th_free(ctx, p);
+	gml_dev_fail_nth(th_dev(ctx), GMLAKE_CALL_mem_unmap, 1, EIO);
+	gmlake_trim(ctx);	/* seven chunks go, one keeps its mapping */
+	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+	th_emu_info(ctx, &info);
+	ck_assert_uint_eq(info.live_handles, 0);
+	ck_assert_uint_eq(info.live_mappings, 1);
+	ck_assert_uint_eq(info.used, TH_CHUNK);
+	p = th_alloc_filled(ctx, 8 * TH_CHUNK, 5, NULL);
+	th_verify_free(ctx, p, 8 * TH_CHUNK, 5, NULL);
+	th_check(ctx);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * The debug log of a request that raised peak reserved counts the free
  * chunks left in growth handles blocks hold part of, which no stitch can
  * map: here the middle two of a 4-chunk handle whose ends two blocks
@@ -2382,6 +2413,7 @@ static Suite *alloc_suite(bool emu)
 		tcase_add_test(tc, test_oom_full);
 		tcase_add_test(tc, test_oom_absurd);
 		tcase_add_test(tc, test_oom_small);
+		tcase_add_test(tc, test_failed_unmap_retried_under_pressure);
 	}
 
 	tc = th_tcase(s, "Misuse");

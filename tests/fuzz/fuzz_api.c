@@ -7,9 +7,10 @@
  * one of FZ_NOPS operations and the following bytes its arguments, until
  * the input runs out. Allocations of every kind of size (0, small, about a
  * chunk, several chunks, past the capacity, absurd), frees of good and bad
- * pointers, record_stream, trim, stream create/destroy/synchronize, copies
- * in and out (good and out of bounds), block_size, stats, and an armed
- * driver fault (gml_dev_fail_nth) that makes one later driver call fail.
+ * pointers, record_stream, trim, peer access, stream create/destroy/
+ * synchronize, copies in and out (good and out of bounds), block_size,
+ * stats, and an armed driver fault (gml_dev_fail_nth) that makes one
+ * later driver call fail.
  * The block_size slot also exports a block and imports it on the same
  * context (gmlake_ipc_*): the imported range must read the block's
  * pattern, and an exported block's spill must never succeed.
@@ -517,9 +518,23 @@ static void op_record_stream(struct fz *f, struct fz_in *in)
 	check(f);
 }
 
+/* A trim, or now and then a peer device's access to everything mapped
+ * (peers 1-8, never the 31 the driver layer holds; the device itself and
+ * an ordinal past the emulated ones fail). */
 static void op_trim(struct fz *f, struct fz_in *in)
 {
-	expect(f, "gmlake_trim", gmlake_trim(f->ctx), 0);
+	unsigned k = fz_u8(in);
+
+	if (k % 4) {
+		expect(f, "gmlake_trim", gmlake_trim(f->ctx), 0);
+	} else if (k % 32 == 4) {
+		expect(f, "gmlake_peer_access(bad peer)",
+		       gmlake_peer_access(f->ctx, k % 64 == 4 ? 0 : 200),
+		       -EINVAL);
+	} else {
+		expect(f, "gmlake_peer_access",
+		       gmlake_peer_access(f->ctx, 1 + (int)(k / 4) % 8), 0);
+	}
 	check(f);
 }
 
