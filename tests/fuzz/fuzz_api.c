@@ -102,6 +102,9 @@ struct fz_req {
 	bool submitted;
 	bool relaxed;	/* a fault was armed while it was in flight */
 	bool freed;	/* its block was freed while it was in flight */
+	bool before_export;	/* its block exported since: it had completed
+				   (export refuses a block with requests in
+				   flight), only its completion was not read */
 };
 
 struct fz {
@@ -679,6 +682,9 @@ static void ipc_roundtrip(struct fz *f, int i)
 		return;
 	}
 	b->exported = true;
+	for (int k = 0; k < f->nreq; k++)
+		if (f->req[k].p == b->p)
+			f->req[k].before_export = true;
 	if (blk.size < b->size || !blk.npieces)
 		fz_fail("gmlake_ipc_export(%p): %" PRIu64 " bytes in %u "
 			"pieces for a block of %zu", b->p, blk.size,
@@ -989,7 +995,8 @@ static void off_complete(struct fz *f, int k, int res)
 			ok = res == 0 || res == -ENOMEM || res == -EBUSY;
 		ok |= r.freed && res == -EINVAL;
 		/* An exported block's memory is mapped elsewhere. */
-		if (!r.freed && r.op == GMLAKE_OFFLOAD_SPILL && res == 0) {
+		if (!r.freed && !r.before_export &&
+		    r.op == GMLAKE_OFFLOAD_SPILL && res == 0) {
 			int i = find_block(f, r.p);
 
 			ok &= i < 0 || !f->blk[i].exported;
