@@ -1179,6 +1179,115 @@ START_TEST(test_pool_source_outlives)
 }
 END_TEST
 
+/* A pool allocator for threads: counts only. */
+struct count_src {
+	atomic_int allocs, frees, dones;
+};
+
+static void *count_alloc(size_t size, int device, gmlake_stream_t s,
+			 void *u)
+{
+	struct count_src *c = u;
+
+	(void)device;
+	(void)s;
+	atomic_fetch_add(&c->allocs, 1);
+	return malloc(size);
+}
+
+static void count_free(void *ptr, size_t size, int device,
+		       gmlake_stream_t s, void *u)
+{
+	struct count_src *c = u;
+
+	(void)size;
+	(void)device;
+	(void)s;
+	free(ptr);
+	atomic_fetch_add(&c->frees, 1);
+}
+
+static void count_done(void *u)
+{
+	struct count_src *c = u;
+
+	atomic_fetch_add(&c->dones, 1);
+}
+
+struct src_worker {
+	pthread_barrier_t *start;
+	int id;
+	void *kept;		/* live when its thread ends */
+	int err;
+};
+
+static void *src_worker_main(void *arg)
+{
+	struct src_worker *w = arg;
+	gmlake_stream_t s = (gmlake_stream_t)(uintptr_t)(0x1000 * (w->id + 1));
+
+	pthread_barrier_wait(w->start);
+	for (int i = 0; i < 200; i++) {
+		size_t size = (size_t)(1 + (i + w->id) % 5) * TH_MiB;
+		void *p = gmlake_torch_pool_alloc(size, 0, s, POOL_A);
+
+		if (!p) {
+			w->err = 1;
+			return NULL;
+		}
+		if (i % 7 == 3)
+			gmlake_torch_record_stream(p, NULL);
+		if (i == 199)
+			w->kept = p;
+		else
+			gmlake_torch_raw_delete(p);
+	}
+	return NULL;
+}
+
+/* Threads allocate into a pool with its own allocator and free by
+ * pointer; the pool ends while each still holds a block, which goes
+ * back at its free: every segment returns once, done once, after. */
+START_TEST(test_pool_source_threads)
+{
+	struct count_src c = { 0 };
+	struct gmlake_torch_pool_source src = {
+		.alloc = count_alloc, .free = count_free, .done = count_done,
+		.user = &c };
+	struct src_worker w[TH_THREADS];
+	pthread_t t[TH_THREADS];
+	pthread_barrier_t start;
+	struct gmlake_torch_stats ts;
+
+	ck_assert_int_eq(gmlake_torch_pool_begin(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_set_source(0, POOL_A, &src), 0);
+	ck_assert_int_eq(pthread_barrier_init(&start, NULL, TH_THREADS), 0);
+	for (int i = 0; i < TH_THREADS; i++) {
+		w[i] = (struct src_worker){ .start = &start, .id = i };
+		ck_assert_int_eq(pthread_create(&t[i], NULL, src_worker_main,
+						&w[i]), 0);
+	}
+	for (int i = 0; i < TH_THREADS; i++)
+		ck_assert_int_eq(pthread_join(t[i], NULL), 0);
+	pthread_barrier_destroy(&start);
+	for (int i = 0; i < TH_THREADS; i++)
+		ck_assert_msg(!w[i].err, "thread %d: %s", i,
+			      gmlake_last_error());
+	ck_assert_int_eq(gmlake_torch_pool_end(0, POOL_A), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(0, POOL_A), 0);
+	ck_assert_int_eq(atomic_load(&c.dones), 0);
+	ck_assert_int_eq(atomic_load(&c.frees),
+			 atomic_load(&c.allocs) - TH_THREADS);
+	for (int i = 0; i < TH_THREADS; i++)
+		gmlake_torch_raw_delete(w[i].kept);
+	ck_assert_int_eq(atomic_load(&c.frees), atomic_load(&c.allocs));
+	ck_assert_int_eq(atomic_load(&c.dones), 1);
+	torch_figures(0, &ts);
+	ck_assert_int_eq(ts.segment.current, 0);
+	ck_assert_int_eq(ts.reserved_bytes.current, 0);
+}
+END_TEST
+
 /* A process's reset (and so the tests' teardown) gives segments back. */
 START_TEST(test_pool_source_reset)
 {
@@ -1608,6 +1717,7 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_pool_source_park);
 		tcase_add_test(tc, test_pool_source_outlives);
 		tcase_add_test(tc, test_pool_source_reset);
+		tcase_add_test(tc, test_pool_source_threads);
 
 		tc = th_tcase(s, "Figures");
 		tcase_add_checked_fixture(tc, setup, teardown);
