@@ -484,9 +484,9 @@ GML_EXPORT void gmlake_torch_raw_delete(void *ptr)
 
 	if (!ptr)
 		return;
-	device = gml_pool_source_device(ptr);
-	if (device < 0)
-		device = owner_device(ptr);
+	device = owner_device(ptr);
+	if (device < 0)		/* a pool's own segment, or nothing */
+		device = gml_pool_source_device(ptr);
 	if (device < 0) {
 		torch_fail(-EINVAL, level, "free of %p ignored: no device's "
 			   "context holds it (never allocated here, or already "
@@ -554,14 +554,8 @@ GML_EXPORT void gmlake_torch_memory_fraction(double fraction, int device)
 
 GML_EXPORT void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream)
 {
-	int src_dev = gml_pool_source_device(ptr);
 	size_t size;
-
-	if (src_dev >= 0) {
-		/* A pool's own segment: never reused inside its pool. */
-		gml_pool_record_stream(src_dev, ptr);
-		return;
-	}
+	int src_dev;
 
 	for (int i = 0; i < GML_TORCH_MAX_DEVICES; i++) {
 		gmlake_ctx *ctx = atomic_load_explicit(&torch_ctx[i],
@@ -574,6 +568,12 @@ GML_EXPORT void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream)
 			torch_fail(-EINVAL, GMLAKE_LOG_WARN, "device %d: "
 				   "record_stream(%p): %s", i, ptr,
 				   gmlake_last_error());
+		return;
+	}
+	src_dev = gml_pool_source_device(ptr);
+	if (src_dev >= 0) {
+		/* A pool's own segment: never reused inside its pool. */
+		gml_pool_record_stream(src_dev, ptr);
 		return;
 	}
 	torch_fail(-EINVAL, GMLAKE_LOG_WARN, "record_stream: %p is not a live "

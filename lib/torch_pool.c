@@ -325,20 +325,26 @@ static void source_free(int device, const uint64_t id[2], struct entry *e)
 	free(e);
 }
 
+/* Free the block of entry e (out of the map) for real, and e; no lock
+ * held. A pool's own segment goes back to its allocator. */
+static void entry_free_now(int device, const uint64_t id[2], struct entry *e)
+{
+	if (e->src) {
+		source_free(device, id, e);
+		return;
+	}
+	gml_torch_free_now((void *)e->ptr, e->size, device, id);
+	free(e);
+}
+
 /* Free blocks taken out of pool id on device for real; no lock held. */
 static void free_taken(int device, const uint64_t id[2], struct entry **v,
 		       size_t n)
 {
 	if (n)
 		pool_sync_device(device);
-	for (size_t i = 0; i < n; i++) {
-		if (v[i]->src) {
-			source_free(device, id, v[i]);
-			continue;
-		}
-		gml_torch_free_now((void *)v[i]->ptr, v[i]->size, device, id);
-		free(v[i]);
-	}
+	for (size_t i = 0; i < n; i++)
+		entry_free_now(device, id, v[i]);
 	free(v);
 }
 
@@ -592,6 +598,7 @@ static void *source_alloc(int device, gmlake_stream_t stream, size_t size,
 {
 	struct pool_dev *pd = &pdev[device];
 	struct entry *e;
+	gmlake_ctx *ctx;
 	size_t asz;
 	void *ptr;
 
@@ -599,6 +606,13 @@ static void *source_alloc(int device, gmlake_stream_t stream, size_t size,
 	if (size > SIZE_MAX - SOURCE_ROUND) {
 		source_put(src);
 		gml_torch_oom(device, size, "too large for any segment");
+		return NULL;
+	}
+	/* The device gets its context, holding nothing of this: frees by
+	 * pointer alone then find a segment's device as any block's
+	 * (gmlake_torch_raw_delete's shortcut for one context). */
+	if (gml_torch_ctx_need(device, &ctx)) {
+		source_put(src);
 		return NULL;
 	}
 	asz = (size + SOURCE_ROUND - 1) & ~(SOURCE_ROUND - 1);
@@ -736,15 +750,11 @@ bool gml_pool_free(int device, void *ptr)
 		}
 		return true;
 	}
-	if (e->src) {
-		/* Its pool is gone, but a graph's replay or another stream
-		 * may still use it: after the owner's sync, as at release. */
+	/* A segment's pool is gone, but a graph's replay or another
+	 * stream may still use it: after the owner's sync, as at release. */
+	if (e->src)
 		pool_sync_device(device);
-		source_free(device, id, e);
-		return true;
-	}
-	free(e);
-	gml_torch_free_now(ptr, size, device, id);
+	entry_free_now(device, id, e);
 	return true;
 }
 

@@ -952,7 +952,7 @@ static void fake_free(void *ptr, size_t size, int device, gmlake_stream_t s,
 	int i;
 
 	(void)s;
-	ck_assert_int_eq(device, 0);
+	ck_assert_int_eq(device, f->last_dev);	/* one device a test */
 	for (i = 0; i < f->n && f->ptr[i] != ptr; i++)
 		;
 	ck_assert_msg(i < f->n, "free of %p, never allocated or freed twice",
@@ -1052,6 +1052,7 @@ START_TEST(test_pool_source_park)
 	struct gmlake_torch_pool_segment seg[4];
 	struct gmlake_torch_stats ts;
 	struct fake_src f = { .fail = -1 };
+	struct gmlake_stats st;
 	void *p, *q, *r;
 
 	nsyncs = 0;
@@ -1065,7 +1066,9 @@ START_TEST(test_pool_source_park)
 	ck_assert_uint_eq(f.last_size, 4 * TH_MiB);
 	ck_assert_int_eq(f.last_dev, 0);
 	ck_assert_ptr_eq(f.ptr[0], p);
-	ck_assert_ptr_null(gml_torch_ctx_peek(0));	/* nothing of ours */
+	stats_of(0, &st);			/* nothing of ours */
+	ck_assert_int_eq(st.chunks.current, 0);
+	ck_assert_uint_eq(st.allocs, 0);
 	ck_assert_int_eq(pool_of(0, p), 1);
 
 	torch_figures(0, &ts);
@@ -1133,7 +1136,9 @@ START_TEST(test_pool_source_park)
 	ck_assert_int_eq(ts.reserved_bytes.current, 0);
 	ck_assert_int_eq(ts.segment.current, 0);
 	ck_assert_int_eq(gmlake_torch_pool_segments(0, 0, 0, seg, 4), 0);
-	ck_assert_ptr_null(gml_torch_ctx_peek(0));
+	stats_of(0, &st);
+	ck_assert_int_eq(st.chunks.peak, 0);
+	ck_assert_uint_eq(st.allocs, 0);
 	gmlake_torch_set_sync_hook(NULL);
 }
 END_TEST
@@ -1285,6 +1290,30 @@ START_TEST(test_pool_source_threads)
 	torch_figures(0, &ts);
 	ck_assert_int_eq(ts.segment.current, 0);
 	ck_assert_int_eq(ts.reserved_bytes.current, 0);
+}
+END_TEST
+
+/* A segment on a device where libgmlake allocated nothing else, beside a
+ * context on another: freed by pointer alone, it is found on its own
+ * device (the device gets a context with its first segment). */
+START_TEST(test_pool_source_other_device)
+{
+	struct fake_src f = { .fail = -1 };
+	void *a, *p;
+
+	a = torch_alloc_ok(TH_MiB, dev(0), NULL);
+	ck_assert_int_eq(gmlake_torch_pool_begin(dev(1), POOL_B), 0);
+	set_fake_source(dev(1), POOL_B, &f, 0);
+	p = gmlake_torch_pool_alloc(TH_MiB, dev(1), NULL, POOL_B);
+	ck_assert_ptr_nonnull(p);
+	gmlake_torch_raw_delete(p);
+	ck_assert_int_eq(pool_of(dev(1), p), 2);
+	ck_assert_int_eq(f.frees, 0);
+	ck_assert_int_eq(gmlake_torch_pool_end(dev(1), POOL_B), 0);
+	ck_assert_int_eq(gmlake_torch_pool_release(dev(1), POOL_B), 0);
+	ck_assert_int_eq(f.frees, 1);
+	gmlake_torch_raw_delete(a);
+	th_check(torch_ctx(dev(0)));
 }
 END_TEST
 
@@ -1718,6 +1747,7 @@ static Suite *torch_suite(void)
 		tcase_add_test(tc, test_pool_source_outlives);
 		tcase_add_test(tc, test_pool_source_reset);
 		tcase_add_test(tc, test_pool_source_threads);
+		tcase_add_test(tc, test_pool_source_other_device);
 
 		tc = th_tcase(s, "Figures");
 		tcase_add_checked_fixture(tc, setup, teardown);
