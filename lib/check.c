@@ -373,6 +373,10 @@ static int check_blocks(gmlake_ctx *ctx, struct tally *t)
 			if (l == 0 && (b->small ||
 				       b->off_state != GML_OFF_SPILLED))
 				t->resident += (int64_t)b->alloc_size;
+			if (l == 1 && b->on_lru)
+				return gml_set_error(-EFAULT, "freed block %#lx "
+						     "is on the offload LRU",
+						     (unsigned long)b->ptr);
 			ret = check_block(ctx, b, t);
 			if (ret)
 				return ret;

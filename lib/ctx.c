@@ -132,6 +132,19 @@ out_free:
 	return ret;
 }
 
+/*
+ * A tier forgets a freed block: one on the device when it is freed, also
+ * when its release waits for other streams, so that the allocation path
+ * never spills a freed block; a spilled one at its release, since work
+ * still queued may read its in-place host mapping.
+ */
+static void block_forget(gmlake_ctx *ctx, struct gml_block *b, bool released)
+{
+	if (!b->small && ctx->tier &&
+	    released == (b->off_state == GML_OFF_SPILLED))
+		ctx->tier->block_gone(ctx, b);
+}
+
 /* Give a freed block's memory back to its pool, guarded by g. */
 void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 		       const struct gml_guard *g)
@@ -139,18 +152,11 @@ void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 	free(b->extra);
 	b->extra = NULL;
 	b->nextra = 0;
-	if (!b->small) {
-		/* A tier forgets the block (its host copy goes); a spilled
-		 * run stays holes. */
-		if (ctx->tier)
-			ctx->tier->block_gone(ctx, b);
-		if (b->off_state == GML_OFF_SPILLED) {
-			gml_large_free_spilled(ctx, b, g);
-			return;
-		}
-	}
+	block_forget(ctx, b, true);
 	if (b->small)
 		gml_small_free(ctx, b, g);
+	else if (b->off_state == GML_OFF_SPILLED)
+		gml_large_free_spilled(ctx, b, g);	/* the run stays holes */
 	else
 		gml_large_free(ctx, b, g);
 }
@@ -176,7 +182,7 @@ static void live_add(struct gml_block **head, struct gml_block *b)
 }
 
 /* Release the freed blocks whose extra streams are done (all, if wait). */
-static void process_deferred(gmlake_ctx *ctx, bool wait)
+void gml_release_deferred(gmlake_ctx *ctx, bool wait)
 {
 	static const struct gml_guard none = { -1, 0 };
 	struct gml_block *b, *next;
@@ -233,7 +239,7 @@ GML_EXPORT int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
 	if (ret)
 		goto out_leave;
 	if (ctx->deferred)
-		process_deferred(ctx, false);
+		gml_release_deferred(ctx, false);
 	peak = ctx->st.reserved_bytes.peak;
 	if (size < ctx->cfg.small_size)
 		ret = gml_small_alloc(ctx, size, idx, &b);
@@ -322,6 +328,7 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 		goto out_leave;
 	}
 	live_del(&ctx->live, b);
+	block_forget(ctx, b, false);
 	gml_gauge_add(&ctx->st.requested_bytes, -(int64_t)b->size);
 	gml_gauge_add(&ctx->st.allocated_bytes, -(int64_t)b->alloc_size);
 	if (b->small || b->off_state != GML_OFF_SPILLED)
@@ -346,7 +353,7 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 				&b->extra[i].seq);
 	b->extra[b->nextra++] = g;	/* record_stream left room */
 	live_add(&ctx->deferred, b);
-	process_deferred(ctx, false);
+	gml_release_deferred(ctx, false);
 out_leave:
 	ctx_leave(ctx);
 	return ret;
@@ -435,7 +442,7 @@ GML_EXPORT int gmlake_trim(gmlake_ctx *ctx)
 	ret = ctx_enter(ctx);
 	if (ret)
 		return ret;
-	process_deferred(ctx, true);
+	gml_release_deferred(ctx, true);
 	ret = gml_release_cached(ctx, true);
 	/* Chunks the driver refused to release before: try again. */
 	if (ctx->nzombies)
@@ -630,9 +637,10 @@ GML_EXPORT int gmlake_ctx_destroy(gmlake_ctx *ctx, bool force)
 	while ((b = ctx->live)) {
 		live_del(&ctx->live, b);
 		gml_ptrmap_del(&ctx->blocks, b->ptr);
+		block_forget(ctx, b, false);
 		gml_block_release(ctx, b, &none);
 	}
-	process_deferred(ctx, true);
+	gml_release_deferred(ctx, true);
 	while ((b = ctx->deferred)) {
 		live_del(&ctx->deferred, b);
 		gml_block_release(ctx, b, &none);

@@ -2,9 +2,10 @@
 /*
  * What the allocator gives up under memory pressure, and in what order:
  * the one ladder that allocation and fetch climb (gml_pressure_relieve).
- * First what the cache holds unused: it waits for every stream, unmaps
- * stale positions, releases spare chunks, gives idle small chunks back and
- * unmaps unused stitched views. Then, one block at a time, what a tier
+ * First what the cache holds unused: it waits for every stream, releases
+ * the blocks freed while other streams used them, unmaps stale positions,
+ * releases spare chunks, gives idle small chunks back and unmaps unused
+ * stitched views. Then, one block at a time, what a tier
  * below the device (offload/) can spill. Trim (gmlake_trim, and the
  * PyTorch entry point's last retry) also gives every free chunk back to
  * the driver.
@@ -45,6 +46,8 @@ int gml_release_cached(gmlake_ctx *ctx, bool all)
 	int ret, err;
 
 	ret = gml_streams_wait_all(ctx);
+	/* Blocks freed while other streams used them: their memory too. */
+	gml_release_deferred(ctx, false);
 	if (ret)
 		return ret;
 	gml_stale_reap(ctx, true);

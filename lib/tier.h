@@ -19,7 +19,8 @@ struct gml_tier_ops {
 	/* Move one block out of the device, never keep; true when one
 	 * moved (the caller tries again, one block at a time). */
 	bool (*reclaim)(gmlake_ctx *ctx, struct gml_block *keep);
-	/* b is about to be freed: the tier forgets it. */
+	/* b was freed: the tier forgets it, once (a block on the device
+	 * at gmlake_free, a spilled one when its memory is released). */
 	void (*block_gone)(gmlake_ctx *ctx, struct gml_block *b);
 	/* Stop moving and wait for what is in flight; no lock held. */
 	void (*quiesce)(gmlake_ctx *ctx);

@@ -390,6 +390,7 @@ void gml_spools_fini(gmlake_ctx *ctx);
 /* ctx.c (the context lock is in lock.h) */
 void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 		       const struct gml_guard *g);
+void gml_release_deferred(gmlake_ctx *ctx, bool wait);
 
 /* check.c: the invariant checker, lock held */
 int gml_ctx_check_locked(gmlake_ctx *ctx);

@@ -2314,6 +2314,64 @@ START_TEST(test_auto_oom)
 }
 END_TEST
 
+/* Let a held stream go after a while, from another thread. */
+struct later_release {
+	gmlake_ctx *ctx;
+	gmlake_stream_t s;
+};
+
+static void *release_later(void *arg)
+{
+	struct later_release *r = arg;
+	struct timespec ts = { 0, 100 * 1000 * 1000 };
+
+	nanosleep(&ts, NULL);
+	th_hold(r->ctx, r->s, false);
+	return NULL;
+}
+
+/*
+ * A block freed while another stream's work on it is pending is no longer
+ * the caller's: it leaves the offload LRU at its free, and the allocation
+ * path's first rung, which waits for every stream, releases it, so a
+ * request that needs its memory spills nothing. Before, it stayed on the
+ * LRU until its release, and the allocation path spilled it: a copy of
+ * dead bytes, counted off the device twice (found by fuzz_api).
+ */
+START_TEST(test_auto_skips_freed)
+{
+	gmlake_ctx *ctx = off_ctx(24 * TH_MiB, 64 * TH_MiB, 0);
+	gmlake_stream_t other = th_stream(ctx);
+	struct later_release rel = { ctx, other };
+	struct gmlake_stats st;
+	void *a = th_alloc(ctx, 8 * TH_MiB, NULL);
+	void *b = th_alloc(ctx, 10 * TH_MiB, NULL);
+	pthread_t t;
+	void *c;
+
+	th_fill_ok(ctx, a, 8 * TH_MiB, 71, NULL);
+	TH_OK(ctx, gmlake_advise(ctx, b, GMLAKE_ADVISE_OFFLOADABLE));
+	TH_OK(ctx, gmlake_advise(ctx, a, GMLAKE_ADVISE_OFFLOADABLE));
+	/* b is the least recently used; its free waits for other. */
+	TH_OK(ctx, gmlake_record_stream(ctx, b, other));
+	th_hold(ctx, other, true);
+	th_free(ctx, b);		/* checks: b on no LRU */
+	ck_assert_int_eq(pthread_create(&t, NULL, release_later, &rel), 0);
+	c = th_alloc(ctx, 8 * TH_MiB, NULL);
+	ck_assert_int_eq(pthread_join(t, NULL), 0);
+	th_stats(ctx, &st);
+	ck_assert_uint_eq(st.auto_spills, 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, a), GMLAKE_BLOCK_RESIDENT);
+	ck_assert_int_eq(st.resident_bytes.current, 16 * TH_MiB);
+	th_fill_ok(ctx, c, 8 * TH_MiB, 73, NULL);
+	th_verify_ok(ctx, a, 8 * TH_MiB, 71, NULL);
+	th_free(ctx, a);
+	th_free(ctx, c);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, other));
+	th_destroy(ctx);
+}
+END_TEST
+
 /*
  * The allocation path's own spill (the tier's reclaim hook) on a device
  * gone bad: the allocation fails, the block stays resident with its bytes,
@@ -2913,6 +2971,7 @@ static Suite *offload_suite(void)
 	tc = th_tcase(s, "Auto");
 	tcase_add_test(tc, test_auto_device_limit);
 	tcase_add_test(tc, test_auto_oom);
+	tcase_add_test(tc, test_auto_skips_freed);
 	tcase_add_test(tc, test_sticky_auto);
 
 	tc = th_tcase(s, "Bound");
