@@ -79,9 +79,16 @@ static uint32_t roundtrip(gmlake_ctx *a, gmlake_ctx *b, void *ptr, size_t size,
 
 START_TEST(test_single_chunks)
 {
-	int fds = th_count_fds();
-	gmlake_ctx *a = th_ctx(0), *b = th_ctx(0);
+	gmlake_ctx *a, *b;
 	void *p = NULL;
+	int fds;
+
+	/* The CUDA driver opens descriptors of its own on the process's
+	 * first context and keeps them: count after one came and went. */
+	th_destroy(th_ctx(0));
+	fds = th_count_fds();
+	a = th_ctx(0);
+	b = th_ctx(0);
 
 	p = th_alloc_filled(a, CHUNKS(3), 1, NULL);
 	ck_assert_uint_ge(roundtrip(a, b, p, CHUNKS(3), 1), 1);
