@@ -68,6 +68,11 @@ class RowFailed(Exception):
     pass
 
 
+class RowSkipped(Exception):
+    """What the row needs is missing from this PyTorch or machine, under
+    PyTorch's own allocator too: neither a pass nor a failure."""
+
+
 def check(cond, msg):
     if not cond:
         raise RowFailed(msg)
@@ -417,6 +422,9 @@ def row_nccl_mempool(torch, ctx):
             try:
                 pool = torch.cuda.MemPool(backend.mem_allocator)
             except RuntimeError as e:
+                if "not supported in this NCCL" in str(e):
+                    raise RowSkipped("this PyTorch's NCCL has no mem "
+                                     "allocator: %s" % str(e)[:120])
                 check(_gmlake_backend() == "ctypes",
                       "MemPool(mem_allocator) failed: %s" % e)
                 return "refused under the ctypes backend: %s" % str(e)[:120]
@@ -526,6 +534,9 @@ def child(ns):
         res["ok"] = True
     except RowFailed as e:
         res["detail"] = str(e)
+    except RowSkipped as e:
+        res["skipped"] = True
+        res["detail"] = "skipped: %s" % e
     except Exception as e:
         res["detail"] = "%s: %s" % (type(e).__name__, str(e)[:400])
         traceback.print_exc()
@@ -533,6 +544,13 @@ def child(ns):
     print(MARK + json.dumps(res))
     sys.stdout.flush()
     return 0
+
+
+def status(res):
+    """pass, FAIL or skip: a row's result in the table."""
+    if res["ok"]:
+        return "pass"
+    return "skip" if res.get("skipped") else "FAIL"
 
 
 def run_row(ns, mode, row):
@@ -611,7 +629,7 @@ def main(argv=None):
             r = run_row(ns, mode, row)
             results[(row, mode)] = r
             print("%-24s %-7s %-4s %6.1fs  %s" % (
-                row, mode, "ok" if r["ok"] else "FAIL", r["seconds"],
+                row, mode, status(r).replace("pass", "ok"), r["seconds"],
                 r["detail"]), flush=True)
     print()
     print("| %-24s | %-6s | %-6s | %s" % ("row", "torch", "gmlake",
@@ -621,18 +639,20 @@ def main(argv=None):
         cells = []
         for mode in ("torch", "gmlake"):
             r = results.get((row, mode))
-            cells.append("-" if r is None else "pass" if r["ok"] else
-                         "FAIL")
+            cells.append("-" if r is None else status(r))
         r = results.get((row, "gmlake")) or results.get((row, "torch"))
         print("| %-24s | %-6s | %-6s | %s" % (row, cells[0], cells[1],
                                                r["detail"][:110]))
-    passed = sum(1 for r in results.values() if r["ok"])
-    failed = len(results) - passed
+    counts = {"pass": 0, "FAIL": 0, "skip": 0}
+    for r in results.values():
+        counts[status(r)] += 1
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump([results[k] for k in sorted(results)], f, indent=1)
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    print("%d passed, %d failed, %d skipped" % (counts["pass"],
+                                                counts["FAIL"],
+                                                counts["skip"]))
+    return 1 if counts["FAIL"] else 0
 
 
 if __name__ == "__main__":
