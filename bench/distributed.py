@@ -14,10 +14,11 @@ torch.distributed.run; with --nproc 1 they run on one rank).
   dist_collectives  all_reduce and all_gather_into_tensor over a tensor of
                     64 MiB, 256 MiB or 1 GiB per step: ITERS collectives a
                     step, on a tensor made where two freed blocks of half
-                    its size were, under a memory cap (PyTorch's memory
-                    fraction) that leaves no room to grow, so libgmlake
-                    stitches it and PyTorch's allocators free cached
-                    memory for it; figures() gives each (op, size)'s bus
+                    its size were; under libgmlake with a memory cap
+                    (PyTorch's memory fraction) that leaves it no room
+                    to grow, so it stitches them; PyTorch's allocators
+                    without the cap (their bandwidth on plain tensors is
+                    the reference); figures() gives each (op, size)'s bus
                     bandwidth as nccl-tests counts it, and whether
                     libgmlake stitched the tensor.
 
@@ -100,9 +101,9 @@ NOTES = {
                       "under FSDP2 fully_shard, gradient checkpointing, "
                       "AdamW on the adapters; (batch, sequence) per step",
     "dist_collectives": "all_reduce and all_gather_into_tensor (NCCL) over "
-                        "a tensor made from two freed blocks' room under a "
-                        "memory cap; (collective, MiB) per step, %d "
-                        "collectives each",
+                        "a tensor made from two freed blocks' room (under "
+                        "libgmlake, with a memory cap); (collective, MiB) "
+                        "per step, %d collectives each",
 }
 
 
@@ -239,10 +240,15 @@ def _lora_fsdp(size, seed):
                     lambda idx: model(input_ids=idx, labels=idx).loss)
 
 
-def _stitched_room(nbytes):
+def _stitched_room(nbytes, cap):
     """A float32 tensor of nbytes where two freed blocks of half its size
-    were, the memory capped at what is reserved (and 4 MiB), so that no
-    allocator can grow for it; the two blocks between stay (returned)."""
+    were; the two blocks between stay (returned). With cap, the memory is
+    capped at what is reserved plus a little (PyTorch's memory fraction),
+    so that libgmlake cannot grow for the tensor and stitches the two
+    freed blocks' chunks. The slack is for the freed blocks' ends: a
+    growth handle (20 MiB) that a kept block shares cannot be stitched.
+    PyTorch's allocators run without the cap: the bandwidth they reach
+    on plain tensors is the reference."""
     import torch
     dev = torch.cuda.current_device()
     torch.cuda.synchronize()
@@ -251,9 +257,12 @@ def _stitched_room(nbytes):
     a, b, c, d = (torch.empty(half, dtype=torch.uint8, device="cuda")
                   for _ in range(4))
     del a, c
+    if not cap:
+        return torch.empty(nbytes // 4, dtype=torch.float32,
+                           device="cuda"), (b, d)
     total = torch.cuda.get_device_properties(dev).total_memory
-    cap = torch.cuda.memory_reserved(dev) + 4 * MiB
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
+    limit = torch.cuda.memory_reserved(dev) + max(64 * MiB, nbytes // 16)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), dev)
     try:
         x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
     finally:
@@ -287,7 +296,7 @@ def _collectives(size, seed):
     def buffers(mib):
         if mib not in bufs:
             before = _stitches()
-            x, keep = _stitched_room(mib * MiB)
+            x, keep = _stitched_room(mib * MiB, before is not None)
             after = _stitches()
             if before is not None:
                 stitched[str(mib)] = after > before
