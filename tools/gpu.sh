@@ -32,8 +32,9 @@
 #	(check_ipc, check_torch's IPC case, examples/ipc with
 #	GMLAKE_BACKEND=cuda; vmm_probe's export question, what exportable
 #	handles cost; check_peer, which needs two GPUs; gpu_parity's enable,
-#	ipc, mempool and nccl_mempool rows: torch.multiprocessing and NCCL's
-#	buffer registration through the adapter). Writes gpu-ipc.log,
+#	ipc, mempool, nccl_mempool and mempool_allocator rows:
+#	torch.multiprocessing, NCCL's buffer registration and pools on a
+#	user's allocator through the adapter). Writes gpu-ipc.log,
 #	gpu-ipc-summary.log,
 #	gpu-vmm-export.txt and gpu-parity-ipc.json to ${GML_GPU_OUT:-/tmp}.
 #
@@ -341,9 +342,10 @@ do_bench() {
 
 # Sharing blocks between processes on the GPU, in one short call: the C
 # suites' IPC cases, examples/ipc, what exportable handles cost
-# (vmm_probe's export question), peer access, and torch.multiprocessing
-# and NCCL's buffer registration through the adapter (gpu_parity's enable,
-# ipc, mempool and nccl_mempool rows; enable builds the adapter).
+# (vmm_probe's export question), peer access, and torch.multiprocessing,
+# NCCL's buffer registration and pools on a user's allocator through the
+# adapter (gpu_parity's enable, ipc, mempool, nccl_mempool and
+# mempool_allocator rows; enable builds the adapter).
 do_ipc() {
 	local t0
 	if [ ! -x "$build/tests/check_ipc" ]; then
@@ -363,9 +365,9 @@ do_ipc() {
 			bash -c 'set -o pipefail; "$@" | tee "$0"' "$out/gpu-vmm-export.txt" \
 			"$build/vmm_probe" 256 export
 	fi
-	step "gpu_parity enable,ipc,mempool,nccl_mempool (cuda)" \
+	step "gpu_parity enable,ipc,mempool,nccl_mempool,mempool_allocator (cuda)" \
 		python3 python/tests/gpu_parity.py --lib "$root/$build/libgmlake.so" \
-		--rows enable,ipc,mempool,nccl_mempool \
+		--rows enable,ipc,mempool,nccl_mempool,mempool_allocator \
 		--json "$out/gpu-parity-ipc.json"
 	steps_log "$out/gpu-ipc.log"
 	{

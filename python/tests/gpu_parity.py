@@ -20,7 +20,10 @@ process that reads them and writes to them), mempool (torch.cuda.MemPool
 and use_mem_pool), nccl_mempool (a one-rank NCCL group: a MemPool on
 the backend's mem_allocator, register_mem_pool, all_reduce on tensors
 allocated before and after the registration, the pool's segments in
-the snapshot, deregistration), oom_linear (out
+the snapshot, deregistration), mempool_allocator (a MemPool on a
+CUDAPluggableAllocator of cuMemAlloc built here: its tensors, its
+segments in the snapshot, every segment given back once the pool is
+gone), oom_linear (out
 of memory inside a Linear caught as torch.cuda.OutOfMemoryError, then
 the process goes on), oom_400g (torch.empty(400 GiB) + 1 raises
 OutOfMemoryError; CUDA still works), cross_stream (memory freed on a
@@ -29,11 +32,14 @@ after the first's reads; under libgmlake it says how often the memory
 was taken and the stream made to wait). --slow adds compile_max_autotune;
 --rows alloc_cost measures an allocation and free through PyTorch
 (run it with --backend ctypes too, to compare the adapter's cost).
-ipc and nccl_mempool must work, but under the ctypes backend (PyTorch's
-pluggable allocator, which shares nothing and keeps no pools) a
-refusal passes.
+ipc, nccl_mempool and mempool_allocator must work, but under the ctypes
+backend (PyTorch's pluggable allocator, which shares nothing and keeps
+no pools) a refusal passes. A row whose need is missing under PyTorch's
+own allocator too (a PyTorch whose NCCL has no mem allocator, no C
+compiler) is skipped.
 
-Prints a table and, last, "N passed, M failed"; exit 1 on any failure.
+Prints a table and, last, "N passed, M failed, K skipped"; exit 1 on any
+failure.
 Needs torch with CUDA; the library's Python package is taken from this
 source tree (python/).
 """
@@ -55,7 +61,7 @@ MiB = 1 << 20
 
 ROWS = ("enable", "memory_stats", "reset_peak", "memory_history",
         "cudnn_benchmark", "compile_reduce_overhead", "graph_pool", "ipc",
-        "mempool", "nccl_mempool", "oom_linear", "oom_400g",
+        "mempool", "nccl_mempool", "mempool_allocator", "oom_linear", "oom_400g",
         "cross_stream")
 SLOW_ROWS = ("compile_max_autotune",)
 # Rows that measure and always pass (--rows to run them).
@@ -458,6 +464,114 @@ def row_nccl_mempool(torch, ctx):
     return ("registered a pool of %d segments (%s MiB) from NCCL's "
             "allocator; all_reduce right" %
             (len(segs), "+".join(str(x // MiB) for x in sizes)))
+
+
+# A pool allocator of the simplest kind, as a user would pass to MemPool:
+# cuMemAlloc and cuMemFree from the driver (dlopen: no CUDA headers or
+# libraries needed to build it), with counts to check the frees against.
+PLAIN_ALLOCATOR_C = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+typedef unsigned long long dptr;
+static int (*mem_alloc)(dptr *, size_t);
+static int (*mem_free)(dptr);
+static long allocs, frees;
+static int load(void)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!h)
+        h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (h && !mem_alloc) {
+        mem_alloc = (int (*)(dptr *, size_t))dlsym(h, "cuMemAlloc_v2");
+        mem_free = (int (*)(dptr))dlsym(h, "cuMemFree_v2");
+    }
+    return mem_alloc && mem_free;
+}
+void *plain_alloc(size_t size, int device, void *stream)
+{
+    dptr p = 0;
+    (void)device; (void)stream;
+    if (!load() || mem_alloc(&p, size))
+        return NULL;
+    __atomic_add_fetch(&allocs, 1, __ATOMIC_RELAXED);
+    return (void *)p;
+}
+void plain_free(void *p, size_t size, int device, void *stream)
+{
+    (void)size; (void)device; (void)stream;
+    if (load() && !mem_free((dptr)p))
+        __atomic_add_fetch(&frees, 1, __ATOMIC_RELAXED);
+}
+long plain_allocs(void) { return allocs; }
+long plain_frees(void) { return frees; }
+"""
+
+
+def _plain_allocator(tmp):
+    """PLAIN_ALLOCATOR_C built into tmp: its path, or RowSkipped."""
+    import shutil
+    src = os.path.join(tmp, "plain_alloc.c")
+    so = os.path.join(tmp, "plain_alloc.so")
+    with open(src, "w") as f:
+        f.write(PLAIN_ALLOCATOR_C)
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RowSkipped("no C compiler to build a pool allocator")
+    p = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", so, src,
+                        "-ldl"], capture_output=True, text=True)
+    check(p.returncode == 0, "building the pool allocator failed: %s" %
+          p.stderr[-300:])
+    return so
+
+
+def row_mempool_allocator(torch, ctx):
+    """A MemPool on an allocator of the user's (CUDAPluggableAllocator):
+    under libgmlake each block is a segment of that allocator's, and
+    all of them go back once the pool is gone."""
+    import ctypes
+    with tempfile.TemporaryDirectory() as tmp:
+        so = _plain_allocator(tmp)
+        counts = ctypes.CDLL(so)
+        counts.plain_allocs.restype = ctypes.c_long
+        counts.plain_frees.restype = ctypes.c_long
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(so, "plain_alloc",
+                                                         "plain_free")
+        try:
+            pool = torch.cuda.MemPool(alloc.allocator())
+        except RuntimeError as e:
+            check(_gmlake_backend() == "ctypes",
+                  "MemPool(allocator) failed: %s" % e)
+            return "refused under the ctypes backend: %s" % str(e)[:120]
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.full((16 * MiB,), 2.0, device="cuda")
+            b = torch.full((3 * MiB,), 5.0, device="cuda")
+        z = torch.full((MiB,), 7.0, device="cuda")     # outside the pool
+        c = a[:MiB] + b[:MiB] + z
+        torch.cuda.synchronize()
+        check(bool((c == 14.0).all()), "wrong values")
+        made = counts.plain_allocs()
+        check(made >= 1, "the pool's allocator was never called")
+        segs = [(s["address"], s["total_size"])
+                for s in torch.cuda.memory_snapshot()
+                if tuple(s.get("segment_pool_id", (0, 0))) ==
+                tuple(pool.id)]
+        for t in (a, b):
+            check(any(addr <= t.data_ptr() < addr + size
+                      for addr, size in segs),
+                  "a pool tensor at %#x in none of the pool's segments %s" %
+                  (t.data_ptr(), segs))
+        del a, b, c
+        torch.cuda.synchronize()
+        del pool
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        gone = counts.plain_frees()
+        check(gone == made, "the allocator made %d segments and got %d "
+              "back after the pool's end" % (made, gone))
+        check(bool((z == 7.0).all()), "a tensor outside the pool changed")
+    return ("a pool of %d segments (%s MiB) from a user's allocator; all "
+            "given back at its end" %
+            (len(segs), "+".join(str(s // MiB) for _, s in segs)))
 
 
 def row_oom_linear(torch, ctx):
