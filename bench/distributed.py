@@ -246,7 +246,8 @@ def _stitched_room(nbytes, cap):
     capped at what is reserved plus a little (PyTorch's memory fraction),
     so that libgmlake cannot grow for the tensor and stitches the two
     freed blocks' chunks. The slack is for the freed blocks' ends: a
-    growth handle (20 MiB) that a kept block shares cannot be stitched.
+    growth handle (20 MiB) that a kept block shares can be neither
+    stitched nor given back, so the shortfall grows.
     PyTorch's allocators run without the cap: the bandwidth they reach
     on plain tensors is the reference."""
     import torch
@@ -261,7 +262,7 @@ def _stitched_room(nbytes, cap):
         return torch.empty(nbytes // 4, dtype=torch.float32,
                            device="cuda"), (b, d)
     total = torch.cuda.get_device_properties(dev).total_memory
-    limit = torch.cuda.memory_reserved(dev) + max(64 * MiB, nbytes // 16)
+    limit = torch.cuda.memory_reserved(dev) + max(128 * MiB, nbytes // 8)
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), dev)
     try:
         x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
