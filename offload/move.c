@@ -575,7 +575,10 @@ static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
 		gml_log(GMLAKE_LOG_ERROR, "offload: cannot wait for the work "
 			"on the chunks of block %#lx: %s", (unsigned long)b->ptr,
 			gmlake_last_error());
-	if (gml_large_detach(ctx, b, false)) {
+	/* A spilled block holds no chunks: an unmap the driver refused
+	 * once (the block is left intact) is tried again. */
+	if (gml_large_detach(ctx, b, false) &&
+	    gml_large_detach(ctx, b, false)) {
 		/* The chunks stay; the bytes on the host are still right. */
 		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx holds chunks "
 			"it could not fill", (unsigned long)b->ptr);
