@@ -1233,6 +1233,22 @@ static void off_pressure(struct fz *f, struct fz_in *in)
 	op_alloc(f, in);
 }
 
+/*
+ * Spilled blocks freed while other streams' work on them is pending: the
+ * manager holds their bytes on the host until that work completes, and
+ * they count as spilled until then (gmlake_stats_get(3)).
+ */
+static int freed_spilled(struct fz *f)
+{
+	int n = 0;
+
+	pthread_mutex_lock(&f->ctx->lock);	/* no driver call: no enter */
+	for (struct gml_block *b = f->ctx->deferred; b; b = b->lnext)
+		n += !b->small && b->off_state == GML_OFF_SPILLED;
+	pthread_mutex_unlock(&f->ctx->lock);
+	return n;
+}
+
 /* A block's state against the model; the spilled counters. */
 static void off_state(struct fz *f, struct fz_in *in)
 {
@@ -1267,6 +1283,7 @@ static void off_state(struct fz *f, struct fz_in *in)
 		exact &= !f->blk[k].offloadable;
 		spilled += f->blk[k].spilled;
 	}
+	spilled += freed_spilled(f);
 	memset(&stats, 0, sizeof(stats));
 	stats.version = GMLAKE_STATS_VERSION;
 	stats.size = sizeof(stats);
