@@ -61,8 +61,8 @@ MiB = 1 << 20
 
 ROWS = ("enable", "memory_stats", "reset_peak", "memory_history",
         "cudnn_benchmark", "compile_reduce_overhead", "graph_pool", "ipc",
-        "mempool", "nccl_mempool", "mempool_allocator", "oom_linear", "oom_400g",
-        "cross_stream")
+        "mempool", "nccl_mempool", "mempool_allocator", "oom_linear",
+        "oom_400g", "cross_stream")
 SLOW_ROWS = ("compile_max_autotune",)
 # Rows that measure and always pass (--rows to run them).
 EXTRA_ROWS = ("alloc_cost",)
@@ -414,6 +414,13 @@ def row_mempool(torch, ctx):
     return "MemPool() works (use_count %d)" % uses
 
 
+def _pool_segments(torch, pool):
+    """(address, size) of each segment the snapshot gives pool."""
+    return [(s["address"], s["total_size"])
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool.id)]
+
+
 def row_nccl_mempool(torch, ctx):
     """NCCL's user-buffer registration on one rank: the pool's memory
     comes from the backend's allocator (ncclMemAlloc), a segment per
@@ -445,10 +452,8 @@ def row_nccl_mempool(torch, ctx):
             torch.cuda.synchronize()
             check(bool((a == 2.0).all()) and bool((b == 5.0).all()),
                   "all_reduce on one rank changed the values")
-            segs = [s for s in torch.cuda.memory_snapshot()
-                    if tuple(s.get("segment_pool_id", (0, 0))) ==
-                    tuple(pool.id)]
-            sizes = sorted(s["total_size"] for s in segs)
+            segs = _pool_segments(torch, pool)
+            sizes = sorted(size for _, size in segs)
             check(len(segs) == 2 and sizes[0] >= 12 * MiB and
                   sizes[1] >= 64 * MiB,
                   "the pool's segments in the snapshot: %s" % sizes)
@@ -551,10 +556,7 @@ def row_mempool_allocator(torch, ctx):
         check(bool((c == 14.0).all()), "wrong values")
         made = counts.plain_allocs()
         check(made >= 1, "the pool's allocator was never called")
-        segs = [(s["address"], s["total_size"])
-                for s in torch.cuda.memory_snapshot()
-                if tuple(s.get("segment_pool_id", (0, 0))) ==
-                tuple(pool.id)]
+        segs = _pool_segments(torch, pool)
         for t in (a, b):
             check(any(addr <= t.data_ptr() < addr + size
                       for addr, size in segs),
