@@ -562,7 +562,7 @@ def row_mempool_allocator(torch, ctx):
                       for addr, size in segs),
                   "a pool tensor at %#x in none of the pool's segments %s" %
                   (t.data_ptr(), segs))
-        del a, b, c
+        del a, b, c, t      # t, the loop's, still held b
         torch.cuda.synchronize()
         del pool
         torch.cuda.empty_cache()
