@@ -44,6 +44,10 @@ enum gmlake_log_level {
 
 #define GMLAKE_CONFIG_VERSION 1
 
+/* top_fit's default: requests of at least a quarter of the most memory
+ * the live blocks ever requested at once (gmlake_config_init(3)). */
+#define GMLAKE_TOP_FIT_AUTO SIZE_MAX
+
 /*
  * Settings of a context. gmlake_config_init() fills the defaults and then
  * applies the GMLAKE_* environment options; change fields after that.
@@ -81,7 +85,9 @@ struct gmlake_config {
 	uint8_t reserved8[2];
 	size_t top_fit;			/* requests of at least this many
 					   bytes take the highest free run,
-					   its top end; 0 (default): off */
+					   its top end; GMLAKE_TOP_FIT_AUTO
+					   (default): a quarter of the
+					   requested peak; 0: off */
 	size_t grow_handle;		/* a segment grows for a block in
 					   handles of this size; 20 MiB, 0
 					   or chunk_size: by chunks */

@@ -404,22 +404,38 @@ static void view_top_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 }
 
 /*
+ * Whether a request of n chunks takes the top of its free run (step 1):
+ * at least cfg.top_fit bytes, or by default (GMLAKE_TOP_FIT_AUTO) a
+ * quarter of the most the live blocks ever requested at once. A block
+ * that large shapes the layout of everything else: from the top, the
+ * small blocks of one step do not land where it was in the last, which
+ * it would have to stitch. On the replayed GraphSAGE trace, whose
+ * message tensor is 20-65% of the peak, the second half's driver time
+ * fell from 2.77% to 1.37%; any share from a half to a fifth gave the
+ * same on every trace, where an eighth made FSDP's worse. A fixed size
+ * hit blocks that were not large for their workload: 48 MiB made the
+ * GraphSAGE bench 15% slower on an H200, 512 MiB cost FSDP's trace a
+ * stitch.
+ */
+static bool top_fit_wanted(const gmlake_ctx *ctx, uint32_t n)
+{
+	uint64_t bytes = (uint64_t)n * ctx->chunk;
+
+	if (ctx->cfg.top_fit == GMLAKE_TOP_FIT_AUTO)
+		return bytes >= (uint64_t)ctx->st.requested_bytes.peak / 4;
+	return ctx->cfg.top_fit && bytes >= (uint64_t)ctx->cfg.top_fit;
+}
+
+/*
  * Step 1: the oldest segment with a usable run of n, its lowest one
- * (ctx->segs is in creation order). With cfg.top_fit, a request of at
- * least that size takes the newest segment's highest run instead, its
- * top end: large and small blocks then fill memory from opposite ends,
- * so the small ones of one step do not land where a large one of the
- * next step was, which it would have to stitch (an option, off by
- * default: on the replayed traces at 48 MiB it took the second-half
- * driver time of eco_sage from 12.3% to 7.9%, but 32 and 16 MiB were
- * each worse on some trace, and on the H200 48 MiB made GraphSAGE's mean
- * step 15% slower, its early steady steps remapping more).
+ * (ctx->segs is in creation order); a large request (top_fit_wanted)
+ * takes the newest segment's highest run instead, its top end, so that
+ * large and small blocks fill memory from opposite ends.
  */
 bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
 		   struct run *first)
 {
-	if (ctx->cfg.top_fit &&
-	    (uint64_t)n * ctx->chunk >= (uint64_t)ctx->cfg.top_fit) {
+	if (top_fit_wanted(ctx, n)) {
 		for (struct gml_view *v = gml_list_last(ctx->segs); v;
 		     v = v->prev) {
 			if (v->n < n)

@@ -27,7 +27,8 @@
 extern char **environ;
 
 enum opt_type {
-	OPT_SIZE, OPT_UINT, OPT_BOOL, OPT_BACKEND, OPT_LOG, OPT_ENGINE
+	OPT_SIZE, OPT_UINT, OPT_BOOL, OPT_BACKEND, OPT_LOG, OPT_ENGINE,
+	OPT_TOP_FIT
 };
 
 struct option_def {
@@ -56,7 +57,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms) },
 	{ "GMLAKE_STREAM_ORDER", OPT_BOOL, FIELD(stream_order) },
 	{ "GMLAKE_EXPORTABLE", OPT_BOOL, FIELD(exportable) },
-	{ "GMLAKE_TOP_FIT", OPT_SIZE, FIELD(top_fit) },
+	{ "GMLAKE_TOP_FIT", OPT_TOP_FIT, FIELD(top_fit) },
 	{ "GMLAKE_GROW_HANDLE", OPT_SIZE, FIELD(grow_handle) },
 	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
 };
@@ -182,6 +183,10 @@ static int apply(const struct option_def *o, const char *val,
 		return parse_log(val, (int *)field);
 	case OPT_ENGINE:
 		return parse_engine(val, (int *)field);
+	case OPT_TOP_FIT:	/* a size, or auto */
+		if (!strcasecmp(val, "auto"))
+			return *(size_t *)field = GMLAKE_TOP_FIT_AUTO, 0;
+		return gml_parse_size(val, (size_t *)field);
 	}
 	return -EINVAL;
 }
@@ -204,6 +209,7 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->stream_order = true;
 	cfg->exportable = true;
 	cfg->grow_handle = 20 << 20;
+	cfg->top_fit = GMLAKE_TOP_FIT_AUTO;
 }
 
 /*

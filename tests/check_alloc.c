@@ -471,9 +471,20 @@ START_TEST(test_long_lived_faults)
 }
 END_TEST
 
+/* Every request by first fit (top_fit off): for tests that place blocks
+ * by position. */
+static gmlake_ctx *first_fit_ctx(size_t capacity)
+{
+	struct gmlake_config cfg;
+
+	th_config(&cfg, capacity);
+	cfg.top_fit = 0;
+	return th_ctx_cfg(&cfg);
+}
+
 START_TEST(test_first_fit)
 {
-	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	gmlake_ctx *ctx = first_fit_ctx(CAP_CHUNKS(32));
 	static const size_t sizes[4] = { 6 * TH_MiB, 2 * TH_MiB, 4 * TH_MiB,
 					 2 * TH_MiB };
 	struct gmlake_stats s0, s1;
@@ -570,6 +581,46 @@ START_TEST(test_top_fit)
 	th_free(ctx, small);
 	th_free(ctx, small2);
 	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * By default (GMLAKE_TOP_FIT_AUTO) a request of at least a quarter of the
+ * most ever requested at once takes the top of the highest free run;
+ * smaller ones the lowest position. With top_fit 0 every request takes
+ * the lowest position.
+ */
+START_TEST(test_top_fit_auto)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx;
+	char *base, *small, *big, *mid;
+	size_t ch;
+
+	for (int off = 0; off < 2; off++) {
+		th_config(&cfg, CAP_CHUNKS(32));
+		ck_assert_uint_eq(cfg.top_fit, GMLAKE_TOP_FIT_AUTO);
+		if (off)
+			cfg.top_fit = 0;
+		ctx = th_ctx_cfg(&cfg);
+		ch = th_chunk_size(ctx);
+		/* The peak: 32 chunks, so a quarter is 8. */
+		base = th_alloc(ctx, 32 * ch, NULL);
+		th_free(ctx, base);
+		small = th_alloc(ctx, 2 * ch, NULL);
+		ck_assert_ptr_eq(small, base);
+		mid = th_alloc(ctx, 7 * ch, NULL);	/* under a quarter */
+		ck_assert_ptr_eq(mid, base + 2 * ch);
+		big = th_alloc(ctx, 8 * ch, NULL);
+		ck_assert_ptr_eq(big, off ? base + 9 * ch : base + 24 * ch);
+		th_fill_ok(ctx, big, 8 * ch, 71, NULL);
+		th_fill_ok(ctx, mid, 7 * ch, 72, NULL);
+		th_verify_ok(ctx, big, 8 * ch, 71, NULL);
+		th_free(ctx, big);
+		th_free(ctx, mid);
+		th_free(ctx, small);
+		th_destroy(ctx);
+	}
 }
 END_TEST
 
@@ -941,12 +992,15 @@ START_TEST(test_grow_at_end)
 END_TEST
 
 /* A context whose growth handles are four chunks. */
+/* Slabs of grow_handle; every request by first fit (top_fit off): the
+ * tests place blocks by position. */
 static gmlake_ctx *slab_ctx_grow(size_t capacity, size_t grow_handle)
 {
 	struct gmlake_config cfg;
 
 	th_config(&cfg, capacity);
 	cfg.grow_handle = grow_handle;
+	cfg.top_fit = 0;
 	return th_ctx_cfg(&cfg);
 }
 
@@ -1003,6 +1057,7 @@ START_TEST(test_peak_slack_held_slab)
 	th_config(&cfg, CAP_CHUNKS(32));
 	cfg.grow_handle = 4 * TH_CHUNK;
 	cfg.log_level = GMLAKE_LOG_DEBUG;
+	cfg.top_fit = 0;	/* positions by first fit */
 	ctx = th_ctx_cfg(&cfg);
 	x = th_alloc(ctx, 4 * TH_CHUNK, NULL);
 	w = th_alloc(ctx, 4 * TH_CHUNK, NULL);
@@ -2387,6 +2442,7 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_long_lived);
 	tcase_add_loop_test(tc, test_long_lived_faults, 0, 5);
 	tcase_add_test(tc, test_top_fit);
+	tcase_add_test(tc, test_top_fit_auto);
 	tcase_add_test(tc, test_split_coalesce);
 	tcase_add_test(tc, test_rounding);
 

@@ -284,6 +284,7 @@ static gmlake_ctx *slab_tier_ctx(void)
 	th_config(&cfg, 64 * TH_MiB);
 	cfg.host_limit = 64 * TH_MiB;
 	cfg.grow_handle = 4 * TH_CHUNK;
+	cfg.top_fit = 0;	/* the tests place blocks by position */
 	return th_ctx_cfg(&cfg);
 }
 

@@ -118,7 +118,7 @@ START_TEST(test_defaults)
 	ck_assert(cfg.exportable);
 	for (i = 0; i < 2; i++)
 		ck_assert_uint_eq(cfg.reserved8[i], 0);
-	ck_assert_uint_eq(cfg.top_fit, 0);
+	ck_assert_uint_eq(cfg.top_fit, GMLAKE_TOP_FIT_AUTO);
 	ck_assert_uint_eq(cfg.grow_handle, 20 * TH_MiB);
 	for (i = 0; i < 4; i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
@@ -280,6 +280,23 @@ START_TEST(test_stitch_cache)
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), 256);
+}
+END_TEST
+
+/* GMLAKE_TOP_FIT takes a size or auto (the default, the share rule). */
+START_TEST(test_top_fit_auto)
+{
+	static const struct opt o = OPT("GMLAKE_TOP_FIT", top_fit, size_at);
+	static const struct val good[] = {
+		{ "auto", (int64_t)GMLAKE_TOP_FIT_AUTO },
+		{ "AUTO", (int64_t)GMLAKE_TOP_FIT_AUTO },
+		{ "0", 0 }, { "48M", 48 * TH_MiB },
+	};
+	static const char *const bad[] = { "automatic", "aut", "auto1" };
+
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad),
+			(int64_t)GMLAKE_TOP_FIT_AUTO);
 }
 END_TEST
 
@@ -912,6 +929,7 @@ static Suite *options_suite(void)
 	tcase_add_loop_test(tc, test_size_values, 0, N_SIZE_OPTS);
 	tcase_add_loop_test(tc, test_size_invalid, 0, N_SIZE_OPTS);
 	tcase_add_test(tc, test_stitch_cache);
+	tcase_add_test(tc, test_top_fit_auto);
 	tcase_add_test(tc, test_spare_keep);
 	tcase_add_test(tc, test_device);
 	tcase_add_test(tc, test_backend);
