@@ -4,7 +4,9 @@
  *
  * A request of n chunks is served, in order, by
  *   1. first fit among free runs of segments: the oldest segment, the
- *      lowest position (split; no driver call),
+ *      lowest position (split; no driver call); a request of a quarter
+ *      of the requested peak or more the newest segment's highest run,
+ *      its top end (fit.c, cfg.top_fit),
  *   2. best fit among free runs of cached stitched views (no driver call),
  *   3. the free run at the end of the newest segment and new chunks
  *      mapped after it, in growth handles of several chunks (slab.c),
