@@ -281,13 +281,18 @@ static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 	    ctx->chunk)
 		return gml_set_error(-EFAULT, "block %#lx lies outside its "
 				     "view", (unsigned long)b->ptr);
-	if (b->off_state == GML_OFF_SPILLED)
+	if (b->off_state == GML_OFF_SPILLED && !b->stuck)
 		return check_spilled(ctx, b, t);
 	if (b->on_lru && !b->offloadable)
 		return gml_set_error(-EFAULT, "block %#lx is on the offload LRU "
 				     "but may not spill", (unsigned long)b->ptr);
-	if (b->off_state == GML_OFF_FETCHING) {
-		/* Mapped again, its host copy still counted until done. */
+	if (b->stuck && (b->off_state != GML_OFF_SPILLED || b->on_lru ||
+			 (!b->host && !b->inplace)))
+		return gml_set_error(-EFAULT, "stuck block %#lx is not spilled "
+				     "with a host copy off the LRU",
+				     (unsigned long)b->ptr);
+	if (b->off_state == GML_OFF_FETCHING || b->stuck) {
+		/* Mapped (again), its host copy still counted. */
 		t->spilled_bytes += (int64_t)b->size;
 		t->spilled_blocks++;
 	}

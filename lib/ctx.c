@@ -155,10 +155,10 @@ void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 	block_forget(ctx, b, true);
 	if (b->small)
 		gml_small_free(ctx, b, g);
-	else if (b->off_state == GML_OFF_SPILLED)
+	else if (b->off_state == GML_OFF_SPILLED && !b->stuck)
 		gml_large_free_spilled(ctx, b, g);	/* the run stays holes */
 	else
-		gml_large_free(ctx, b, g);
+		gml_large_free(ctx, b, g);	/* a stuck one's chunks too */
 }
 
 static void live_del(struct gml_block **head, struct gml_block *b)

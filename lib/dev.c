@@ -63,6 +63,7 @@ int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg)
 
 	memset(dev, 0, sizeof(*dev));
 	atomic_init(&dev->fault.call, -1);
+	atomic_init(&dev->lasting.call, -1);
 	if (!be)
 		return gml_set_error(-EINVAL, "unknown backend %d",
 				     cfg->backend);
@@ -97,15 +98,25 @@ bool gml_dev_is_emu(const struct gml_dev *dev)
 	return dev->ops == &gml_drv_emu;
 }
 
-void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err)
+static void fault_arm(struct gml_fault *f, int call, uint64_t nth, int err)
 {
 	if (call < 0 || call >= GML_CALL_COUNT || !nth)
 		call = -1;
-	atomic_store_explicit(&dev->fault.call, -1, memory_order_relaxed);
-	atomic_store_explicit(&dev->fault.left, nth, memory_order_relaxed);
-	atomic_store_explicit(&dev->fault.err, err ? err : ENOMEM,
+	atomic_store_explicit(&f->call, -1, memory_order_relaxed);
+	atomic_store_explicit(&f->left, nth, memory_order_relaxed);
+	atomic_store_explicit(&f->err, err ? err : ENOMEM,
 			      memory_order_relaxed);
-	atomic_store_explicit(&dev->fault.call, call, memory_order_release);
+	atomic_store_explicit(&f->call, call, memory_order_release);
+}
+
+void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err)
+{
+	fault_arm(&dev->fault, call, nth, err);
+}
+
+void gml_dev_fail_from(struct gml_dev *dev, int call, uint64_t nth, int err)
+{
+	fault_arm(&dev->lasting, call, nth, err);
 }
 
 const char *gml_dev_call_name(int call)
@@ -132,6 +143,17 @@ static bool counted(struct gml_dev *dev, int call)
 	/* Atomic: the offload engine copies without the context lock
 	 * while the stats publisher reads the counters under it. */
 	__atomic_fetch_add(&dev->calls[call], 1, __ATOMIC_RELAXED);
+	if (atomic_load_explicit(&dev->lasting.call, memory_order_acquire) ==
+	    call) {
+		uint_fast64_t left = atomic_load(&dev->lasting.left);
+
+		/* Counts down to 1, then every call fails. */
+		while (left > 1 && !atomic_compare_exchange_weak(
+			       &dev->lasting.left, &left, left - 1))
+			;
+		if (left <= 1)
+			return true;
+	}
 	if (atomic_load_explicit(&dev->fault.call, memory_order_acquire) !=
 	    call)
 		return false;
@@ -164,8 +186,11 @@ static int end(struct gml_dev *dev, int call, uint64_t t0, int ret)
 
 static int injected(struct gml_dev *dev, int call)
 {
+	const struct gml_fault *f = atomic_load(&dev->lasting.call) == call ?
+				    &dev->lasting : &dev->fault;
+
 	__atomic_fetch_add(&dev->call_failures[call], 1, __ATOMIC_RELAXED);
-	return gml_set_error(-atomic_load(&dev->fault.err),
+	return gml_set_error(-atomic_load(&f->err),
 			     "%s: injected fault", gml_dev_call_name(call));
 }
 

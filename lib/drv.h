@@ -165,12 +165,17 @@ struct gml_dev {
 	uint64_t call_ns[GML_CALL_COUNT];
 	uint64_t call_failures[GML_CALL_COUNT];
 	struct gml_fault fault;
+	struct gml_fault lasting;	/* gml_dev_fail_from */
 };
 
 int gml_dev_open(struct gml_dev *dev, const struct gmlake_config *cfg);
 void gml_dev_close(struct gml_dev *dev);
 /* Arm a fault: call kind `call` fails with -err on its nth call from now. */
 void gml_dev_fail_nth(struct gml_dev *dev, int call, uint64_t nth, int err);
+/* Arm a lasting fault, beside the one above: call kind `call` fails with
+ * -err on its nth call from now and every one after, until disarmed
+ * (call -1): a driver that keeps refusing. */
+void gml_dev_fail_from(struct gml_dev *dev, int call, uint64_t nth, int err);
 /* The name of a call kind, published or not ("enter"); NULL if none. */
 const char *gml_dev_call_name(int call);
 

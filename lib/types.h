@@ -197,6 +197,11 @@ struct gml_block {
 					   end of the run that stayed mapped
 					   and owned, in a slab another block
 					   holds part of (resident.c) */
+	bool stuck;			/* spilled, its host copy the good
+					   one, but still holding its chunks:
+					   the driver refused their unmap
+					   when a fetch failed; the next
+					   fetch fills them */
 };
 
 struct gml_schunk {

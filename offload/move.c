@@ -576,16 +576,19 @@ static void fetch_undo(gmlake_ctx *ctx, struct gml_block *b)
 			"on the chunks of block %#lx: %s", (unsigned long)b->ptr,
 			gmlake_last_error());
 	/* A spilled block holds no chunks: an unmap the driver refused
-	 * once (the block is left intact) is tried again. */
-	if (gml_large_detach(ctx, b, false) &&
-	    gml_large_detach(ctx, b, false)) {
-		/* The chunks stay; the bytes on the host are still right. */
-		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx holds chunks "
-			"it could not fill", (unsigned long)b->ptr);
-	}
+	 * once (the block is left intact) is tried again; refused again,
+	 * the block stays spilled with its chunks (stuck), its host copy
+	 * the good one, and the next fetch fills them where they are. */
+	b->stuck = gml_large_detach(ctx, b, false) &&
+		   gml_large_detach(ctx, b, false);
+	if (b->stuck)
+		gml_log(GMLAKE_LOG_ERROR, "offload: block %#lx keeps chunks "
+			"the driver would not unmap: %s; its bytes are on the "
+			"host until a fetch", (unsigned long)b->ptr,
+			gmlake_last_error());
 	b->off_state = GML_OFF_SPILLED;
 	gml_gauge_add(&ctx->st.resident_bytes, -(int64_t)b->alloc_size);
-	if (b->inplace)
+	if (b->inplace && !b->stuck)
 		inplace_map(ctx, b);
 }
 
@@ -603,6 +606,13 @@ int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
 		return ret;
 	b = req->b;
 	peak = ctx->st.reserved_bytes.peak;
+	if (b->stuck) {
+		/* Its chunks are still mapped: access again (a failed grant
+		 * may be why the last fetch failed), then the copy. */
+		*acc = (struct gml_access){ b->ptr, b->alloc_size, b->n };
+		b->stuck = false;
+		goto attached;
+	}
 	if (b->inplace_mapped) {
 		ret = gml_dev_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
 		if (ret)
@@ -618,6 +628,7 @@ int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
 			inplace_map(ctx, b);
 		goto out_unlock;
 	}
+attached:
 	b->off_state = GML_OFF_FETCHING;
 	gml_gauge_add(&ctx->st.resident_bytes, (int64_t)b->alloc_size);
 	gml_log_peak_slack(ctx, "a fetch", b->alloc_size, peak);

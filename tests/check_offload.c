@@ -1626,6 +1626,75 @@ START_TEST(test_sticky_fetch)
 END_TEST
 
 /*
+ * A fetch whose copy fails while the driver refuses every unmap: its
+ * chunks cannot go back, so the block stays spilled holding them
+ * (stuck), its host copy the good one; the checker and the counts agree.
+ * Then, with the driver well again, a fetch fills those chunks and
+ * brings the same bytes, or (bit 2) a free gives the chunks and the host
+ * copy back. _i: bit 0 in place, bit 1 a stitched block, bit 2 the free.
+ */
+START_TEST(test_fetch_stuck)
+{
+	bool inplace = _i & 1, stitched = _i & 2, free_it = _i & 4;
+	gmlake_ctx *ctx = off_ctx(32 * TH_MiB, 32 * TH_MiB, 0);
+	struct gml_dev *dev = th_dev(ctx);
+	struct gmlake_stats st0, st;
+	struct mover m;
+	void *again;
+
+	mover_init(&m, ctx, 6 * TH_MiB - 4096, stitched, 83, NULL,
+		   inplace ? GMLAKE_OFFLOAD_INPLACE : 0);
+	ck_assert_int_eq(spill(&m.ring, m.p), 0);
+	th_stats(ctx, &st0);
+	/* In place, the fetch first unmaps the host memory at the block. */
+	gml_dev_fail_from(dev, GMLAKE_CALL_mem_unmap, inplace ? 2 : 1, EIO);
+	gml_dev_fail_nth(dev, GMLAKE_CALL_memcpy, 1, EIO);
+	ck_assert_int_lt(fetch(&m.ring, m.p), 0);
+	gml_dev_fail_nth(dev, -1, 0, 0);
+	th_stats(ctx, &st);
+	/* Both detaches of the undo were refused: the chunks stayed. */
+	ck_assert_uint_ge(st.call_failures[GMLAKE_CALL_mem_unmap],
+			  st0.call_failures[GMLAKE_CALL_mem_unmap] + 2);
+	gml_dev_fail_from(dev, -1, 0, 0);
+	ck_assert_int_eq(gmlake_offload_state(ctx, m.p), GMLAKE_BLOCK_SPILLED);
+	th_check(ctx);
+	ck_assert_uint_eq(st.offload_failures, st0.offload_failures + 1);
+	ck_assert_int_eq(st.spilled_blocks.current, 1);
+	ck_assert_int_eq(st.spilled_bytes.current, (int64_t)m.size);
+	ck_assert_int_eq(st.resident_bytes.current,
+			 st0.resident_bytes.current);
+
+	if (free_it) {
+		th_free(ctx, m.p);
+		th_check(ctx);
+		th_stats(ctx, &st);
+		ck_assert_int_eq(st.spilled_blocks.current, 0);
+		ck_assert_int_eq(st.spilled_bytes.current, 0);
+		/* The stuck chunks serve the next block like any others. */
+		again = th_alloc(ctx, m.size, NULL);
+		th_fill_ok(ctx, again, m.size, 84, NULL);
+		th_check(ctx);
+		m.p = again;
+	} else {
+		ck_assert_int_eq(fetch(&m.ring, m.p), 0);
+		th_check(ctx);
+		th_verify_ok(ctx, m.p, m.size, 83, NULL);
+		th_stats(ctx, &st);
+		ck_assert_int_eq(st.spilled_blocks.current, 0);
+		ck_assert_int_eq(st.resident_bytes.current,
+				 st0.resident_bytes.current +
+				 (int64_t)(6 * TH_MiB));
+		/* And the machinery still works. */
+		ck_assert_int_eq(spill(&m.ring, m.p), 0);
+		ck_assert_int_eq(fetch(&m.ring, m.p), 0);
+		th_check(ctx);
+		th_verify_ok(ctx, m.p, m.size, 83, NULL);
+	}
+	mover_fini(&m);
+}
+END_TEST
+
+/*
  * The poll of a copy fails once but the copy stream drains: the copy ran
  * to its end, so the spill and the fetch complete normally, uncounted.
  */
@@ -2963,6 +3032,7 @@ static Suite *offload_suite(void)
 	tcase_add_test(tc, test_events_do_not_pile_up);
 	tcase_add_loop_test(tc, test_sticky_spill, 0, 4);
 	tcase_add_loop_test(tc, test_sticky_fetch, 0, 4);
+	tcase_add_loop_test(tc, test_fetch_stuck, 0, 8);
 	tcase_add_test(tc, test_query_fails_stream_drains);
 	tcase_add_test(tc, test_wakeups_hold_no_copy);
 	tcase_add_loop_test(tc, test_fetch_batch_one_access, 0, 2);
