@@ -1312,6 +1312,16 @@ static void mover_init(struct mover *m, gmlake_ctx *ctx, size_t size,
 		      gmlake_last_error());
 }
 
+/* After a failure: the block spills and comes back with the bytes of
+ * seed (read on stream s), the context consistent. */
+static void mover_cycles(struct mover *m, int seed, gmlake_stream_t s)
+{
+	ck_assert_int_eq(spill(&m->ring, m->p), 0);
+	ck_assert_int_eq(fetch(&m->ring, m->p), 0);
+	th_check(m->ctx);
+	th_verify_ok(m->ctx, m->p, m->size, seed, s);
+}
+
 /* Free all of it (the stream too), and the context. */
 static void mover_fini(struct mover *m)
 {
@@ -1391,10 +1401,7 @@ static void fault_round(int call, uint64_t nth, bool stitched, bool span)
 	gml_dev_fail_nth(dev, -1, 0, 0);
 	th_check(m.ctx);
 	th_verify_ok(m.ctx, m.p, m.size, 31, NULL);
-	/* And the machinery still works. */
-	ck_assert_int_eq(spill(&m.ring, m.p), 0);
-	ck_assert_int_eq(fetch(&m.ring, m.p), 0);
-	th_verify_ok(m.ctx, m.p, m.size, 31, NULL);
+	mover_cycles(&m, 31, NULL);	/* the machinery still works */
 	mover_fini(&m);
 }
 
@@ -1568,10 +1575,7 @@ START_TEST(test_sticky_spill)
 	 * was, and the machinery still works. */
 	th_hold(ctx, s, false);
 	th_verify_ok(ctx, m.p, m.size, 81, s);
-	ck_assert_int_eq(spill(&m.ring, m.p), 0);
-	ck_assert_int_eq(fetch(&m.ring, m.p), 0);
-	th_check(ctx);
-	th_verify_ok(ctx, m.p, m.size, 81, s);
+	mover_cycles(&m, 81, s);
 	mover_fini(&m);
 }
 END_TEST
@@ -1684,11 +1688,7 @@ START_TEST(test_fetch_stuck)
 		ck_assert_int_eq(st.resident_bytes.current,
 				 st0.resident_bytes.current +
 				 (int64_t)(6 * TH_MiB));
-		/* And the machinery still works. */
-		ck_assert_int_eq(spill(&m.ring, m.p), 0);
-		ck_assert_int_eq(fetch(&m.ring, m.p), 0);
-		th_check(ctx);
-		th_verify_ok(ctx, m.p, m.size, 83, NULL);
+		mover_cycles(&m, 83, NULL);	/* and again */
 	}
 	mover_fini(&m);
 }
