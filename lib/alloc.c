@@ -95,8 +95,8 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 	int64_t after = ctx->st.reserved_bytes.current +
 			(int64_t)k * (int64_t)ctx->chunk;
 
-	if (want < ctx->st.requested_bytes.peak)
-		want = ctx->st.requested_bytes.peak;
+	if (want < ctx->requested_top)
+		want = ctx->requested_top;
 	want -= ctx->st.spilled_bytes.current;
 	return after <= want + want / 1000 * GROW_SLACK_PERMILLE;
 }
@@ -142,8 +142,7 @@ static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, bool raise_peak,
 		      !grow_in_budget(ctx, n, k + extra)))
 		extra = 0;
 	if (!raise_peak && ctx->st.reserved_bytes.current +
-	    (int64_t)(k + extra) * (int64_t)ctx->chunk >
-	    ctx->st.reserved_bytes.peak)
+	    (int64_t)(k + extra) * (int64_t)ctx->chunk > ctx->reserved_top)
 		return -ENOENT;
 	if (gml_seg_extend(ctx, v, k + extra, true))
 		return -ENOENT;

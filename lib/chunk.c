@@ -50,7 +50,7 @@ void gml_chunk_handle_release(gmlake_ctx *ctx, gml_handle h)
 {
 	if (!gml_dev_mem_release(&ctx->dev, h)) {
 		gml_gauge_add(&ctx->st.chunks, -1);
-		gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
+		gml_reserved_add(ctx, -(int64_t)ctx->chunk);
 		ctx->st.releases++;
 		return;
 	}
@@ -115,7 +115,7 @@ int gml_chunk_handle_get(gmlake_ctx *ctx, gml_handle *h)
 	if (ret)
 		return ret;
 	gml_gauge_add(&ctx->st.chunks, 1);
-	gml_gauge_add(&ctx->st.reserved_bytes, (int64_t)ctx->chunk);
+	gml_reserved_add(ctx, (int64_t)ctx->chunk);
 	return 0;
 }
 
@@ -383,7 +383,7 @@ int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i)
 	seg->chunks[i] = NULL;
 	seg->maxfree = GML_RUN_UNKNOWN;
 	gml_gauge_add(&ctx->st.chunks, -1);
-	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
+	gml_reserved_add(ctx, -(int64_t)ctx->chunk);
 	ctx->st.releases++;
 	gml_view_unmap_run(ctx, seg, i, 1);	/* else trim tries again */
 	return 1;

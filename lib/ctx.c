@@ -262,6 +262,8 @@ GML_EXPORT int gmlake_alloc(gmlake_ctx *ctx, void **ptr, size_t size,
 	}
 	live_add(&ctx->live, b);
 	gml_gauge_add(&ctx->st.requested_bytes, (int64_t)size);
+	if (ctx->st.requested_bytes.current > ctx->requested_top)
+		ctx->requested_top = ctx->st.requested_bytes.current;
 	gml_gauge_add(&ctx->st.allocated_bytes, (int64_t)b->alloc_size);
 	gml_gauge_add(&ctx->st.resident_bytes, (int64_t)b->alloc_size);
 	gml_gauge_add(&ctx->st.active_blocks, 1);

@@ -406,7 +406,8 @@ static void view_top_fit(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 /*
  * Whether a request of n chunks takes the top of its free run (step 1):
  * at least cfg.top_fit bytes, or by default (GMLAKE_TOP_FIT_AUTO) a
- * quarter of the most the live blocks ever requested at once. A block
+ * quarter of the most the live blocks ever requested at once (not the
+ * stats' peak, which gmlake_stats_reset_peaks lowers). A block
  * that large shapes the layout of everything else: from the top, the
  * small blocks of one step do not land where it was in the last, which
  * it would have to stitch. On the replayed GraphSAGE trace, whose
@@ -422,7 +423,7 @@ static bool top_fit_wanted(const gmlake_ctx *ctx, uint32_t n)
 	uint64_t bytes = (uint64_t)n * ctx->chunk;
 
 	if (ctx->cfg.top_fit == GMLAKE_TOP_FIT_AUTO)
-		return bytes >= (uint64_t)ctx->st.requested_bytes.peak / 4;
+		return bytes >= (uint64_t)ctx->requested_top / 4;
 	return ctx->cfg.top_fit && bytes >= (uint64_t)ctx->cfg.top_fit;
 }
 

@@ -102,7 +102,7 @@ int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p)
 		goto out_free;
 	}
 	gml_gauge_add(&ctx->st.chunks, n);
-	gml_gauge_add(&ctx->st.reserved_bytes, (int64_t)n * (int64_t)ctx->chunk);
+	gml_reserved_add(ctx, (int64_t)n * (int64_t)ctx->chunk);
 	for (i = 0; i < n; i++) {
 		c[i]->handle = h;
 		c[i]->seg = v;

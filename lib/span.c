@@ -52,7 +52,7 @@ bool gml_span_release(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 	if (gml_dev_mem_release(&ctx->dev, h))
 		return false;
 	gml_gauge_add(&ctx->st.chunks, -(int64_t)n);
-	gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)n * (int64_t)ctx->chunk);
+	gml_reserved_add(ctx, -(int64_t)n * (int64_t)ctx->chunk);
 	ctx->st.releases += n;
 	return true;
 }
@@ -147,7 +147,7 @@ static int span_get(gmlake_ctx *ctx, uint32_t n, gml_handle *h)
 	if (ret)
 		return ret;
 	gml_gauge_add(&ctx->st.chunks, n);
-	gml_gauge_add(&ctx->st.reserved_bytes, (int64_t)n * (int64_t)ctx->chunk);
+	gml_reserved_add(ctx, (int64_t)n * (int64_t)ctx->chunk);
 	return 0;
 }
 

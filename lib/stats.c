@@ -35,6 +35,13 @@ void gml_gauge_add(struct gmlake_stat *g, int64_t delta)
 		g->peak = g->current;
 }
 
+void gml_reserved_add(gmlake_ctx *ctx, int64_t delta)
+{
+	gml_gauge_add(&ctx->st.reserved_bytes, delta);
+	if (ctx->st.reserved_bytes.current > ctx->reserved_top)
+		ctx->reserved_top = ctx->st.reserved_bytes.current;
+}
+
 /* The context's figures, with the device's call counters; lock held. */
 static void snapshot(gmlake_ctx *ctx, struct gmlake_stats *st)
 {

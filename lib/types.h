@@ -275,6 +275,10 @@ struct gmlake_ctx {
 	struct gml_import *imports;	/* ranges gmlake_ipc_import mapped */
 	int peers[GML_MAX_PEERS];	/* granted over every mapping */
 	uint32_t npeers;
+	int64_t requested_top;		/* the most requested and reserved */
+	int64_t reserved_top;		/* at once ever: the policy's
+					   measures (the stats' peaks are the
+					   user's to reset) */
 
 	struct gmlake_stats st;
 };
@@ -402,6 +406,8 @@ int gml_ctx_check_locked(gmlake_ctx *ctx);
 
 /* stats.c */
 void gml_gauge_add(struct gmlake_stat *g, int64_t delta);
+/* Reserved memory changed by delta bytes: its gauge and reserved_top. */
+void gml_reserved_add(gmlake_ctx *ctx, int64_t delta);
 void gml_stats_at_destroy(gmlake_ctx *ctx);
 /* The figures gmlake_stats_get() returns; ctx->lock held (lib/shm.c). */
 void gml_stats_snapshot_locked(gmlake_ctx *ctx, struct gmlake_stats *st);

@@ -149,7 +149,7 @@ int gml_view_teardown(gmlake_ctx *ctx, struct gml_view *v)
 		free(c);
 		v->chunks[i] = NULL;
 		gml_gauge_add(&ctx->st.chunks, -1);
-		gml_gauge_add(&ctx->st.reserved_bytes, -(int64_t)ctx->chunk);
+		gml_reserved_add(ctx, -(int64_t)ctx->chunk);
 		ctx->st.releases++;
 	}
 	if (!done || (v->va && gml_dev_va_free(&ctx->dev, v->va,

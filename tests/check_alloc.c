@@ -587,8 +587,8 @@ END_TEST
 /*
  * By default (GMLAKE_TOP_FIT_AUTO) a request of at least a quarter of the
  * most ever requested at once takes the top of the highest free run;
- * smaller ones the lowest position. With top_fit 0 every request takes
- * the lowest position.
+ * smaller ones the lowest position, also after gmlake_stats_reset_peaks.
+ * With top_fit 0 every request takes the lowest position.
  */
 START_TEST(test_top_fit_auto)
 {
@@ -619,6 +619,12 @@ START_TEST(test_top_fit_auto)
 		th_free(ctx, big);
 		th_free(ctx, mid);
 		th_free(ctx, small);
+		/* The user's reset of the peaks leaves the measure alone:
+		 * 7 chunks are still under a quarter of the most ever. */
+		TH_OK(ctx, gmlake_stats_reset_peaks(ctx));
+		mid = th_alloc(ctx, 7 * ch, NULL);
+		ck_assert_ptr_eq(mid, base);
+		th_free(ctx, mid);
 		th_destroy(ctx);
 	}
 }
