@@ -275,10 +275,10 @@ struct gmlake_ctx {
 	struct gml_import *imports;	/* ranges gmlake_ipc_import mapped */
 	int peers[GML_MAX_PEERS];	/* granted over every mapping */
 	uint32_t npeers;
-	int64_t requested_top;		/* the most requested and reserved */
-	int64_t reserved_top;		/* at once ever: the policy's
-					   measures (the stats' peaks are the
-					   user's to reset) */
+	/* The most requested and reserved at once ever: the policy's
+	 * measures (the stats' peaks are the user's to reset). */
+	int64_t requested_top;
+	int64_t reserved_top;
 
 	struct gmlake_stats st;
 };

@@ -66,7 +66,8 @@ for seed in 1 2 3 4 5 6; do
 	if at_most "$pct" "$max_driver"; then
 		result OK "$name: driver_pct_second_half $pct <= $max_driver"
 	else
-		result FAIL "$name: driver_pct_second_half $pct, limit $max_driver"
+		result FAIL \
+			"$name: driver_pct_second_half $pct, limit $max_driver"
 	fi
 	if at_most "$frag" "$max_frag"; then
 		result OK "$name: fragmentation_pct $frag <= $max_frag"
