@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 #
-# Helpers of the replay tests (replay_test.sh, replay_steps_test.sh),
-# sourced: a pass/fail count and the values of gmlake-replay's JSON lines.
+# Helpers of the replay tests (replay_test.sh, replay_steps_test.sh,
+# replay_orders_test.sh), sourced: a pass/fail count, the values of
+# gmlake-replay's JSON lines, and a bound on them.
 
 passed=0
 failed=0
@@ -33,4 +34,13 @@ value() {
 			print substr(s, 1, RLENGTH)
 		}
 	}' <<<"$2"
+}
+
+# at_most VALUE LIMIT: true when VALUE is a number no greater than LIMIT.
+at_most() {
+	awk -v v="$1" -v max="$2" 'BEGIN {
+		if (v !~ /^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$/)
+			exit 1
+		exit !(v + 0 <= max + 0)
+	}'
 }

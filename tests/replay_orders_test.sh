@@ -24,15 +24,6 @@ export GMLAKE_BACKEND
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
-# at_most VALUE LIMIT: true when VALUE is a number no greater than LIMIT.
-at_most() {
-	awk -v v="$1" -v max="$2" 'BEGIN {
-		if (v !~ /^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$/)
-			exit 1
-		exit !(v + 0 <= max + 0)
-	}'
-}
-
 if [ ! -x "$replay" ]; then
 	echo "replay_orders_test: $replay not built" >&2
 	exit 99

@@ -72,15 +72,6 @@ gap_limit() {
 	done
 }
 
-# at_most VALUE LIMIT: true when VALUE is a number no greater than LIMIT.
-at_most() {
-	awk -v v="$1" -v max="$2" 'BEGIN {
-		if (v !~ /^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$/)
-			exit 1
-		exit !(v + 0 <= max + 0)
-	}'
-}
-
 if [ ! -x "$replay" ]; then
 	echo "replay_test: $replay not built" >&2
 	exit 99
