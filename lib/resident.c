@@ -620,17 +620,31 @@ void gml_large_granted(gmlake_ctx *ctx, const struct gml_access *a)
  * Map chunks at spilled block b's run again (same address), but at the
  * positions the spill kept: free chunks for a stitched run, chunks at
  * their new home for a segment run. The block owns them afterwards; its
- * bytes are for the caller to bring back. With defer, the caller grants
+ * bytes are for the caller to bring back. A stuck block (its chunks
+ * never went) only gets its access again. With defer, the caller grants
  * the access (struct gml_access). 0, or -ENOMEM / -errno with the block
  * still spilled.
  */
 int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b,
 		     struct gml_access *defer)
 {
-	struct fetch_run r = fetch_run_of(ctx, b);
-	struct gml_chunk **got = calloc(r.n, sizeof(*got));
+	struct fetch_run r;
+	struct gml_chunk **got;
 	int ret;
 
+	if (b->stuck) {
+		/* Its chunks are still mapped as the failed fetch mapped them
+		 * (a span whole, else chunk by chunk): access again (a failed
+		 * grant may be why it failed), and the caller copies. */
+		ret = gml_fetch_access(ctx, b->ptr, b->alloc_size,
+				       b->view->chunks[b->pos]->spanned ?
+				       1 : b->n, defer);
+		if (!ret)
+			b->stuck = false;
+		return ret;
+	}
+	r = fetch_run_of(ctx, b);
+	got = calloc(r.n, sizeof(*got));
 	if (!got)
 		return gml_set_error(-ENOMEM, "no host memory to fetch a block");
 	if (ctx->nzombies)

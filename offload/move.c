@@ -606,13 +606,6 @@ int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
 		return ret;
 	b = req->b;
 	peak = ctx->st.reserved_bytes.peak;
-	if (b->stuck) {
-		/* Its chunks are still mapped: access again (a failed grant
-		 * may be why the last fetch failed), then the copy. */
-		*acc = (struct gml_access){ b->ptr, b->alloc_size, b->n };
-		b->stuck = false;
-		goto attached;
-	}
 	if (b->inplace_mapped) {
 		ret = gml_dev_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
 		if (ret)
@@ -628,7 +621,6 @@ int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
 			inplace_map(ctx, b);
 		goto out_unlock;
 	}
-attached:
 	b->off_state = GML_OFF_FETCHING;
 	gml_gauge_add(&ctx->st.resident_bytes, (int64_t)b->alloc_size);
 	gml_log_peak_slack(ctx, "a fetch", b->alloc_size, peak);
