@@ -106,9 +106,10 @@ def main():
         if live:
             sys.exit("%s: %s leaves %d blocks live; steps cannot be "
                      "reordered" % (args.trace, step[0], len(live)))
-    with open(args.trace[:-len(".gz")][:-len(".trace")] + ".trace.json") as f:
+    stem = args.trace[:-len(".trace.gz")]
+    with open(stem + ".trace.json") as f:
         sidecar = json.load(f)
-    name = os.path.basename(args.trace)[:-len(".trace.gz")]
+    name = os.path.basename(stem)
     os.makedirs(args.outdir, exist_ok=True)
     for seed in seeds:
         out, nsteps = shuffled(head, steps, args.steps, seed)
