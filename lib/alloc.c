@@ -78,7 +78,6 @@ static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 	b->pos = r->pos;
 	b->n = n;
 	b->ptr = (uintptr_t)(r->view->va + (gml_va)r->pos * ctx->chunk);
-	b->alloc_size = (size_t)n * ctx->chunk;
 }
 
 /*
@@ -256,6 +255,7 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		return ret;
 	}
 	b->stream = stream;
+	b->alloc_size = (size + GML_ALIGN - 1) & ~(size_t)(GML_ALIGN - 1);
 	*out = b;
 	return 0;
 }

@@ -636,7 +636,7 @@ int gml_large_attach(gmlake_ctx *ctx, struct gml_block *b,
 		/* Its chunks are still mapped as the failed fetch mapped them
 		 * (a span whole, else chunk by chunk): access again (a failed
 		 * grant may be why it failed), and the caller copies. */
-		ret = gml_fetch_access(ctx, b->ptr, b->alloc_size,
+		ret = gml_fetch_access(ctx, b->ptr, gml_large_bytes(ctx, b),
 				       b->view->chunks[b->pos]->spanned ?
 				       1 : b->n, defer);
 		if (!ret)

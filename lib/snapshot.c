@@ -265,16 +265,18 @@ static int small_pieces(struct builder *bd, const struct gml_schunk *sc)
 	return 0;
 }
 
-/* The pieces an owner covers: its small chunk's, or itself. */
+/* The pieces an owner covers: its small chunk's, or itself to the end of
+ * its last chunk. */
 static int owner_pieces(struct builder *bd, const struct owner *o)
 {
 	const struct gml_block *b = o->b;
 	uint64_t addr = b->view->va + (uint64_t)b->pos * bd->ctx->chunk;
+	uint64_t end = addr + (uint64_t)b->n * bd->ctx->chunk;
 
 	if (o->sc)
 		return small_pieces(bd, o->sc);
-	return piece_add(bd, addr, (uint64_t)b->n * bd->ctx->chunk, b->size,
-			 o->state, 0, stream_handle(bd->ctx, b->stream));
+	return piece_add(bd, b->ptr, end - b->ptr, b->size, o->state, 0,
+			 stream_handle(bd->ctx, b->stream));
 }
 
 /* The ranges and pieces of one view. */

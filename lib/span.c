@@ -245,7 +245,6 @@ int gml_span_grow(gmlake_ctx *ctx, uint32_t n, struct gml_block *b)
 	b->pos = pos;
 	b->n = n;
 	b->ptr = (uintptr_t)(v->va + (gml_va)pos * ctx->chunk);
-	b->alloc_size = (size_t)n * ctx->chunk;
 	v->live++;
 	ret = gml_span_attach(ctx, b, NULL);
 	if (ret) {

@@ -57,6 +57,7 @@ struct gml_block;
 struct gml_view;
 
 #define GML_RUN_UNKNOWN UINT32_MAX
+#define GML_ALIGN 512		/* blocks start and end on it, as PyTorch's */
 #define GML_SLAB_MAX 1024	/* chunks in one growth handle, at most */
 
 /* A run of free chunks in a view, for best fit. */
@@ -163,7 +164,9 @@ enum gml_off_state {
 struct gml_block {
 	uintptr_t ptr;
 	size_t size;			/* asked for */
-	size_t alloc_size;		/* handed out */
+	size_t alloc_size;		/* handed out: the size rounded up to
+					   GML_ALIGN (large blocks too, whose
+					   positions span whole chunks) */
 	int stream;
 	bool small;
 	struct gml_view *view;		/* large: positions [pos, pos + n) */
@@ -353,6 +356,13 @@ void gml_large_granted(gmlake_ctx *ctx, const struct gml_access *a);
 void gml_large_free_spilled(gmlake_ctx *ctx, struct gml_block *b,
 			    const struct gml_guard *g);
 void gml_zombies_reap(gmlake_ctx *ctx);
+/* The bytes a resident large block's positions map (whole chunks), which
+ * a spill or fetch maps and grants; its ptr is then their start. */
+static inline size_t gml_large_bytes(const gmlake_ctx *ctx,
+				     const struct gml_block *b)
+{
+	return (size_t)b->n << ctx->chunk_shift;
+}
 /* Spilled chunks and spans kept for the next fetch or segment, released
  * after cfg.spare_keep_ms unused, on trim, under pressure and at destroy. */
 void gml_spares_release(gmlake_ctx *ctx);

@@ -210,7 +210,7 @@ static int copy_done(gmlake_ctx *ctx, struct gml_off_req *req,
 static int inplace_prepare(gmlake_ctx *ctx, struct gml_offload *off,
 			   struct gml_block *b)
 {
-	size_t size = b->alloc_size;
+	size_t size = gml_large_bytes(ctx, b);
 	int ret;
 
 	ret = gml_host_charge(&off->host, (int64_t)size);
@@ -247,7 +247,7 @@ out_uncharge:
 void gml_off_inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
 			  struct gml_block *b)
 {
-	size_t size = b->alloc_size;
+	size_t size = gml_large_bytes(ctx, b);
 	bool leak = false;
 
 	/* Each step is tried twice: a driver call failing once must not
@@ -279,10 +279,12 @@ void gml_off_inplace_drop(gmlake_ctx *ctx, struct gml_offload *off,
  * stray access reads the right bytes. Best effort. */
 static void inplace_map(gmlake_ctx *ctx, struct gml_block *b)
 {
-	if (gml_dev_mem_map(&ctx->dev, b->ptr, b->alloc_size, b->host_h))
+	size_t size = gml_large_bytes(ctx, b);
+
+	if (gml_dev_mem_map(&ctx->dev, b->ptr, size, b->host_h))
 		return;
-	if (gml_dev_set_access(&ctx->dev, b->ptr, b->alloc_size)) {
-		gml_dev_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+	if (gml_dev_set_access(&ctx->dev, b->ptr, size)) {
+		gml_dev_mem_unmap(&ctx->dev, b->ptr, size);
 		return;
 	}
 	b->inplace_mapped = true;
@@ -295,9 +297,9 @@ static void inplace_map(gmlake_ctx *ctx, struct gml_block *b)
  */
 static void inplace_leak(struct gml_block *b)
 {
-	gml_log(GMLAKE_LOG_ERROR, "offload: leaking %zu bytes of in-place "
-		"host memory of block %#lx: a copy may still write them",
-		b->alloc_size, (unsigned long)b->ptr);
+	gml_log(GMLAKE_LOG_ERROR, "offload: leaking the in-place host "
+		"memory of block %#lx (%u chunks): a copy may still write them",
+		(unsigned long)b->ptr, b->n);
 	b->inplace = false;
 	b->inplace_mapped = false;
 	b->host_h = 0;
@@ -607,7 +609,8 @@ int gml_off_fetch_prepare(struct gml_offload *off, struct gml_off_req *req,
 	b = req->b;
 	peak = ctx->st.reserved_bytes.peak;
 	if (b->inplace_mapped) {
-		ret = gml_dev_mem_unmap(&ctx->dev, b->ptr, b->alloc_size);
+		ret = gml_dev_mem_unmap(&ctx->dev, b->ptr,
+					gml_large_bytes(ctx, b));
 		if (ret)
 			goto out_unlock;
 		b->inplace_mapped = false;

@@ -190,7 +190,9 @@ class TestEmu(unittest.TestCase):
         self.lib.gmlake_torch_free(p, 3 * MiB, self.DEVICE, None)
         self.assertIn("libgmlake memory summary, device 2", text)
         self.assertIn("Allocated memory", text)
-        self.assertRegex(text, r"Allocated, on the device +\| +4\.00 MiB")
+        # Allocated: the bytes handed out (3 MiB); reserved: two chunks.
+        self.assertRegex(text, r"Allocated, on the device +\| +3\.00 MiB")
+        self.assertRegex(text, r"Reserved memory \(chunks\) +\| +4\.00 MiB")
         self.assertIn("Reserved memory", text)
         self.assertIn("Fragmentation at peaks", text)
         # One definition: 1 - requested.peak / reserved.peak (3 MiB asked
