@@ -684,22 +684,31 @@ END_TEST
 START_TEST(test_rounding)
 {
 	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	const size_t size = 3 * TH_MiB + 100;	/* 3 MiB + 512 handed out */
 	struct gmlake_stats st;
 	void *a, *b;
 
-	a = th_alloc(ctx, 3 * TH_MiB, NULL);
-	b = th_alloc(ctx, 3 * TH_MiB, NULL);
+	a = th_alloc(ctx, size, NULL);
+	b = th_alloc(ctx, size, NULL);
 	ck_assert(!th_overlap(a, 4 * TH_MiB, b, 4 * TH_MiB));
 	th_stats(ctx, &st);
-	ck_assert_int_eq(st.requested_bytes.current, (int64_t)(6 * TH_MiB));
-	ck_assert_int_eq(st.allocated_bytes.current, (int64_t)(6 * TH_MiB));
-	ck_assert_int_ge(st.reserved_bytes.current,
+	ck_assert_int_eq(st.requested_bytes.current, (int64_t)(2 * size));
+	ck_assert_int_eq(st.allocated_bytes.current,
+			 (int64_t)(2 * (3 * TH_MiB + 512)));
+	ck_assert_int_eq(st.resident_bytes.current,
 			 st.allocated_bytes.current);
-	th_fill_ok(ctx, a, 3 * TH_MiB, 1, NULL);
-	th_fill_ok(ctx, b, 3 * TH_MiB, 2, NULL);
-	th_verify_ok(ctx, a, 3 * TH_MiB, 1, NULL);
+	ck_assert_int_eq(st.reserved_bytes.current, (int64_t)(8 * TH_MiB));
+	/* Past the bytes handed out is no part of the block. */
+	ck_assert_int_eq(gmlake_free(ctx, (char *)a + 3 * TH_MiB + 512),
+			 -EINVAL);
+	th_fill_ok(ctx, a, size, 1, NULL);
+	th_fill_ok(ctx, b, size, 2, NULL);
+	th_verify_ok(ctx, a, size, 1, NULL);
 	th_free(ctx, a);
-	th_verify_ok(ctx, b, 3 * TH_MiB, 2, NULL);
+	th_verify_ok(ctx, b, size, 2, NULL);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.allocated_bytes.current,
+			 (int64_t)(3 * TH_MiB + 512));
 	th_free(ctx, b);
 	th_destroy(ctx);
 }
