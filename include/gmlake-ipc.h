@@ -41,7 +41,8 @@ struct gmlake_ipc_piece {
  * after another. */
 struct gmlake_ipc_block {
 	uint64_t size;		/* the block's bytes (gmlake_alloc's size
-				   rounded up to what it handed out) */
+				   rounded up to 512, what it handed
+				   out) */
 	uint64_t start;		/* where the block begins in the first piece */
 	uint32_t npieces;
 	struct gmlake_ipc_piece *pieces;

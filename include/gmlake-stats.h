@@ -53,7 +53,7 @@ struct gmlake_stat {
 /* Byte and object gauges, with their peaks. */
 #define GMLAKE_FOREACH_GAUGE(X)						\
 	X(requested_bytes)	/* sum of sizes asked for */		\
-	X(allocated_bytes)	/* bytes handed out, after rounding */	\
+	X(allocated_bytes)	/* bytes handed out, sizes in 512s */	\
 	X(resident_bytes)	/* allocated, less spilled blocks */	\
 	X(reserved_bytes)	/* physical chunks held */		\
 	X(mapped_bytes)		/* virtual bytes mapped */		\
