@@ -22,8 +22,6 @@
 #include "error.h"
 #include "types.h"
 
-#define SMALL_ALIGN 512
-
 static bool piece_less(const struct gml_block *a, const struct gml_block *b)
 {
 	return a->alloc_size < b->alloc_size ||
@@ -149,7 +147,7 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		    struct gml_block **out)
 {
 	struct gml_spool *sp = &ctx->spools[stream];
-	size_t rsize = (size + SMALL_ALIGN - 1) & ~(size_t)(SMALL_ALIGN - 1);
+	size_t rsize = (size + GML_ALIGN - 1) & ~(size_t)(GML_ALIGN - 1);
 	struct gml_block key = { .alloc_size = rsize, .ptr = 0 };
 	struct gml_block *p, *rest;
 	size_t i;
@@ -164,7 +162,7 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		i = lower_bound(sp, &key);
 	}
 	p = sp->free[i];
-	if (p->alloc_size - rsize >= SMALL_ALIGN) {
+	if (p->alloc_size - rsize >= GML_ALIGN) {
 		rest = calloc(1, sizeof(*rest));
 		if (!rest) {
 			/* A chunk just made for this request stays idle or

@@ -270,8 +270,8 @@ static int small_pieces(struct builder *bd, const struct gml_schunk *sc)
 static int owner_pieces(struct builder *bd, const struct owner *o)
 {
 	const struct gml_block *b = o->b;
-	uint64_t addr = b->view->va + (uint64_t)b->pos * bd->ctx->chunk;
-	uint64_t end = addr + (uint64_t)b->n * bd->ctx->chunk;
+	uint64_t end = b->view->va +
+		       (uint64_t)(b->pos + b->n) * bd->ctx->chunk;
 
 	if (o->sc)
 		return small_pieces(bd, o->sc);
