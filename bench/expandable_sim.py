@@ -131,17 +131,22 @@ class Pool:
         self._merge(b)
         return b
 
-    def alloc(self, size):
-        b = self._best_fit(size) or self._grow(size)
-        if b.size - size >= ALIGN:
+    def _take(self, b, size, split):
+        """b in use for size bytes; with split, its rest a free block."""
+        if split:
             rest = Block(b.addr + size, b.size - size, True)
             rest.prev, rest.next = b, b.next
-            b.next.prev = rest
+            if b.next:
+                b.next.prev = rest
             b.next = rest
             b.size = size
             self._add(rest)
         b.used = True
         return b
+
+    def alloc(self, size):
+        b = self._best_fit(size) or self._grow(size)
+        return self._take(b, size, b.size - size >= ALIGN)
 
     def free_block(self, b):
         b.used = False
@@ -178,16 +183,8 @@ class DefaultPool(Pool):
         else:
             b = self._grow(size)
         rest = b.size - size
-        if rest >= ALIGN if self.small else rest > SMALL:
-            r = Block(b.addr + size, rest, True)
-            r.prev, r.next = b, b.next
-            if b.next:
-                b.next.prev = r
-            b.next = r
-            b.size = size
-            self._add(r)
-        b.used = True
-        return b
+        return self._take(b, size, rest >= ALIGN if self.small
+                          else rest > SMALL)
 
 
 class Sim:
