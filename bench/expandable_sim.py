@@ -32,8 +32,8 @@ PyTorch ran it. On the traces in tests/data the default model gives the
 recorded peak to the byte on six of nine, and the expandable model the
 H200's expandable peak to the byte where the H200 ran the recorded
 events (ViT, LoRA); it is above the H200 on GraphSAGE (by 50%), FSDP2,
-compile and Mask R-CNN, a behaviour of PyTorch's it lacks, not found
-yet (bench/results/expandable-sim-8d87a47.md).
+compile and Mask R-CNN, not explained yet
+(bench/results/expandable-sim-8d87a47.md).
 
     python3 bench/expandable_sim.py tests/data/eco_vit.trace.gz
     python3 bench/expandable_sim.py --json tests/data/*.trace.gz
