@@ -255,7 +255,7 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		return ret;
 	}
 	b->stream = stream;
-	b->alloc_size = (size + GML_ALIGN - 1) & ~(size_t)(GML_ALIGN - 1);
+	b->alloc_size = gml_align_up(size);
 	*out = b;
 	return 0;
 }

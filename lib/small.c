@@ -147,7 +147,7 @@ int gml_small_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		    struct gml_block **out)
 {
 	struct gml_spool *sp = &ctx->spools[stream];
-	size_t rsize = (size + GML_ALIGN - 1) & ~(size_t)(GML_ALIGN - 1);
+	size_t rsize = gml_align_up(size);
 	struct gml_block key = { .alloc_size = rsize, .ptr = 0 };
 	struct gml_block *p, *rest;
 	size_t i;

@@ -58,6 +58,11 @@ struct gml_view;
 
 #define GML_RUN_UNKNOWN UINT32_MAX
 #define GML_ALIGN 512		/* blocks start and end on it, as PyTorch's */
+/* A size as blocks hand it out: rounded up to GML_ALIGN. */
+static inline size_t gml_align_up(size_t size)
+{
+	return (size + GML_ALIGN - 1) & ~(size_t)(GML_ALIGN - 1);
+}
 #define GML_SLAB_MAX 1024	/* chunks in one growth handle, at most */
 
 /* A run of free chunks in a view, for best fit. */

@@ -36,6 +36,11 @@ value() {
 	}' <<<"$2"
 }
 
+# line_of NAME TEXT: the JSON line of trace NAME among TEXT's lines.
+line_of() {
+	grep -F "\"trace\": \"$1\"," <<<"$2" | head -n 1
+}
+
 # at_most VALUE LIMIT: true when VALUE is a number no greater than LIMIT.
 at_most() {
 	awk -v v="$1" -v max="$2" 'BEGIN {

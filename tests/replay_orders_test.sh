@@ -47,7 +47,7 @@ out=$("$replay" --json --quiet "$tmp"/*.trace.gz) || {
 }
 for seed in 1 2 3 4 5 6; do
 	name=eco_sage_s$seed
-	line=$(grep -F "\"trace\": \"$name\"," <<<"$out" | head -n 1)
+	line=$(line_of "$name" "$out")
 	if [ -z "$line" ]; then
 		result FAIL "$name: no result"
 		continue

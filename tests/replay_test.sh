@@ -110,7 +110,7 @@ fi
 for path in "${traces[@]}"; do
 	name=${path##*/}
 	name=${name%.trace.gz}
-	line=$(grep -F "\"trace\": \"$name\"," <<<"$out" | head -n 1)
+	line=$(line_of "$name" "$out")
 	if [ -z "$line" ]; then
 		result FAIL "$name: no result"
 		continue
@@ -144,7 +144,7 @@ for path in "${traces[@]}"; do
 	fi
 
 	[ -n "$model" ] || continue
-	exp=$(value peak_reserved "$(grep -F "\"trace\": \"$name\"," <<<"$model")")
+	exp=$(value peak_reserved "$(line_of "$name" "$model")")
 	res=$(value peak_reserved "$line")
 	ratio=$(awk -v a="$res" -v b="$exp" 'BEGIN { if (b > 0) printf "%.4f", a / b }')
 	gap_limit "$name" 1.0 $known_peak_gaps
