@@ -161,7 +161,7 @@ static void apply_fraction(gmlake_ctx *ctx, double fraction)
 			 __ATOMIC_RELAXED);
 	over = (size_t)ctx->st.reserved_bytes.current > limit;
 	pthread_mutex_unlock(&ctx->lock);
-	if (over && gmlake_trim(ctx))
+	if (over && gml_trim(ctx, false))
 		gml_log(GMLAKE_LOG_WARN, "torch: giving the cache back under "
 			"the new device limit: %s", gmlake_last_error());
 }
@@ -290,7 +290,7 @@ static int alloc_limited(gmlake_ctx *ctx, int device, size_t size,
 		return ret;
 	atomic_fetch_add(&torch_counts[device].retries, 1);
 	atomic_fetch_add(&torch_counts[device].trims, 1);
-	if (!gmlake_trim(ctx))
+	if (!gml_trim(ctx, false))
 		ret = gmlake_alloc(ctx, p, size, stream);
 	return ret;
 }

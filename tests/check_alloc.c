@@ -625,6 +625,17 @@ START_TEST(test_top_fit_auto)
 		mid = th_alloc(ctx, 7 * ch, NULL);
 		ck_assert_ptr_eq(mid, base);
 		th_free(ctx, mid);
+		/* A trim starts the measure again: after a phase of 16
+		 * chunks, 4 are a quarter and take the top. */
+		TH_OK(ctx, gmlake_trim(ctx));
+		base = th_alloc(ctx, 16 * ch, NULL);
+		th_free(ctx, base);
+		small = th_alloc(ctx, 2 * ch, NULL);
+		ck_assert_ptr_eq(small, base);
+		big = th_alloc(ctx, 4 * ch, NULL);
+		ck_assert_ptr_eq(big, off ? base + 2 * ch : base + 12 * ch);
+		th_free(ctx, big);
+		th_free(ctx, small);
 		th_destroy(ctx);
 	}
 }
