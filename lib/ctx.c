@@ -450,14 +450,14 @@ int gml_trim(gmlake_ctx *ctx, bool restart)
 	if (ctx->nzombies)
 		gml_zombies_reap(ctx);
 	gml_events_trim(ctx);
-	/* The user gave the cache back: the policy's measures start again
-	 * from what is left. Kept, a later and smaller workload in the
-	 * same process grew freely up to the earlier one's peak (on an
-	 * H100, Mask R-CNN after ViT: 8% fragmentation, no stitch). */
-	if (restart) {
+	/* The user gave the cache back: growth's budget and top fit start
+	 * again from what is live. Kept, a later and smaller workload in
+	 * the same process grew freely up to the earlier one's peak (on an
+	 * H100, Mask R-CNN after ViT: 8% fragmentation, no stitch).
+	 * reserved_top stays: growth under it still comes before an
+	 * event wait, within the new budget. */
+	if (restart)
 		ctx->requested_top = ctx->st.requested_bytes.current;
-		ctx->reserved_top = ctx->st.reserved_bytes.current;
-	}
 	ctx_leave(ctx);
 	return ret;
 }

@@ -283,9 +283,9 @@ struct gmlake_ctx {
 	struct gml_import *imports;	/* ranges gmlake_ipc_import mapped */
 	int peers[GML_MAX_PEERS];	/* granted over every mapping */
 	uint32_t npeers;
-	/* The most requested and reserved at once since creation or the
-	 * last gmlake_trim(): the policy's measures (the stats' peaks are
-	 * the user's to reset). */
+	/* The most requested at once since creation or the last
+	 * gmlake_trim(), and the most reserved ever: the policy's measures
+	 * (the stats' peaks are the user's to reset). */
 	int64_t requested_top;
 	int64_t reserved_top;
 
@@ -416,8 +416,8 @@ void gml_spools_fini(gmlake_ctx *ctx);
 void gml_block_release(gmlake_ctx *ctx, struct gml_block *b,
 		       const struct gml_guard *g);
 void gml_release_deferred(gmlake_ctx *ctx, bool wait);
-/* gmlake_trim(); restart false keeps the policy's measures (a trim the
- * library makes itself: an out-of-memory retry, a lowered limit). */
+/* gmlake_trim(); restart false keeps requested_top (a trim the library
+ * makes itself: an out-of-memory retry, a lowered limit). */
 int gml_trim(gmlake_ctx *ctx, bool restart);
 
 /* check.c: the invariant checker, lock held */

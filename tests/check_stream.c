@@ -507,11 +507,50 @@ END_TEST
 
 /*
  * Ordered, but growth within the budget and under the most ever reserved
- * comes first: after a trim the most ever requested and reserved (8 MiB)
- * is above what is reserved (4 MiB), so B gets new chunks and waits for
- * nothing.
+ * comes first: after a trim the most ever reserved (248 MiB) is above
+ * what is reserved (244 MiB), and the budget (2% over the most live
+ * since the trim, 244 MiB) allows 4 MiB more, so B gets new chunks and
+ * waits for nothing. With 4 MiB live instead of 250 (test_trim_restarts)
+ * the budget refuses and B waits.
  */
 START_TEST(test_ordered_growth_first)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(128));
+	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
+	struct gmlake_stats s0, s1;
+	struct pending pd;
+	void *big, *x, *w, *y;
+
+	big = th_alloc(ctx, 240 * TH_MiB, a);
+	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
+	w = th_alloc(ctx, 4 * TH_MiB, a);
+	th_free(ctx, w);
+	th_sync(ctx, a);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_hold(ctx, a, true);
+	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	th_stats(ctx, &s0);
+	ck_assert_int_eq(s0.reserved_bytes.current, 244 * TH_MiB);
+	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &x, 1, "4 MiB on B");
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.grows, s0.grows + 1);
+	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_stream_wait],
+			  s0.calls[GMLAKE_CALL_stream_wait]);
+	th_fill_ok(ctx, y, 4 * TH_MiB, 2, b);	/* B waits for nothing */
+	release_and_check(ctx, a, &pd, 1, "growth first: A's read");
+	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	th_free(ctx, big);
+	destroy_all(ctx, a, b);
+}
+END_TEST
+
+/*
+ * A trim starts growth's budget over from what is live: 8 MiB were live
+ * before it, 4 after, so once that block is freed with A's work pending,
+ * growing for B would double what the phase ever needed, and B takes the
+ * freed chunks after A's work instead (one event wait).
+ */
+START_TEST(test_trim_restarts)
 {
 	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(8));
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
@@ -526,16 +565,9 @@ START_TEST(test_ordered_growth_first)
 	TH_OK(ctx, gmlake_trim(ctx));
 	th_hold(ctx, a, true);
 	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
-	th_stats(ctx, &s0);
-	ck_assert_int_eq(s0.reserved_bytes.current, 4 * TH_MiB);
-	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &x, 1, "4 MiB on B");
-	th_stats(ctx, &s1);
-	ck_assert_uint_eq(s1.grows, s0.grows + 1);
-	ck_assert_uint_eq(s1.calls[GMLAKE_CALL_stream_wait],
-			  s0.calls[GMLAKE_CALL_stream_wait]);
-	th_fill_ok(ctx, y, 4 * TH_MiB, 2, b);	/* B waits for nothing */
-	release_and_check(ctx, a, &pd, 1, "growth first: A's read");
-	th_verify_free(ctx, y, 4 * TH_MiB, 2, b);
+	y = expect_ordered_take(ctx, x, b, &s0, &s1);
+	ck_assert_int_eq(s1.reserved_bytes.current, 4 * TH_MiB);
+	write_after_held_read(ctx, a, b, &pd, y, "after a trim: A's read");
 	destroy_all(ctx, a, b);
 }
 END_TEST
@@ -975,6 +1007,7 @@ static Suite *stream_suite(bool emu)
 	tc = th_tcase(s, "Ordered");
 	tcase_add_test(tc, test_ordered_takes_pending);
 	tcase_add_test(tc, test_ordered_growth_first);
+	tcase_add_test(tc, test_trim_restarts);
 	tcase_add_test(tc, test_ordered_before_peak);
 
 	tc = th_tcase(s, "RecordStream");
