@@ -1621,7 +1621,14 @@ static Suite *shm_suite(void)
 	tcase_add_test(tc, leftover_left_alone);
 	tcase_add_test(tc, name_token_lock);
 	tcase_add_test(tc, fork_child_leaves_segment);
+#ifndef TH_ASAN
+	/* A child of a threaded process may find AddressSanitizer's
+	 * allocator locked by a thread that did not survive the fork (gcc
+	 * 12's does not reset its locks at fork, as glibc's malloc does):
+	 * its publisher thread then hangs in malloc at start, whatever the
+	 * library does. The plain build runs this test. */
 	tcase_add_test(tc, fork_child_publishes);
+#endif
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("Robust");

@@ -45,6 +45,15 @@
 /* Generous per-case limit; each case is meant to take well under 5 s. */
 #define TH_TIMEOUT 60
 
+/* Built with AddressSanitizer (gcc's macro, clang's feature test). */
+#if defined(__SANITIZE_ADDRESS__)
+#define TH_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TH_ASAN 1
+#endif
+#endif
+
 /* ---------------------------------------------------------------------- */
 /* A deterministic PRNG (splitmix64): the same seed, the same workload.   */
 
