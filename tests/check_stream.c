@@ -506,6 +506,25 @@ START_TEST(test_ordered_takes_pending)
 END_TEST
 
 /*
+ * 4 MiB x filled on A, 4 MiB more allocated and freed (the most ever
+ * reserved 8 MiB over what lives), a trim, then x freed while A holds a
+ * read of it: x's chunks are reserved, free, and A's work covers them.
+ */
+static void *trim_then_free_pending(gmlake_ctx *ctx, gmlake_stream_t a,
+				    struct pending *pd)
+{
+	void *x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
+	void *w = th_alloc(ctx, 4 * TH_MiB, a);
+
+	th_free(ctx, w);
+	th_sync(ctx, a);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_hold(ctx, a, true);
+	read_then_free(ctx, pd, x, 4 * TH_MiB, 1, a);
+	return x;
+}
+
+/*
  * Ordered, but growth within the budget and under the most ever reserved
  * comes first: after a trim the most ever reserved (248 MiB) is above
  * what is reserved (244 MiB), and the budget (2% over the most live
@@ -519,16 +538,10 @@ START_TEST(test_ordered_growth_first)
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct gmlake_stats s0, s1;
 	struct pending pd;
-	void *big, *x, *w, *y;
+	void *big, *x, *y;
 
 	big = th_alloc(ctx, 240 * TH_MiB, a);
-	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
-	w = th_alloc(ctx, 4 * TH_MiB, a);
-	th_free(ctx, w);
-	th_sync(ctx, a);
-	TH_OK(ctx, gmlake_trim(ctx));
-	th_hold(ctx, a, true);
-	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	x = trim_then_free_pending(ctx, a, &pd);
 	th_stats(ctx, &s0);
 	ck_assert_int_eq(s0.reserved_bytes.current, 244 * TH_MiB);
 	expect_alloc_apart(ctx, &y, 4 * TH_MiB, b, &x, 1, "4 MiB on B");
@@ -556,15 +569,9 @@ START_TEST(test_trim_restarts)
 	gmlake_stream_t a = th_stream(ctx), b = th_stream(ctx);
 	struct gmlake_stats s0, s1;
 	struct pending pd;
-	void *x, *w, *y;
+	void *x, *y;
 
-	x = th_alloc_filled(ctx, 4 * TH_MiB, 1, a);
-	w = th_alloc(ctx, 4 * TH_MiB, a);
-	th_free(ctx, w);
-	th_sync(ctx, a);
-	TH_OK(ctx, gmlake_trim(ctx));
-	th_hold(ctx, a, true);
-	read_then_free(ctx, &pd, x, 4 * TH_MiB, 1, a);
+	x = trim_then_free_pending(ctx, a, &pd);
 	y = expect_ordered_take(ctx, x, b, &s0, &s1);
 	ck_assert_int_eq(s1.reserved_bytes.current, 4 * TH_MiB);
 	write_after_held_read(ctx, a, b, &pd, y, "after a trim: A's read");
