@@ -34,6 +34,7 @@
 #include "gmlake.h"
 #include "ctx.h"
 #include "drv.h"
+#include "sanitized.h"
 
 #define TH_UNUSED __attribute__((unused))
 
@@ -44,15 +45,6 @@
 
 /* Generous per-case limit; each case is meant to take well under 5 s. */
 #define TH_TIMEOUT 60
-
-/* Built with AddressSanitizer (gcc's macro, clang's feature test). */
-#if defined(__SANITIZE_ADDRESS__)
-#define TH_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define TH_ASAN 1
-#endif
-#endif
 
 /* ---------------------------------------------------------------------- */
 /* A deterministic PRNG (splitmix64): the same seed, the same workload.   */

@@ -58,16 +58,9 @@
 #include "gmlake-offload.h"
 #include "ctx.h"
 #include "drv.h"
+#include "sanitized.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define STRESS_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define STRESS_SANITIZED 1
-#endif
-#endif
-
-#ifdef STRESS_SANITIZED
+#ifdef TH_ASAN
 #define DEF_THREADS 4
 #define DEF_SCALE   6
 #define DEF_ITER    2
