@@ -473,11 +473,21 @@ def host_speed(r, flags):
     return statistics.median(ns) if ns else None
 
 
+def steady_gc_ms(r, flags):
+    """The Python garbage collector's ms inside r's steady steps
+    (step_gc_ms), in all; None in results that did not time it."""
+    gc_ms = r.get("step_gc_ms")
+    if not gc_ms:
+        return None
+    return sum(g for g, f in zip(gc_ms, flags) if not f)
+
+
 def _merge_one(m, k, r):
     flags = settle_flags(r)
     times = r.get("step_times") or []
     s = step_summary(times, flags)
     s["host_ns"] = host_speed(r, flags)
+    s["gc_ms"] = steady_gc_ms(r, flags)
     if not times and r.get("step_ms") is not None:
         s["median_ms"] = r["step_ms"]       # a merged format-1 result
     s["status"] = status(r)
@@ -706,6 +716,40 @@ def host_table(merged, round_ids):
     return markdown_table(HOST_HEADER, rows)
 
 
+GC_HEADER = ["workload", "allocator", "ms in all steady steps, per round",
+             "share of the steady steps' time, per round"]
+
+
+def gc_table(merged, round_ids):
+    """Each process's time in Python's garbage collector inside its steady
+    steps (steady_gc_ms(), per round) and its share of those steps' time:
+    a full collection, hundreds of ms where a large model is loaded, that
+    falls into one allocator's steady step and not another's moves the
+    means above without the allocator. None when no result timed it."""
+    def cell(m, k, what):
+        s = (m.get("rounds") or {}).get(k) or {}
+        if s.get("gc_ms") is None:
+            return None
+        if what == "ms":
+            return s["gc_ms"]
+        steady = s.get("steady_s")
+        return 100 * s["gc_ms"] / 1e3 / steady if steady else None
+
+    if not any(cell(m, k, "ms") is not None for m in merged
+               for k in round_ids):
+        return None
+    rows = []
+    for m in merged:
+        if m.get("skipped"):
+            continue
+        rows.append([m["workload"], _name(m["allocator"]),
+                     " / ".join(_cell(cell(m, k, "ms"), "%.0f")
+                                for k in round_ids),
+                     " / ".join(_cell(cell(m, k, "share"), "%.2f%%")
+                                for k in round_ids)])
+    return markdown_table(GC_HEADER, rows)
+
+
 MEMORY_HEADER = ["workload", "allocator", "peak allocated GiB",
                  "peak reserved GiB", "driver used GiB", "fragmentation %",
                  "device allocations per steady step"]
@@ -931,6 +975,16 @@ def results_markdown(data):
                       "the allocator. Where libgmlake's process was the "
                       "slower host, a host-bound step's ratio above "
                       "compares hosts as well as allocators.\n", host]
+        collector = gc_table(merged, ids)
+        if collector:
+            parts += ["\n## Python's garbage collector\n",
+                      "Time the interpreter spent collecting inside the "
+                      "steady steps (gc.callbacks), counted in their "
+                      "times above. Since a399bb0 the bench freezes the "
+                      "heap built before the timed steps (gc.freeze), so "
+                      "that a full collection scans only what the steps "
+                      "keep.\n",
+                      collector]
         driver = driver_table(merged)
         if driver:
             parts += ["\n## libgmlake driver calls\n",

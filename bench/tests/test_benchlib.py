@@ -390,6 +390,38 @@ class TestReport(unittest.TestCase):
         self.assertIn("## Host speed of each process",
                       benchlib.results_markdown(data))
 
+    def test_gc_time(self):
+        data = three_rounds()
+        # No result timed the collector: no table.
+        self.assertIsNone(benchlib.gc_table(
+            benchlib.merge(data["rounds"]), [1, 2, 3]))
+        self.assertNotIn("garbage collector", benchlib.results_markdown(data))
+        # w1, libgmlake, round 2: a 300 ms collection in a steady step;
+        # the settling steps' (the first two) are left out.
+        for rnd in data["rounds"]:
+            for r in rnd["results"]:
+                if r["workload"] != "w1":
+                    continue
+                n = len(r["step_times"])
+                r["step_gc_ms"] = [500.0, 500.0] + [1.0] * (n - 2)
+                if r["allocator"] == "gmlake" and rnd["round"] == 2:
+                    r["step_gc_ms"][2] = 300.0
+        flags = benchlib.settle_flags(data["rounds"][0]["results"][0])
+        self.assertEqual(benchlib.steady_gc_ms(
+            dict(step_gc_ms=[500.0, 500.0, 1, 2, 3, 4]), flags), 10)
+        self.assertIsNone(benchlib.steady_gc_ms({}, flags))
+        merged = benchlib.merge(data["rounds"])
+        table = benchlib.gc_table(merged, [1, 2, 3])
+        by = {(m["workload"], m["allocator"]): m for m in merged}
+        steady = by[("w1", "gmlake")]["rounds"][2]["steady_s"]
+        share = 100 * 0.303 / steady
+        self.assertIn("| w1 | libgmlake | 4 / 303 / 4 | ", table)
+        self.assertIn(" / %.2f%% / " % share, table)
+        self.assertIn("| w2 | libgmlake | n/a / n/a / n/a | "
+                      "n/a / n/a / n/a |", table)
+        self.assertIn("## Python's garbage collector",
+                      benchlib.results_markdown(data))
+
     def test_markdown(self):
         text = benchlib.results_markdown(three_rounds())
         self.assertIn("GPU: GPU X (80.00 GiB); PyTorch: 2.11; CUDA: 13.0; "
