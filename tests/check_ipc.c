@@ -217,9 +217,11 @@ START_TEST(test_fork_child_imports)
 	pid = fork();
 	ck_assert_int_ge(pid, 0);
 	if (pid == 0) {
+		struct gmlake_config cfg;
 		gmlake_ctx *c = NULL;
 		void *q = NULL;
-		int ok = !gmlake_ctx_init(&c, NULL) &&
+		int ok = !th_config_init(&cfg) &&
+			 !gmlake_ctx_init(&c, &cfg) &&
 			 !gmlake_ipc_import(c, &blk, &q) &&
 			 !th_verify(c, q, CHUNKS(5), 7, NULL, NULL) &&
 			 !th_fill(c, q, CHUNKS(5), 8, NULL) &&
@@ -298,13 +300,15 @@ END_TEST
  */
 static int export_limited(rlim_t soft, rlim_t hard)
 {
+	struct gmlake_config cfg;
 	gmlake_ctx *a = NULL;
 	struct gmlake_ipc_block blk;
 	struct rlimit rl;
 	void *p = NULL;
 	int fds, ret;
 
-	if (gmlake_ctx_init(&a, NULL) || gmlake_alloc(a, &p, CHUNKS(6), NULL))
+	if (th_config_init(&cfg) || gmlake_ctx_init(&a, &cfg) ||
+	    gmlake_alloc(a, &p, CHUNKS(6), NULL))
 		return 10;
 	fds = th_count_fds();
 	rl.rlim_cur = (rlim_t)fds + soft;

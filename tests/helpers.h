@@ -7,7 +7,8 @@
  *   GMLAKE_BACKEND opens (77 when there is no GPU), so main never touches
  *   CUDA itself (CUDA state does not survive fork()).
  * - th_ctx()/th_ctx_cfg(): a context for that backend, with a given capacity
- *   when the backend is the emulated device.
+ *   when the backend is the emulated device; th_config() the environment's
+ *   settings but for the growth handle (TH_GROW_HANDLE).
  * - th_fill()/th_verify(): write and check a per-block pattern through
  *   gmlake_memcpy_htod/dtoh, so the same tests run on a real GPU;
  *   th_alloc_filled()/th_verify_free() pair them with th_alloc/th_free.
@@ -156,10 +157,28 @@ static TH_UNUSED gmlake_ctx *th_ctx_cfg(const struct gmlake_config *cfg)
 	return ctx;
 }
 
-/* The environment's configuration, with the emulated capacity set. */
+/*
+ * The growth handle the tests' expectations are written for (driver call
+ * counts, out-of-memory cases on small emulated devices, IPC pieces):
+ * 20 MiB, whatever the library's default or GMLAKE_GROW_HANDLE says. A
+ * test that means another size sets cfg.grow_handle itself.
+ */
+#define TH_GROW_HANDLE (20 * TH_MiB)
+
+/* The environment's configuration with the tests' growth handle; 0 or
+ * gmlake_config_init()'s error, for children that cannot assert. */
+static TH_UNUSED int th_config_init(struct gmlake_config *cfg)
+{
+	int ret = gmlake_config_init(cfg);
+
+	cfg->grow_handle = TH_GROW_HANDLE;
+	return ret;
+}
+
+/* th_config_init(), asserted, with the emulated capacity set. */
 static TH_UNUSED void th_config(struct gmlake_config *cfg, size_t capacity)
 {
-	ck_assert_int_eq(gmlake_config_init(cfg), 0);
+	ck_assert_int_eq(th_config_init(cfg), 0);
 	if (capacity)
 		cfg->emu_capacity = capacity;
 }
