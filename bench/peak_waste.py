@@ -26,6 +26,8 @@ import gzip
 import json
 import sys
 
+from expandable_sim import name_of
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -93,14 +95,6 @@ def waste(live, chunk, small):
             sizes[size] = (c + 1, b + loss)
     return {"large_blocks": large, "chunk_bytes": held,
             "rounding_bytes": lost, "sizes": sizes}
-
-
-def name_of(path):
-    base = path.rsplit("/", 1)[-1]
-    for ext in (".trace.gz", ".trace", ".gz"):
-        if base.endswith(ext):
-            return base[:-len(ext)]
-    return base
 
 
 def size_arg(text):

@@ -4,7 +4,6 @@
 the end grown into, splits at 512 bytes, best fit, a pool per stream,
 the default allocator's segments, and a trace it cannot read refused."""
 
-import gzip
 import json
 import os
 import subprocess
@@ -15,29 +14,10 @@ import unittest
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(BENCH, "expandable_sim.py")
 sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import expandable_sim as es  # noqa: E402
-
-MiB = 1 << 20
-
-
-def write(d, events, name="t"):
-    path = os.path.join(d, name + ".trace.gz")
-    with gzip.open(path, "wt") as f:
-        f.write("# pytorch 2.11 workload=%s\n# action addr size stream\n"
-                % name)
-        for ev in events:
-            f.write(" ".join(str(x) for x in ev) + "\n")
-    return path
-
-
-def alloc(addr, size, stream=0):
-    return ("alloc", addr, size, stream)
-
-
-def free(addr, size, stream=0):
-    return [("free_requested", addr, size, stream),
-            ("free_completed", addr, size, stream)]
+from tracefile import MiB, alloc, free, write  # noqa: E402
 
 
 class TestModel(unittest.TestCase):

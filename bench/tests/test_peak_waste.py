@@ -5,7 +5,6 @@ chunks' loss against 512-byte sizes, the small pool left out, sizes
 ranked by what they lose, and traces or arguments it cannot take refused
 with a message."""
 
-import gzip
 import json
 import os
 import subprocess
@@ -16,29 +15,10 @@ import unittest
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(BENCH, "peak_waste.py")
 sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peak_waste as pw  # noqa: E402
-
-MiB = 1 << 20
-
-
-def write(d, lines, name="t"):
-    path = os.path.join(d, name + ".trace.gz")
-    with gzip.open(path, "wt") as f:
-        f.write("# pytorch 2.11 workload=%s\n# action addr size stream\n"
-                % name)
-        for ln in lines:
-            f.write(ln + "\n")
-    return path
-
-
-def alloc(addr, size):
-    return "alloc %d %d 0" % (addr, size)
-
-
-def free(addr, size):
-    return ["free_requested %d %d 0" % (addr, size),
-            "free_completed %d %d 0" % (addr, size)]
+from tracefile import MiB, alloc, free, write  # noqa: E402
 
 
 def run(*args):
@@ -52,7 +32,7 @@ class PeakLive(unittest.TestCase):
         # again with other blocks, which must not replace the first.
         with tempfile.TemporaryDirectory() as d:
             p = write(d, [alloc(1, 3 * MiB), alloc(2, 6 * MiB)] +
-                      free(1, 3 * MiB) + ["step 1 0 0"] +
+                      free(1, 3 * MiB) + [("step", 1, 0, 0)] +
                       [alloc(3, 3 * MiB)] + free(2, 6 * MiB) + free(3, 0))
             peak, live = pw.peak_live(p)
         self.assertEqual(peak, 9 * MiB)
@@ -62,10 +42,8 @@ class PeakLive(unittest.TestCase):
         # free_completed comes late: the peak must not count block 1
         # beside block 2.
         with tempfile.TemporaryDirectory() as d:
-            p = write(d, [alloc(1, 8 * MiB),
-                          "free_requested 1 %d 0" % (8 * MiB),
-                          alloc(2, 4 * MiB),
-                          "free_completed 1 %d 0" % (8 * MiB)] +
+            p = write(d, [alloc(1, 8 * MiB), free(1, 8 * MiB)[0],
+                          alloc(2, 4 * MiB), free(1, 8 * MiB)[1]] +
                       free(2, 4 * MiB))
             peak, live = pw.peak_live(p)
         self.assertEqual(peak, 8 * MiB)
@@ -81,7 +59,7 @@ class PeakLive(unittest.TestCase):
         # (lines, the line the message must name: two header lines)
         cases = [([alloc(1, MiB)] + free(2, MiB), 4),   # not live
                  ([alloc(1, MiB), alloc(1, MiB)], 4),    # live twice
-                 (["alloc x 5 0"], 3)]                   # not a number
+                 ([("alloc", "x", 5, 0)], 3)]                   # not a number
         for lines, bad in cases:
             with tempfile.TemporaryDirectory() as d:
                 p = write(d, lines)
