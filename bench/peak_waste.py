@@ -134,7 +134,7 @@ def main(argv=None):
     for path in args.traces:
         try:
             peak, live = peak_live(path)
-        except (OSError, EOFError, TraceError) as e:
+        except (OSError, EOFError, UnicodeDecodeError, TraceError) as e:
             print("peak_waste: %s" % e, file=sys.stderr)
             return 1
         w = waste(live, args.chunk, args.small)

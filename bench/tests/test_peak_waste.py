@@ -123,6 +123,14 @@ class Command(unittest.TestCase):
             r = run(os.path.join(d, "missing.trace.gz"))
             self.assertEqual(r.returncode, 1)
             self.assertIn("missing.trace.gz", r.stderr)
+            for name, data in (("plain.trace.gz", b"alloc 1 2 0\n"),
+                               ("bytes.trace", b"alloc \xff\xfe 2 0\n")):
+                with open(os.path.join(d, name), "wb") as f:
+                    f.write(data)
+                r = run(os.path.join(d, name))
+                self.assertEqual(r.returncode, 1, name)
+                self.assertIn("peak_waste:", r.stderr)
+                self.assertNotIn("Traceback", r.stderr)
 
     def test_bad_arguments_exit_2(self):
         with tempfile.TemporaryDirectory() as d:
