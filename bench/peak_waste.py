@@ -59,6 +59,8 @@ def peak_live(path):
                     live[addr] = size
                     cur += size
                     if cur > peak:
+                        # copied at the next free: a run of allocations
+                        # copies the live set once, not once each
                         peak, at_peak = cur, None
                 elif fld[0] == "free_requested":
                     addr = int(fld[1])
@@ -68,9 +70,7 @@ def peak_live(path):
                     if at_peak is None:
                         at_peak = dict(live)
                     cur -= live.pop(addr)
-            except (ValueError, IndexError) as e:
-                raise TraceError("%s:%d: %s" % (path, n, e))
-            except TraceError as e:
+            except (ValueError, IndexError, TraceError) as e:
                 raise TraceError("%s:%d: %s" % (path, n, e))
     if at_peak is None:
         at_peak = dict(live)
