@@ -229,21 +229,27 @@ class Sim:
         self.requested -= size
 
 
-def replay(path, default=False):
-    sim = Sim(default)
+def trace_lines(path):
+    """(line number, fields) of each event line of a trace, gzipped or
+    not; comments and blank lines are skipped."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         for n, line in enumerate(f, 1):
             fld = line.split()
-            if not fld or fld[0].startswith("#"):
-                continue
-            try:
-                if fld[0] == "alloc":
-                    sim.alloc(int(fld[1]), int(fld[2]), fld[3])
-                elif fld[0] == "free_completed":
-                    sim.free(int(fld[1]))
-            except TraceError as e:
-                raise TraceError("%s:%d: %s" % (path, n, e))
+            if fld and not fld[0].startswith("#"):
+                yield n, fld
+
+
+def replay(path, default=False):
+    sim = Sim(default)
+    for n, fld in trace_lines(path):
+        try:
+            if fld[0] == "alloc":
+                sim.alloc(int(fld[1]), int(fld[2]), fld[3])
+            elif fld[0] == "free_completed":
+                sim.free(int(fld[1]))
+        except TraceError as e:
+            raise TraceError("%s:%d: %s" % (path, n, e))
     return sim
 
 

@@ -22,18 +22,13 @@ not live, a line it cannot parse), 2 on bad arguments.
 """
 
 import argparse
-import gzip
 import json
 import sys
 
-from expandable_sim import name_of
+from expandable_sim import TraceError, name_of, trace_lines
 
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-class TraceError(Exception):
-    pass
 
 
 def round_up(n, to):
@@ -44,34 +39,29 @@ def peak_live(path):
     """(peak requested bytes, {addr: size} live at that moment): the first
     moment the live blocks' sizes reach their largest sum."""
     live, cur, peak, at_peak = {}, 0, 0, {}
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        for n, line in enumerate(f, 1):
-            fld = line.split()
-            if not fld or fld[0].startswith("#") or fld[0] == "step":
-                continue
-            try:
-                if fld[0] == "alloc":
-                    addr, size = int(fld[1]), int(fld[2])
-                    if addr in live:
-                        raise TraceError("alloc of address %d, which is "
-                                         "live" % addr)
-                    live[addr] = size
-                    cur += size
-                    if cur > peak:
-                        # copied at the next free: a run of allocations
-                        # copies the live set once, not once each
-                        peak, at_peak = cur, None
-                elif fld[0] == "free_requested":
-                    addr = int(fld[1])
-                    if addr not in live:
-                        raise TraceError("free of address %d, which is "
-                                         "not live" % addr)
-                    if at_peak is None:
-                        at_peak = dict(live)
-                    cur -= live.pop(addr)
-            except (ValueError, IndexError, TraceError) as e:
-                raise TraceError("%s:%d: %s" % (path, n, e))
+    for n, fld in trace_lines(path):
+        try:
+            if fld[0] == "alloc":
+                addr, size = int(fld[1]), int(fld[2])
+                if addr in live:
+                    raise TraceError("alloc of address %d, which is live"
+                                     % addr)
+                live[addr] = size
+                cur += size
+                if cur > peak:
+                    # copied at the next free: a run of allocations
+                    # copies the live set once, not once each
+                    peak, at_peak = cur, None
+            elif fld[0] == "free_requested":
+                addr = int(fld[1])
+                if addr not in live:
+                    raise TraceError("free of address %d, which is not "
+                                     "live" % addr)
+                if at_peak is None:
+                    at_peak = dict(live)
+                cur -= live.pop(addr)
+        except (ValueError, IndexError, TraceError) as e:
+            raise TraceError("%s:%d: %s" % (path, n, e))
     if at_peak is None:
         at_peak = dict(live)
     return peak, at_peak

@@ -33,7 +33,8 @@ class PeakLive(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             p = write(d, [alloc(1, 3 * MiB), alloc(2, 6 * MiB)] +
                       free(1, 3 * MiB) + [("step", 1, 0, 0)] +
-                      [alloc(3, 3 * MiB)] + free(2, 6 * MiB) + free(3, 0))
+                      [alloc(3, 3 * MiB)] + free(2, 6 * MiB) +
+                      free(3, 3 * MiB))
             peak, live = pw.peak_live(p)
         self.assertEqual(peak, 9 * MiB)
         self.assertEqual(live, {1: 3 * MiB, 2: 6 * MiB})
@@ -57,9 +58,9 @@ class PeakLive(unittest.TestCase):
 
     def test_unreadable_traces(self):
         # (lines, the line the message must name: two header lines)
-        cases = [([alloc(1, MiB)] + free(2, MiB), 4),   # not live
-                 ([alloc(1, MiB), alloc(1, MiB)], 4),    # live twice
-                 ([("alloc", "x", 5, 0)], 3)]                   # not a number
+        cases = [([alloc(1, MiB)] + free(2, MiB), 4),  # not live
+                 ([alloc(1, MiB), alloc(1, MiB)], 4),   # live twice
+                 ([("alloc", "x", 5, 0)], 3)]            # not a number
         for lines, bad in cases:
             with tempfile.TemporaryDirectory() as d:
                 p = write(d, lines)
