@@ -180,10 +180,12 @@ def snapshot(devices=None, library=None):
 def record_memory_history(enabled=True, max_entries=100000,
                           skip_actions=(), clear=False, library=None):
     """Start (or stop) libgmlake's allocation history, as
-    torch.cuda.memory._record_memory_history() does for PyTorch's."""
+    torch.cuda.memory._record_memory_history() does for PyTorch's: stopping
+    drops what was recorded, as PyTorch's allocator does, so a later start
+    records from empty; clear on a start drops it too."""
     _, lib = _lib.load(library)
     if not enabled:
-        lib.gmlake_torch_history_stop(bool(clear))
+        lib.gmlake_torch_history_stop(True)
         return
     mask = 0
     for name in skip_actions:

@@ -173,6 +173,16 @@ def row_memory_history(torch, ctx):
         with open(path, "rb") as f:
             dumped = pickle.load(f)
     torch.cuda.memory._record_memory_history(enabled=None)
+    # A stop drops the trace, as PyTorch's allocator does: a recording
+    # after it holds only its own events.
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    c = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+    again = torch.cuda.memory._snapshot()["device_traces"]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    check([e["addr"] for e in again[torch.cuda.current_device()]
+           if e["action"] == "alloc"] == [c.data_ptr()],
+          "a recording after a stop kept the earlier trace")
+    del c
     check(snap["segments"], "the snapshot has no segments")
     for seg in snap["segments"]:
         addr = seg["address"]

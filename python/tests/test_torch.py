@@ -522,6 +522,28 @@ class TestEmuTorch(unittest.TestCase):
             self.free(p, size)
         self.assertEqual(gmlake.stats(dev)["active_blocks.current"], 0)
 
+    def test_history_stop_drops_the_trace(self):
+        # As PyTorch's _record_memory_history(enabled=None): a recording
+        # started after a stop holds only its own events, whatever the
+        # first one recorded (a process tracing one workload after another).
+        self.lib.gmlake_torch_empty_cache()
+        _snapshot.record_memory_history(True, 1000, clear=True,
+                                        library=self.path)
+        first = self.alloc(3 * MiB)
+        _snapshot.record_memory_history(False, library=self.path)
+        try:
+            _snapshot.record_memory_history(True, 1000, library=self.path)
+            second = self.alloc(5 * MiB)
+            trace = gmlake.memory_snapshot()["device_traces"][self.DEVICE]
+        finally:
+            _snapshot.record_memory_history(False, library=self.path)
+        self.assertEqual([e["addr"] for e in trace if e["action"] == "alloc"],
+                         [second])
+        stopped = gmlake.memory_snapshot()["device_traces"][self.DEVICE]
+        self.assertEqual(stopped, [])
+        self.free(first, 3 * MiB)
+        self.free(second, 5 * MiB)
+
     def test_snapshot_and_history(self):
         # Memory other tests left cached would serve these allocations.
         self.lib.gmlake_torch_empty_cache()

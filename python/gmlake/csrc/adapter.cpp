@@ -614,7 +614,10 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
       bool clearHistory,
       const std::vector<std::string>& skip_actions) override {
     if (!enabled) {
-      api.gmlake_torch_history_stop(clearHistory);
+      // PyTorch's allocator drops its trace when recording stops,
+      // whatever clearHistory says: a later recording starts empty.
+      (void)clearHistory;
+      api.gmlake_torch_history_stop(true);
       g_recorder.store(nullptr);
       return;
     }
