@@ -616,7 +616,6 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
     if (!enabled) {
       // PyTorch's allocator drops its trace when recording stops,
       // whatever clearHistory says: a later recording starts empty.
-      (void)clearHistory;
       api.gmlake_torch_history_stop(true);
       g_recorder.store(nullptr);
       return;
