@@ -14,6 +14,15 @@
 #	It also links build-gpu/libgmlake.so from the same (position-
 #	independent) objects, for Python and the benchmarks.
 #
+#   tools/gpu.sh variant NAME CPP-FLAGS...
+#	On the build machine, after build: the library again, from the same
+#	sources and configure arguments plus CPP-FLAGS (a policy constant
+#	that lib/ lets a build set, e.g. -DGROW_SLACK_PERMILLE=5), linked as
+#	build-gpu/variants/NAME/libgmlake.so and nothing else, so that one
+#	GPU call can run main's library and the variant side by side:
+#	    tools/gpu.sh bench --lib $PWD/build-gpu/variants/NAME/libgmlake.so ...
+#	(the later --lib wins; the tools and tests stay main's).
+#
 #   tools/gpu.sh bench [BENCH-ARGS...]
 #	On the GPU machine: python3 bench/bench.py with build-gpu/libgmlake.so
 #	(PyTorch's allocators against libgmlake on real models), writing to
@@ -100,6 +109,16 @@ is_system_lib() {
 	return 1
 }
 
+# The shared library from a build's static objects (build dir, sources,
+# output): what libtool would link, without its wrapper scripts.
+link_shared() {
+	${CC:-gcc} -shared -o "$3" -Wl,-soname,libgmlake.so \
+		-Wl,--whole-archive "$1/lib/.libs/libgmlake-internal.a" \
+		-Wl,--no-whole-archive -Wl,--version-script="$2/lib/libgmlake.map" \
+		-Wl,-z,defs $(sed -n 's/^\(LIBS\|LIBURING_LIBS\|NUMA_LIBS\) = //p' \
+			"$1/Makefile") -ldl -lpthread
+}
+
 do_build() {
 	local t0 src progs p lib
 	t0=$(now)
@@ -130,13 +149,7 @@ do_build() {
 	make -C "$build" -j"$(nproc)"
 	# TESTS= builds check_PROGRAMS without running anything.
 	make -C "$build" -j"$(nproc)" check TESTS=
-	# The shared library from the static objects: what libtool would
-	# link, without its wrapper scripts.
-	${CC:-gcc} -shared -o "$build/libgmlake.so" -Wl,-soname,libgmlake.so \
-		-Wl,--whole-archive "$build/lib/.libs/libgmlake-internal.a" \
-		-Wl,--no-whole-archive -Wl,--version-script="$src/lib/libgmlake.map" \
-		-Wl,-z,defs $(sed -n 's/^\(LIBS\|LIBURING_LIBS\|NUMA_LIBS\) = //p' \
-			"$build/Makefile") -ldl -lpthread
+	link_shared "$build" "$src" "$build/libgmlake.so"
 
 	# The driver-cost probe links the toolkit's stub libcuda (the real
 	# one is the GPU machine's); skipped where there is no toolkit.
@@ -163,6 +176,34 @@ do_build() {
 	rm -rf "$build/src/autom4te.cache"
 	echo "gpu.sh: built in $build/ in $(elapsed "$t0" "$(now)") s; programs:"
 	echo "$progs" | sed 's/^/  /'
+}
+
+do_variant() {
+	local name=${1:-} dir cfg flags srcabs
+	[ $# -ge 2 ] || usage
+	shift
+	flags="$*"
+	case $name in
+	"" | .* | */*)
+		echo "gpu.sh: variant name '$name': a plain file name, please" >&2
+		exit 2 ;;
+	esac
+	if [ ! -f "$build/config.status" ] || [ ! -d "$build/src" ]; then
+		echo "gpu.sh: $build/ not built; run 'tools/gpu.sh build' first" >&2
+		exit 1
+	fi
+	dir="$build/variants/$name"
+	rm -rf "$dir"
+	mkdir -p "$dir/tree"
+	# The build's own configure arguments, then the variant's flags.
+	cfg=$("$build/config.status" --config)
+	srcabs=$(cd "$build/src" && pwd)
+	(cd "$dir/tree" && eval "set -- $cfg" &&
+		"$srcabs/configure" "$@" CPPFLAGS="$flags" >/dev/null)
+	make -C "$dir/tree" -j"$(nproc)" lib/libgmlake-internal.la >/dev/null
+	link_shared "$dir/tree" "$build/src" "$dir/libgmlake.so"
+	rm -rf "$dir/tree"
+	echo "gpu.sh: $dir/libgmlake.so built with $flags"
 }
 
 # ---------------------------------------------------------------------------
@@ -388,6 +429,7 @@ mode=${1:-}
 [ $# -gt 0 ] && shift
 case $mode in
 build) do_build "$@" ;;
+variant) do_variant "$@" ;;
 run) do_run ;;
 bench) do_bench "$@" ;;
 capture) do_capture "$@" ;;
