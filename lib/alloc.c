@@ -67,6 +67,13 @@
 #ifndef GROW_SLACK_PERMILLE
 #define GROW_SLACK_PERMILLE 20
 #endif
+/* The budget for a request of an eighth of the most ever requested or
+ * more; the same by default. 10 is a candidate that replay favours for
+ * compile's steady driver time, to be measured on a GPU first (same
+ * file; tools/gpu.sh variant). */
+#ifndef GROW_SLACK_LARGE_PERMILLE
+#define GROW_SLACK_LARGE_PERMILLE GROW_SLACK_PERMILLE
+#endif
 
 static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 		 uint32_t n)
@@ -102,6 +109,8 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 	if (want < ctx->requested_top)
 		want = ctx->requested_top;
 	want -= ctx->st.spilled_bytes.current;
+	if ((int64_t)n * (int64_t)ctx->chunk >= ctx->requested_top / 8)
+		return after <= want + want / 1000 * GROW_SLACK_LARGE_PERMILLE;
 	return after <= want + want / 1000 * GROW_SLACK_PERMILLE;
 }
 
