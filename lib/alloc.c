@@ -68,9 +68,9 @@
 #define GROW_SLACK_PERMILLE 20
 #endif
 /* The budget for a request of an eighth of the most ever requested or
- * more; the same by default. 10 is a candidate that replay favours for
- * compile's steady driver time, to be measured on a GPU first (same
- * file; tools/gpu.sh variant). */
+ * more; the same by default. 10 is a candidate replay favours for
+ * compile's steady driver time, to measure on a GPU first (the same
+ * results file; tools/gpu.sh variant builds it). */
 #ifndef GROW_SLACK_LARGE_PERMILLE
 #define GROW_SLACK_LARGE_PERMILLE GROW_SLACK_PERMILLE
 #endif
