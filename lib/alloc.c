@@ -105,13 +105,14 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 		       (int64_t)n * (int64_t)ctx->chunk;
 	int64_t after = ctx->st.reserved_bytes.current +
 			(int64_t)k * (int64_t)ctx->chunk;
+	int64_t slack;	/* per mille */
 
 	if (want < ctx->requested_top)
 		want = ctx->requested_top;
 	want -= ctx->st.spilled_bytes.current;
-	if ((int64_t)n * (int64_t)ctx->chunk >= ctx->requested_top / 8)
-		return after <= want + want / 1000 * GROW_SLACK_LARGE_PERMILLE;
-	return after <= want + want / 1000 * GROW_SLACK_PERMILLE;
+	slack = (int64_t)n * (int64_t)ctx->chunk >= ctx->requested_top / 8 ?
+		GROW_SLACK_LARGE_PERMILLE : GROW_SLACK_PERMILLE;
+	return after <= want + want / 1000 * slack;
 }
 
 /*
