@@ -62,17 +62,12 @@
  * shapes change every step, fragmentation staying under 2.5%. A build
  * may set it (-DGROW_SLACK_PERMILLE=5) to replay the trade: lower budgets
  * cut the GPT traces' peaks and cost ViT's driver time
- * (bench/results/replay-tried-08b9f2b.md).
+ * (bench/results/replay-tried-08b9f2b.md); on an H100, 5 saved the GPT
+ * workloads 20-50 MiB at 1.5x their steady driver time
+ * (bench/results/ab-1ffc003-h100/).
  */
 #ifndef GROW_SLACK_PERMILLE
 #define GROW_SLACK_PERMILLE 20
-#endif
-/* The budget for a request of an eighth of the most ever requested or
- * more; the same by default. 10 is a candidate replay favours for
- * compile's steady driver time, to measure on a GPU first (the same
- * results file; tools/gpu.sh variant builds it). */
-#ifndef GROW_SLACK_LARGE_PERMILLE
-#define GROW_SLACK_LARGE_PERMILLE GROW_SLACK_PERMILLE
 #endif
 
 static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
@@ -105,14 +100,11 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 		       (int64_t)n * (int64_t)ctx->chunk;
 	int64_t after = ctx->st.reserved_bytes.current +
 			(int64_t)k * (int64_t)ctx->chunk;
-	int64_t slack;	/* per mille */
 
 	if (want < ctx->requested_top)
 		want = ctx->requested_top;
 	want -= ctx->st.spilled_bytes.current;
-	slack = (int64_t)n * (int64_t)ctx->chunk >= ctx->requested_top / 8 ?
-		GROW_SLACK_LARGE_PERMILLE : GROW_SLACK_PERMILLE;
-	return after <= want + want / 1000 * slack;
+	return after <= want + want / 1000 * GROW_SLACK_PERMILLE;
 }
 
 /*
