@@ -54,6 +54,9 @@ void gmlake_torch_record_stream(void *ptr, gmlake_stream_t stream);
 /* gmlake_long_lived() on device's context (made if need be); 0 or
  * -errno. */
 int gmlake_torch_long_lived(int device, int on);
+/* gmlake_grow_slack() on device's context (made if need be): the budget
+ * it had, or -errno. */
+int gmlake_torch_grow_slack(int device, int permille);
 
 /*
  * The log level of allocation failures (enum gmlake_log_level; default

@@ -48,6 +48,9 @@ enum gmlake_log_level {
  * the live blocks ever requested at once (gmlake_config_init(3)). */
 #define GMLAKE_TOP_FIT_AUTO SIZE_MAX
 
+/* grow_slack's largest value: growth up to twice the most requested. */
+#define GMLAKE_GROW_SLACK_MAX 1000
+
 /*
  * Settings of a context. gmlake_config_init() fills the defaults and then
  * applies the GMLAKE_* environment options; change fields after that.
@@ -91,7 +94,11 @@ struct gmlake_config {
 	size_t grow_handle;		/* a segment grows for a block in
 					   handles of this size; 20 MiB, 0
 					   or chunk_size: by chunks */
-	uint64_t reserved[4];
+	uint32_t grow_slack;		/* growth's budget over the most
+					   requested at once, per mille; 20,
+					   at most GMLAKE_GROW_SLACK_MAX */
+	uint32_t reserved32;
+	uint64_t reserved[3];
 };
 
 int gmlake_config_init(struct gmlake_config *cfg);
@@ -139,6 +146,12 @@ int gmlake_record_stream(gmlake_ctx *ctx, void *ptr, gmlake_stream_t stream);
  * chunk. -EINVAL for off without on.
  */
 int gmlake_long_lived(gmlake_ctx *ctx, bool on);
+/*
+ * The growth budget (cfg.grow_slack) from now on: permille in 0 ..
+ * GMLAKE_GROW_SLACK_MAX, or -1 to leave it. Returns the budget it had, or
+ * -EINVAL.
+ */
+int gmlake_grow_slack(gmlake_ctx *ctx, int permille);
 /*
  * Peer access: device ordinal peer may read and write every block of ctx,
  * now and later (a kernel on peer reading this device's tensors, as

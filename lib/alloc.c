@@ -55,21 +55,6 @@
 #include "large.h"
 #include "types.h"
 
-/*
- * Growth's budget over the most device memory the live blocks needed at
- * once, in thousandths: on the replayed traces 20 (2%) took the priced
- * driver time of the second half from 10-16% to 3-6% on the traces whose
- * shapes change every step, fragmentation staying under 2.5%. A build
- * may set it (-DGROW_SLACK_PERMILLE=5) to replay the trade: lower budgets
- * cut the GPT traces' peaks and cost ViT's driver time
- * (bench/results/replay-tried-08b9f2b.md); on an H100, 5 saved the GPT
- * workloads 20-50 MiB at 1.5x their steady driver time
- * (bench/results/ab-1ffc003-h100/).
- */
-#ifndef GROW_SLACK_PERMILLE
-#define GROW_SLACK_PERMILLE 20
-#endif
-
 static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 		 uint32_t n)
 {
@@ -88,11 +73,18 @@ static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 }
 
 /*
- * Whether growing by k chunks keeps reserved memory within the slack over
- * the most memory requested at once (less what is spilled to the host,
- * which holds no device memory), the fragmentation budget. Growing costs
- * the driver once; a stitch or repair may cost it again every time the
- * shapes change, so growth is worth a little memory.
+ * Whether growing by k chunks keeps reserved memory within the budget
+ * over the most memory requested at once (less what is spilled to the
+ * host, which holds no device memory): cfg.grow_slack per mille. Growing
+ * costs the driver once; a stitch or repair may cost it again every time
+ * the shapes change, so growth is worth a little memory. On the replayed
+ * traces 20 (2%, the default) took the priced driver time of the second
+ * half from 10-16% to 3-6% on the traces whose shapes change every step,
+ * fragmentation staying under 2.5%; 5 cut the GPT traces' peaks and cost
+ * ViT's driver time (bench/results/replay-tried-08b9f2b.md); on an H100,
+ * 5 saved the GPT workloads 20-50 MiB at 1.5x their steady driver time
+ * and put activation offload's peak under save_on_cpu's
+ * (bench/results/ab-1ffc003-h100/).
  */
 static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 {
@@ -104,7 +96,7 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 	if (want < ctx->requested_top)
 		want = ctx->requested_top;
 	want -= ctx->st.spilled_bytes.current;
-	return after <= want + want / 1000 * GROW_SLACK_PERMILLE;
+	return after <= want + want / 1000 * (int64_t)ctx->cfg.grow_slack;
 }
 
 /*

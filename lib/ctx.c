@@ -49,6 +49,10 @@ static int check_config(const struct gmlake_config *cfg)
 				     cfg->backend);
 	if (cfg->device < 0)
 		return gml_set_error(-EINVAL, "device %d", cfg->device);
+	if (cfg->grow_slack > GMLAKE_GROW_SLACK_MAX)
+		return gml_set_error(-EINVAL, "grow_slack %u per mille: at "
+				     "most %d", cfg->grow_slack,
+				     GMLAKE_GROW_SLACK_MAX);
 	return 0;
 }
 
@@ -414,6 +418,24 @@ GML_EXPORT int gmlake_long_lived(gmlake_ctx *ctx, bool on)
 		ctx->long_lived += on ? 1 : (uint32_t)-1;
 	pthread_mutex_unlock(&ctx->lock);
 	return ret;
+}
+
+GML_EXPORT int gmlake_grow_slack(gmlake_ctx *ctx, int permille)
+{
+	int old;
+
+	if (!ctx)
+		return gml_set_error(-EINVAL, "gmlake_grow_slack: ctx is NULL");
+	if (permille < -1 || permille > GMLAKE_GROW_SLACK_MAX)
+		return gml_set_error(-EINVAL, "gmlake_grow_slack: %d per "
+				     "mille: -1 or 0 to %d", permille,
+				     GMLAKE_GROW_SLACK_MAX);
+	pthread_mutex_lock(&ctx->lock);	/* no driver call */
+	old = (int)ctx->cfg.grow_slack;
+	if (permille >= 0)
+		ctx->cfg.grow_slack = (uint32_t)permille;
+	pthread_mutex_unlock(&ctx->lock);
+	return old;
 }
 
 GML_EXPORT int gmlake_block_size(gmlake_ctx *ctx, const void *ptr,

@@ -59,6 +59,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_EXPORTABLE", OPT_BOOL, FIELD(exportable) },
 	{ "GMLAKE_TOP_FIT", OPT_TOP_FIT, FIELD(top_fit) },
 	{ "GMLAKE_GROW_HANDLE", OPT_SIZE, FIELD(grow_handle) },
+	{ "GMLAKE_GROW_SLACK", OPT_UINT, FIELD(grow_slack) },
 	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
 };
 
@@ -172,6 +173,9 @@ static int apply(const struct option_def *o, const char *val,
 			return -EINVAL;
 		if (o->offset == FIELD(device))
 			*(int *)field = (int)u;
+		else if (o->offset == FIELD(grow_slack) &&
+			 u > GMLAKE_GROW_SLACK_MAX)
+			return -EINVAL;
 		else
 			*(unsigned *)field = u;
 		return 0;
@@ -209,6 +213,7 @@ void gml_config_defaults(struct gmlake_config *cfg)
 	cfg->stream_order = true;
 	cfg->exportable = true;
 	cfg->grow_handle = 20 << 20;
+	cfg->grow_slack = 20;
 	cfg->top_fit = GMLAKE_TOP_FIT_AUTO;
 }
 

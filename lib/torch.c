@@ -588,6 +588,14 @@ GML_EXPORT int gmlake_torch_long_lived(int device, int on)
 	return ret ? ret : gmlake_long_lived(ctx, on != 0);
 }
 
+GML_EXPORT int gmlake_torch_grow_slack(int device, int permille)
+{
+	gmlake_ctx *ctx;
+	int ret = get_ctx(device, true, &ctx);
+
+	return ret ? ret : gmlake_grow_slack(ctx, permille);
+}
+
 GML_EXPORT int gmlake_torch_peer_access(int device, int peer)
 {
 	gmlake_ctx *ctx;

@@ -471,6 +471,85 @@ START_TEST(test_long_lived_faults)
 }
 END_TEST
 
+/*
+ * The growth budget (cfg.grow_slack, gmlake_grow_slack): 982 of 992
+ * chunks live, the 10 free in two runs of 5. A request of 10 grows the
+ * segment while reserved memory stays within the budget over the most
+ * requested (20 per mille: 1002 <= 992 + 19.8 chunks), and stitches the
+ * two runs under a budget too small for it (5: 4.96 chunks). _i: 0 the
+ * default, 1 the budget set at run time, 2 through GMLAKE_GROW_SLACK.
+ */
+START_TEST(test_grow_slack)
+{
+	struct gmlake_config cfg;
+	struct gmlake_stats s0, s1;
+	gmlake_ctx *ctx;
+	void *x, *a, *b, *c, *d, *y;
+	bool tight = _i > 0;
+
+	if (_i == 2)
+		ck_assert_int_eq(setenv("GMLAKE_GROW_SLACK", "5", 1), 0);
+	th_config(&cfg, CAP_CHUNKS(1100));
+	if (_i == 2)
+		ck_assert_int_eq(unsetenv("GMLAKE_GROW_SLACK"), 0);
+	ck_assert_uint_eq(cfg.grow_slack, _i == 2 ? 5 : 20);
+	cfg.top_fit = 0;
+	cfg.grow_handle = 0;	/* growth by chunks: every run stitches */
+	ctx = th_ctx_cfg(&cfg);
+	if (_i == 1)
+		ck_assert_int_eq(gmlake_grow_slack(ctx, 5), 20);
+	ck_assert_int_eq(gmlake_grow_slack(ctx, -1), tight ? 5 : 20);
+
+	x = th_alloc_filled(ctx, 980 * TH_CHUNK, 1, NULL);
+	a = th_alloc_filled(ctx, 5 * TH_CHUNK, 2, NULL);
+	b = th_alloc_filled(ctx, TH_CHUNK, 3, NULL);
+	c = th_alloc_filled(ctx, 5 * TH_CHUNK, 4, NULL);
+	d = th_alloc_filled(ctx, TH_CHUNK, 5, NULL);
+	th_free(ctx, a);
+	th_free(ctx, c);
+	th_stats(ctx, &s0);
+	ck_assert_int_eq(s0.reserved_bytes.current, 992 * (int64_t)TH_CHUNK);
+
+	y = th_alloc_filled(ctx, 10 * TH_CHUNK, 6, NULL);
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.reserved_bytes.current,
+			 (tight ? 992 : 1002) * (int64_t)TH_CHUNK);
+	ck_assert_uint_eq(s1.stitches, s0.stitches + tight);
+	ck_assert_uint_eq(s1.grows, s0.grows + !tight);
+	th_check(ctx);
+
+	th_verify_free(ctx, y, 10 * TH_CHUNK, 6, NULL);
+	th_verify_free(ctx, x, 980 * TH_CHUNK, 1, NULL);
+	th_verify_free(ctx, b, TH_CHUNK, 3, NULL);
+	th_verify_free(ctx, d, TH_CHUNK, 5, NULL);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Budgets out of range: the call and the context refuse them, clearly. */
+START_TEST(test_grow_slack_bad)
+{
+	struct gmlake_config cfg;
+	gmlake_ctx *ctx = NULL;
+
+	ck_assert_int_eq(gmlake_grow_slack(NULL, 5), -EINVAL);
+	th_config(&cfg, CAP_CHUNKS(8));
+	cfg.grow_slack = GMLAKE_GROW_SLACK_MAX + 1;
+	ck_assert_int_eq(gmlake_ctx_init(&ctx, &cfg), -EINVAL);
+	ck_assert_ptr_null(ctx);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "grow_slack"));
+	cfg.grow_slack = GMLAKE_GROW_SLACK_MAX;
+	ctx = th_ctx_cfg(&cfg);
+	ck_assert_int_eq(gmlake_grow_slack(ctx, GMLAKE_GROW_SLACK_MAX + 1),
+			 -EINVAL);
+	ck_assert_ptr_nonnull(strstr(gmlake_last_error(), "per mille"));
+	ck_assert_int_eq(gmlake_grow_slack(ctx, -2), -EINVAL);
+	ck_assert_int_eq(gmlake_grow_slack(ctx, 0), GMLAKE_GROW_SLACK_MAX);
+	ck_assert_int_eq(gmlake_grow_slack(ctx, -1), 0);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* Every request by first fit (top_fit off): for tests that place blocks
  * by position. */
 static gmlake_ctx *first_fit_ctx(size_t capacity)
@@ -2468,6 +2547,8 @@ static Suite *alloc_suite(bool emu)
 	tc = th_tcase(s, "Fit");
 	tcase_add_test(tc, test_first_fit);
 	tcase_add_test(tc, test_long_lived);
+	tcase_add_loop_test(tc, test_grow_slack, 0, 3);
+	tcase_add_test(tc, test_grow_slack_bad);
 	tcase_add_loop_test(tc, test_long_lived_faults, 0, 5);
 	tcase_add_test(tc, test_top_fit);
 	tcase_add_test(tc, test_top_fit_auto);

@@ -120,7 +120,9 @@ START_TEST(test_defaults)
 		ck_assert_uint_eq(cfg.reserved8[i], 0);
 	ck_assert_uint_eq(cfg.top_fit, GMLAKE_TOP_FIT_AUTO);
 	ck_assert_uint_eq(cfg.grow_handle, 20 * TH_MiB);
-	for (i = 0; i < 4; i++)
+	ck_assert_uint_eq(cfg.grow_slack, 20);
+	ck_assert_uint_eq(cfg.reserved32, 0);
+	for (i = 0; i < (int)ARRAY_SIZE(cfg.reserved); i++)
 		ck_assert_uint_eq(cfg.reserved[i], 0);
 	ck_assert_int_eq(gmlake_config_init(NULL), -EINVAL);
 }
@@ -313,6 +315,24 @@ START_TEST(test_spare_keep)
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), 5000);
+}
+END_TEST
+
+/* GMLAKE_GROW_SLACK: per mille, at most GMLAKE_GROW_SLACK_MAX (a larger
+ * one would let the context refuse every allocation; it warns instead). */
+START_TEST(test_grow_slack)
+{
+	static const struct opt o =
+		OPT("GMLAKE_GROW_SLACK", grow_slack, uint_at);
+	static const struct val good[] = {
+		{ "0", 0 }, { "5", 5 }, { "1000", 1000 },
+	};
+	static const char *const bad[] = {
+		"x", "-1", "1001", "0.5", "5%", "4294967296",
+	};
+
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), 20);
 }
 END_TEST
 
@@ -931,6 +951,7 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_stitch_cache);
 	tcase_add_test(tc, test_top_fit_auto);
 	tcase_add_test(tc, test_spare_keep);
+	tcase_add_test(tc, test_grow_slack);
 	tcase_add_test(tc, test_device);
 	tcase_add_test(tc, test_backend);
 	tcase_add_test(tc, test_log_level);

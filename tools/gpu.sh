@@ -16,8 +16,9 @@
 #
 #   tools/gpu.sh variant NAME CPP-FLAGS...
 #	On the build machine, after build: the library again, from the same
-#	sources and configure arguments plus CPP-FLAGS (a policy constant
-#	that lib/ lets a build set, e.g. -DGROW_SLACK_PERMILLE=5), linked as
+#	sources and configure arguments plus CPP-FLAGS (an experiment kept
+#	behind an #ifdef in lib/; settings a context reads, such as
+#	GMLAKE_GROW_SLACK, need no variant), linked as
 #	build-gpu/variants/NAME/libgmlake.so and nothing else, so that one
 #	GPU call can run main's library and the variant side by side:
 #	    tools/gpu.sh bench --lib $PWD/build-gpu/variants/NAME/libgmlake.so ...

@@ -192,6 +192,7 @@ def _declare(lib):
         "gmlake_torch_memory_fraction_get": (c.c_int, [
             c.c_int, c.POINTER(c.c_double)]),
         "gmlake_torch_long_lived": (c.c_int, [c.c_int, c.c_int]),
+        "gmlake_torch_grow_slack": (c.c_int, [c.c_int, c.c_int]),
         "gmlake_snapshot_take": (c.c_int, [c.c_void_p,
                                            c.POINTER(c.c_void_p)]),
         "gmlake_snapshot_free": (None, [c.c_void_p]),

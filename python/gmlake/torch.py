@@ -286,6 +286,29 @@ def long_lived(device=None, library=None):
                           RuntimeWarning, stacklevel=3)
 
 
+def grow_slack(permille=None, device=None, library=None):
+    """libgmlake's growth budget on device (gmlake_grow_slack(3)): how far,
+    in thousandths of the most memory the live tensors ever needed at once,
+    reserved memory may grow for a request before free memory is stitched
+    instead. Lower saves memory for more driver work. permille None only
+    reads it. Returns the budget it had; None where libgmlake is not
+    PyTorch's allocator."""
+    path = library or _lib.enabled_library()
+    if path is None:
+        return None
+    _, lib = _lib.load(path)
+    if device is None:
+        import torch
+        device = torch.cuda.current_device()
+    rc = lib.gmlake_torch_grow_slack(int(device),
+                                     -1 if permille is None else
+                                     int(permille))
+    if rc < 0:
+        raise ValueError("gmlake_torch_grow_slack: %s" %
+                         _lib.last_error(lib))
+    return rc
+
+
 def last_error(library=None):
     """(failures so far, message of the last) of libgmlake's entry points."""
     _, lib = _lib.load(library or _lib.enabled_library())

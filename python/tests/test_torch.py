@@ -450,6 +450,59 @@ class TestEmuTorch(unittest.TestCase):
             with gmlake.torch.long_lived(self.DEVICE):
                 pass
 
+    def test_grow_slack(self):
+        """gmlake.torch.grow_slack() sets and reads the context's growth
+        budget and refuses one out of range; offload_activations' memory
+        first lowers it to 5 once, but not under GMLAKE_GROW_SLACK or
+        below a lower budget."""
+        from gmlake import activations
+        gs = gmlake.torch.grow_slack
+        was = gs(None, self.DEVICE, self.path)
+        try:
+            self.assertEqual(gs(7, self.DEVICE, self.path), was)
+            self.assertEqual(gs(None, self.DEVICE, self.path), 7)
+            with self.assertRaisesRegex(ValueError, "per mille"):
+                gs(1001, self.DEVICE, self.path)
+            self.assertEqual(gs(None, self.DEVICE, self.path), 7)
+
+            fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+                current_device=lambda: self.DEVICE))
+
+            def memory_first(budget, env=None):
+                """The budget after _memory_first from budget, on a device
+                not seen yet, GMLAKE_GROW_SLACK only as env says."""
+                gs(budget, self.DEVICE, self.path)
+                activations._budget_lowered.discard(self.DEVICE)
+                environ = {k: v for k, v in os.environ.items()
+                           if k != "GMLAKE_GROW_SLACK"}
+                environ.update(env or {})
+                with mock.patch.dict(sys.modules, {"torch": fake}), \
+                        mock.patch.object(_lib, "enabled_library",
+                                          return_value=self.path), \
+                        mock.patch.dict(os.environ, environ, clear=True):
+                    activations._memory_first()
+                return gs(None, self.DEVICE, self.path)
+            self.assertEqual(memory_first(20),
+                             activations.OFFLOAD_GROW_SLACK)
+            # Once a device: a budget set since stays.
+            gs(30, self.DEVICE, self.path)
+            with mock.patch.dict(sys.modules, {"torch": fake}), \
+                    mock.patch.object(_lib, "enabled_library",
+                                      return_value=self.path):
+                activations._memory_first()
+            self.assertEqual(gs(None, self.DEVICE, self.path), 30)
+            self.assertEqual(memory_first(20, {"GMLAKE_GROW_SLACK": "20"}),
+                             20)
+            self.assertEqual(memory_first(2), 2)
+            # Without libgmlake as PyTorch's allocator: nothing to set.
+            with mock.patch.object(_lib, "enabled_library",
+                                   return_value=None):
+                self.assertIsNone(gs(5, self.DEVICE))
+                activations._memory_first()
+        finally:
+            activations._budget_lowered.discard(self.DEVICE)
+            gs(was, self.DEVICE, self.path)
+
     def test_torch_stats_match_gmlake(self):
         before = gmlake.torch.memory_stats(self.DEVICE, self.path)
         a, b = self.alloc(6 * MiB), self.alloc(2000)

@@ -523,13 +523,24 @@ static void op_record_stream(struct fz *f, struct fz_in *in)
 
 /* A trim, or now and then a peer device's access to everything mapped
  * (peers 1-8, never the 31 the driver layer holds; the device itself and
- * an ordinal past the emulated ones fail). */
+ * an ordinal past the emulated ones fail), or a new growth budget, any
+ * in range (the policy then grows or stitches by it), one out of range
+ * refused. */
 static void op_trim(struct fz *f, struct fz_in *in)
 {
 	unsigned k = fz_u8(in);
 
 	if (k % 4) {
 		expect(f, "gmlake_trim", gmlake_trim(f->ctx), 0);
+	} else if (k % 32 == 8) {
+		int old = gmlake_grow_slack(f->ctx, -1);
+		int want = (int)(fz_u32(in) % (GMLAKE_GROW_SLACK_MAX + 2));
+
+		if (old < 0 || old > GMLAKE_GROW_SLACK_MAX)
+			fz_fail("%s: gmlake_grow_slack(-1) returned %d (%s)",
+				f->op, old, gmlake_last_error());
+		expect(f, "gmlake_grow_slack", gmlake_grow_slack(f->ctx, want),
+		       want > GMLAKE_GROW_SLACK_MAX ? -EINVAL : old);
 	} else if (k % 32 == 4) {
 		expect(f, "gmlake_peer_access(bad peer)",
 		       gmlake_peer_access(f->ctx, k % 64 == 4 ? 0 : 200),
