@@ -35,32 +35,34 @@ struct option_def {
 	const char *name;
 	enum opt_type type;
 	size_t offset;
+	unsigned max;		/* OPT_UINT: the largest value; 0: any */
 };
 
 #define FIELD(f) offsetof(struct gmlake_config, f)
 
 static const struct option_def options[] = {
-	{ "GMLAKE_BACKEND", OPT_BACKEND, FIELD(backend) },
-	{ "GMLAKE_DEVICE", OPT_UINT, FIELD(device) },
-	{ "GMLAKE_CHUNK_SIZE", OPT_SIZE, FIELD(chunk_size) },
-	{ "GMLAKE_SMALL_SIZE", OPT_SIZE, FIELD(small_size) },
-	{ "GMLAKE_STITCH_MIN", OPT_SIZE, FIELD(stitch_min) },
-	{ "GMLAKE_STITCH_CACHE", OPT_UINT, FIELD(stitch_cache_max) },
-	{ "GMLAKE_EMU_CAPACITY", OPT_SIZE, FIELD(emu_capacity) },
-	{ "GMLAKE_EMU_GRANULARITY", OPT_SIZE, FIELD(emu_granularity) },
-	{ "GMLAKE_LOG_LEVEL", OPT_LOG, FIELD(log_level) },
-	{ "GMLAKE_SHOW_STATS", OPT_BOOL, FIELD(show_stats) },
-	{ "GMLAKE_PUBLISH", OPT_BOOL, FIELD(publish) },
-	{ "GMLAKE_DEVICE_LIMIT", OPT_SIZE, FIELD(device_limit) },
-	{ "GMLAKE_HOST_LIMIT", OPT_SIZE, FIELD(host_limit) },
-	{ "GMLAKE_HOST_PIN", OPT_SIZE, FIELD(host_pin) },
-	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms) },
-	{ "GMLAKE_STREAM_ORDER", OPT_BOOL, FIELD(stream_order) },
-	{ "GMLAKE_EXPORTABLE", OPT_BOOL, FIELD(exportable) },
-	{ "GMLAKE_TOP_FIT", OPT_TOP_FIT, FIELD(top_fit) },
-	{ "GMLAKE_GROW_HANDLE", OPT_SIZE, FIELD(grow_handle) },
-	{ "GMLAKE_GROW_SLACK", OPT_UINT, FIELD(grow_slack) },
-	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine) },
+	{ "GMLAKE_BACKEND", OPT_BACKEND, FIELD(backend), 0 },
+	{ "GMLAKE_DEVICE", OPT_UINT, FIELD(device), 0 },
+	{ "GMLAKE_CHUNK_SIZE", OPT_SIZE, FIELD(chunk_size), 0 },
+	{ "GMLAKE_SMALL_SIZE", OPT_SIZE, FIELD(small_size), 0 },
+	{ "GMLAKE_STITCH_MIN", OPT_SIZE, FIELD(stitch_min), 0 },
+	{ "GMLAKE_STITCH_CACHE", OPT_UINT, FIELD(stitch_cache_max), 0 },
+	{ "GMLAKE_EMU_CAPACITY", OPT_SIZE, FIELD(emu_capacity), 0 },
+	{ "GMLAKE_EMU_GRANULARITY", OPT_SIZE, FIELD(emu_granularity), 0 },
+	{ "GMLAKE_LOG_LEVEL", OPT_LOG, FIELD(log_level), 0 },
+	{ "GMLAKE_SHOW_STATS", OPT_BOOL, FIELD(show_stats), 0 },
+	{ "GMLAKE_PUBLISH", OPT_BOOL, FIELD(publish), 0 },
+	{ "GMLAKE_DEVICE_LIMIT", OPT_SIZE, FIELD(device_limit), 0 },
+	{ "GMLAKE_HOST_LIMIT", OPT_SIZE, FIELD(host_limit), 0 },
+	{ "GMLAKE_HOST_PIN", OPT_SIZE, FIELD(host_pin), 0 },
+	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms), 0 },
+	{ "GMLAKE_STREAM_ORDER", OPT_BOOL, FIELD(stream_order), 0 },
+	{ "GMLAKE_EXPORTABLE", OPT_BOOL, FIELD(exportable), 0 },
+	{ "GMLAKE_TOP_FIT", OPT_TOP_FIT, FIELD(top_fit), 0 },
+	{ "GMLAKE_GROW_HANDLE", OPT_SIZE, FIELD(grow_handle), 0 },
+	{ "GMLAKE_GROW_SLACK", OPT_UINT, FIELD(grow_slack),
+	  GMLAKE_GROW_SLACK_MAX },
+	{ "GMLAKE_OFFLOAD_ENGINE", OPT_ENGINE, FIELD(offload_engine), 0 },
 };
 
 /* "64", "2M", "1GiB", "512k": bytes with an optional binary suffix. */
@@ -169,13 +171,10 @@ static int apply(const struct option_def *o, const char *val,
 	case OPT_SIZE:
 		return gml_parse_size(val, (size_t *)field);
 	case OPT_UINT:
-		if (parse_uint(val, &u))
+		if (parse_uint(val, &u) || (o->max && u > o->max))
 			return -EINVAL;
 		if (o->offset == FIELD(device))
 			*(int *)field = (int)u;
-		else if (o->offset == FIELD(grow_slack) &&
-			 u > GMLAKE_GROW_SLACK_MAX)
-			return -EINVAL;
 		else
 			*(unsigned *)field = u;
 		return 0;

@@ -632,7 +632,7 @@ def _close_default():
 # The growth budget (per mille) while activations are offloaded
 # (_memory_first): the copying offloader's GPT on an H100 reserved 13.27
 # GiB at 5 against 13.37 at the default 20, save_on_cpu 13.32, for
-# 0.7% more step time (bench/results/ab-1ffc003-h100/).
+# 0.7% more step time (one round each, bench/results/ab-1ffc003-h100/).
 OFFLOAD_GROW_SLACK = 5
 _budget_lowered = set()
 
@@ -658,14 +658,13 @@ def _memory_first():
     if device in _budget_lowered:
         return
     _budget_lowered.add(device)
-    _, lib = _lib.load(path)
-    now = lib.gmlake_torch_grow_slack(device, -1)
-    if 0 <= now <= OFFLOAD_GROW_SLACK:
-        return
-    if now < 0 or lib.gmlake_torch_grow_slack(device,
-                                              OFFLOAD_GROW_SLACK) < 0:
-        warnings.warn("gmlake: the growth budget stays: %s" %
-                      _lib.last_error(lib), RuntimeWarning, stacklevel=3)
+    from .torch import grow_slack
+    try:
+        if grow_slack(None, device, path) > OFFLOAD_GROW_SLACK:
+            grow_slack(OFFLOAD_GROW_SLACK, device, path)
+    except ValueError as e:
+        warnings.warn("gmlake: the growth budget stays: %s" % e,
+                      RuntimeWarning, stacklevel=3)
 
 
 class offload_activations:
