@@ -630,9 +630,9 @@ def _close_default():
 
 
 # The growth budget (per mille) while activations are offloaded
-# (_memory_first): the copying offloader's GPT on an H100 reserved 13.27
-# GiB at 5 against 13.37 at the default 20, save_on_cpu 13.32, for
-# 0.7% more step time (one round each, bench/results/ab-1ffc003-h100/).
+# (_memory_first): the copying offloader's GPT on an H100 reserved 13.30
+# GiB with it against save_on_cpu's 13.32 in three rounds (13.37 at the
+# default 20; bench/results/act-offload/rounds-e443193-h100/).
 OFFLOAD_GROW_SLACK = 5
 _budget_lowered = set()
 
