@@ -629,10 +629,11 @@ static int snapshot(struct replay *r, gmlake_ctx *ctx, struct gmlake_stats *st)
 	return ret;
 }
 
-/* The --touch pattern goes at the first and the last bytes of a block. */
+/* The --touch pattern (8 bytes, the cookie's) goes at the first and,
+ * from 16 bytes, the last bytes of a block. */
 static size_t touch_len(uint64_t size)
 {
-	return size < 16 ? (size_t)size : 8;
+	return size < 8 ? (size_t)size : 8;
 }
 
 static int touch_write(struct replay *r, gmlake_ctx *ctx, struct slot *s)
