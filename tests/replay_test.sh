@@ -175,6 +175,26 @@ fi
 tmp=$(mktemp -d) || exit 99
 trap 'rm -rf "$tmp"' EXIT
 
+# --touch on blocks of 9-15 bytes (a pattern of 8 at their start): the
+# replayer once copied their whole size into an 8-byte buffer.
+{
+	echo "# pytorch test workload=touch_small steps=1 peak_alloc=25600"
+	echo "# action addr size stream"
+	echo "alloc 1000 24576 0"
+	echo "alloc 30000 12 0"
+	echo "alloc 40000 15 0"
+	echo "alloc 50000 9 0"
+	for b in 30000:12 40000:15 50000:9 1000:24576; do
+		echo "free_requested ${b%:*} ${b#*:} 0"
+		echo "free_completed ${b%:*} ${b#*:} 0"
+	done
+} | gzip > "$tmp/touch_small.trace.gz"
+if "$replay" --json --quiet --touch "$tmp/touch_small.trace.gz" >/dev/null; then
+	result OK "touch_small: --touch patterns of 9-15-byte blocks intact"
+else
+	result FAIL "touch_small: --touch failed on 9-15-byte blocks"
+fi
+
 # elapsed START: seconds since START (date +%s.%N).
 elapsed() {
 	awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'
