@@ -705,9 +705,16 @@ def child(args):
 # Parent: a child per allocator, restarts, rounds, the report.
 
 def gmlake_settings():
-    """The offload settings the libgmlake child runs with."""
-    return {k: os.environ.get(k, v) for k, v in
-            (("GMLAKE_HOST_LIMIT", HOST_LIMIT), ("GMLAKE_HOST_PIN", HOST_PIN))}
+    """The settings the libgmlake child runs with: the offload budgets,
+    and any other GMLAKE_* option set (GMLAKE_PACK, ...), for the report."""
+    settings = {k: os.environ.get(k, v) for k, v in
+                (("GMLAKE_HOST_LIMIT", HOST_LIMIT),
+                 ("GMLAKE_HOST_PIN", HOST_PIN))}
+    for k, v in sorted(os.environ.items()):
+        if k.startswith("GMLAKE_") and k not in settings and k not in (
+                "GMLAKE_LIBRARY", "GMLAKE_BACKEND", "GMLAKE_CACHE_DIR"):
+            settings[k] = v
+    return settings
 
 
 def child_env(allocator, lib):

@@ -85,7 +85,11 @@ struct gmlake_config {
 	bool exportable;		/* chunks made exportable as file
 					   descriptors, so blocks can be
 					   shared (gmlake_ipc_export); true */
-	uint8_t reserved8[2];
+	bool pack;			/* segment blocks share the chunks
+					   at their ends (placed at 512
+					   bytes, as PyTorch's expandable
+					   segments); false */
+	uint8_t reserved8[1];
 	size_t top_fit;			/* requests of at least this many
 					   bytes take the highest free run,
 					   its top end; GMLAKE_TOP_FIT_AUTO

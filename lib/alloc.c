@@ -55,12 +55,19 @@
 #include "large.h"
 #include "types.h"
 
+/* b takes n positions of r; packed (pack.c), b starts at off into the
+ * first. */
 static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
-		 uint32_t n)
+		 uint32_t n, bool packed, uint32_t off)
 {
-	for (uint32_t i = 0; i < n; i++)
+	uint32_t lo = 0, hi = 0;
+
+	if (packed)
+		gml_pack_take(b, r, off, &lo, &hi);
+	for (uint32_t i = lo; i < n - hi; i++)
 		r->view->chunks[r->pos + i]->owner = b;
-	gml_run_touch(r->view, r->pos, n, true);
+	if (n > lo + hi)
+		gml_run_touch(r->view, r->pos + lo, n - lo - hi, true);
 	r->view->live++;
 	if (r->view->stitched) {
 		r->view->last_use = ++ctx->clock;
@@ -69,7 +76,8 @@ static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 	b->view = r->view;
 	b->pos = r->pos;
 	b->n = n;
-	b->ptr = (uintptr_t)(r->view->va + (gml_va)r->pos * ctx->chunk);
+	b->ptr = (uintptr_t)(r->view->va + (gml_va)r->pos * ctx->chunk) +
+		 b->off;
 }
 
 /*
@@ -99,20 +107,13 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 	return after <= want + want / 1000 * (int64_t)ctx->cfg.grow_slack;
 }
 
-/*
- * Step 3: the free run at the end of the newest segment, and as many new
- * chunks after it as the request lacks, within the budget; with
- * raise_peak false, only while reserved memory stays at or under its
- * peak. -ENOENT when this cannot serve.
- */
-static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, bool raise_peak,
-		     struct run *got)
+/* How many positions at the end of segment v, up to n, are free and
+ * usable on stream. */
+static uint32_t top_free(gmlake_ctx *ctx, const struct gml_view *v,
+			 uint32_t n, int stream)
 {
-	struct gml_view *v = gml_list_last(ctx->segs);
-	uint32_t len = 0, k, g = gml_slab_chunks(ctx), extra;
+	uint32_t len = 0;
 
-	if (!v)
-		return -ENOENT;
 	while (len < v->n && len < n) {
 		uint32_t i = v->n - 1 - len;
 
@@ -120,6 +121,51 @@ static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, bool raise_peak,
 			break;
 		len++;
 	}
+	return len;
+}
+
+/*
+ * Grow segment v by the k positions a request of n chunks lacks, within
+ * the budget; with raise_peak false, only while reserved memory stays at
+ * or under its peak. A block of a growth handle or more grows by whole
+ * handles where the budget allows: the rest stays free at the top, where
+ * the next growth starts (*extra positions). (Rounding small blocks up
+ * too left more slabs partly used, which no stitch can take, on the
+ * replayed traces.) 0 or -ENOENT.
+ */
+static int grow_top(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
+		    uint32_t k, bool raise_peak, uint32_t *extra)
+{
+	uint32_t g = gml_slab_chunks(ctx);
+
+	if (!k || k > v->cap - v->n || !grow_in_budget(ctx, n, k))
+		return -ENOENT;
+	*extra = g && n >= g ? (g - k % g) % g : 0;
+	if (*extra && (*extra > v->cap - v->n - k ||
+		       !grow_in_budget(ctx, n, k + *extra)))
+		*extra = 0;
+	if (!raise_peak && ctx->st.reserved_bytes.current +
+	    (int64_t)(k + *extra) * (int64_t)ctx->chunk > ctx->reserved_top)
+		return -ENOENT;
+	if (gml_seg_extend(ctx, v, k + *extra, true))
+		return -ENOENT;
+	return 0;
+}
+
+/*
+ * Step 3: the free run at the end of the newest segment, and as many new
+ * chunks after it as the request lacks (grow_top). -ENOENT when this
+ * cannot serve.
+ */
+static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, bool raise_peak,
+		     struct run *got)
+{
+	struct gml_view *v = gml_list_last(ctx->segs);
+	uint32_t len, g = gml_slab_chunks(ctx), extra;
+
+	if (!v)
+		return -ENOENT;
+	len = top_free(ctx, v, n, stream);
 	/* Under a tier, a block of a handle or more that would hold only
 	 * the ends of two handles (the free top of one another block holds
 	 * part of, and less than a handle new) leaves nothing a spill can
@@ -128,23 +174,33 @@ static int tail_grow(gmlake_ctx *ctx, uint32_t n, int stream, bool raise_peak,
 	if (ctx->tier && g && n >= g && len < g && n - len < g &&
 	    n <= v->cap - v->n && grow_in_budget(ctx, n, n))
 		len = 0;
-	k = n - len;
-	if (!k || k > v->cap - v->n || !grow_in_budget(ctx, n, k))
-		return -ENOENT;
-	/* A block of a growth handle or more grows by whole handles where
-	 * the budget allows: the rest stays free at the top, where the next
-	 * growth starts. (Rounding small blocks up too left more slabs
-	 * partly used, which no stitch can take, on the replayed traces.) */
-	extra = g && n >= g ? (g - k % g) % g : 0;
-	if (extra && (extra > v->cap - v->n - k ||
-		      !grow_in_budget(ctx, n, k + extra)))
-		extra = 0;
-	if (!raise_peak && ctx->st.reserved_bytes.current +
-	    (int64_t)(k + extra) * (int64_t)ctx->chunk > ctx->reserved_top)
-		return -ENOENT;
-	if (gml_seg_extend(ctx, v, k + extra, true))
+	if (grow_top(ctx, v, n, n - len, raise_peak, &extra))
 		return -ENOENT;
 	*got = (struct run){ v, v->n - extra - n, n };
+	return 0;
+}
+
+/*
+ * Step 3 for a packed request of size bytes (pack.c): the free run at the
+ * end of the newest segment from the free top of the chunk below it, and
+ * the new chunks the rest needs (grow_top).
+ */
+static int pack_tail_grow(gmlake_ctx *ctx, size_t size, int stream,
+			  bool raise_peak, struct run *got, uint32_t *off)
+{
+	struct gml_view *v = gml_list_last(ctx->segs);
+	uint32_t n = (uint32_t)((size + ctx->chunk - 1) >> ctx->chunk_shift);
+	uint32_t len, k, extra;
+	struct run r;
+
+	if (!v)
+		return -ENOENT;
+	len = top_free(ctx, v, n, stream);
+	if (!gml_pack_place(ctx, v, v->n - len, len, size, stream, true, &k,
+			    &r, off) ||
+	    grow_top(ctx, v, n, k, raise_peak, &extra))
+		return -ENOENT;	/* k 0: it fits without growth, step 1's */
+	*got = r;
 	return 0;
 }
 
@@ -183,22 +239,31 @@ static void slow_path_log(uint32_t n, int stream, const char *how,
 		"work", n, stream, how, passed);
 }
 
-/* Steps 1-6 of the policy. */
-static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
+/* Steps 1-6 of the policy, for size bytes in n chunks. */
+static int try_alloc(gmlake_ctx *ctx, size_t size, uint32_t n, int stream,
 		     struct gml_block *b)
 {
 	uint64_t passed = ctx->st.cross_stream_waits;
+	bool pack = gml_pack_wanted(ctx, size), packed = false;
+	uint32_t off = 0;
 	struct run r;
 	int ret;
 
-	if (gml_first_fit(ctx, n, stream, &r)) {
+	size = gml_align_up(size);
+	if (pack && gml_pack_first_fit(ctx, size, stream, &r, &off)) {
+		packed = true;
+		ctx->st.fits++;
+	} else if (gml_first_fit(ctx, n, stream, &r)) {
 		ctx->st.fits++;
 	} else if (gml_best_fit(ctx, ctx->stitched, n, stream, &r)) {
 		ctx->st.stitch_reuses++;
 	} else if (ctx->long_lived && n >= GML_SPAN_MIN &&
 		   gml_span_grow(ctx, n, b) == 0) {
 		return 0;	/* b owns its span already */
-	} else if (tail_grow(ctx, n, stream, false, &r) == 0) {
+	} else if (pack && pack_tail_grow(ctx, size, stream, false, &r,
+					  &off) == 0) {
+		packed = true;	/* counted in grows */
+	} else if (!pack && tail_grow(ctx, n, stream, false, &r) == 0) {
 		/* counted in grows */
 	} else if (order_fit(ctx, n, stream, &r)) {
 		/* An event wait before memory the peak never held: in the
@@ -208,6 +273,9 @@ static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
 		ctx->st.fits++;
 		slow_path_log(n, stream, "ordered after other streams' work",
 			      ctx->st.cross_stream_waits - passed);
+	} else if (pack && pack_tail_grow(ctx, size, stream, true, &r,
+					  &off) == 0) {
+		packed = true;	/* counted in grows */
 	} else if (tail_grow(ctx, n, stream, true, &r) == 0) {
 		/* counted in grows */
 	} else {
@@ -223,7 +291,7 @@ static int try_alloc(gmlake_ctx *ctx, uint32_t n, int stream,
 		slow_path_log(n, stream, how,
 			      ctx->st.cross_stream_waits - passed);
 	}
-	take(ctx, b, &r, n);
+	take(ctx, b, &r, packed ? r.len : n, packed, off);
 	if (ctx->nstitched > ctx->cfg.stitch_cache_max)
 		gml_cache_trim(ctx, ctx->cfg.stitch_cache_max);
 	return 0;
@@ -245,10 +313,10 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		return gml_set_error(-ENOMEM, "no host memory for a block");
 	ctx->poll_gen++;
 	gml_reap_dying(ctx, false);
-	ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
+	ret = try_alloc(ctx, size, (uint32_t)chunks, stream, b);
 	for (unsigned rung = 0;
 	     ret == -ENOMEM && gml_pressure_relieve(ctx, &rung, NULL);)
-		ret = try_alloc(ctx, (uint32_t)chunks, stream, b);
+		ret = try_alloc(ctx, size, (uint32_t)chunks, stream, b);
 	if (ret) {
 		free(b);
 		return ret;
@@ -263,6 +331,7 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 		    const struct gml_guard *g)
 {
 	struct gml_view *v = b->view;
+	uint32_t lo, hi;
 
 	if (v->chunks[b->pos]->spanned) {	/* its run becomes holes */
 		gml_span_free(ctx, b, g);
@@ -277,11 +346,13 @@ void gml_large_free(gmlake_ctx *ctx, struct gml_block *b,
 			gml_view_evict(ctx, v, false);	/* holes leave */
 		return;
 	}
-	for (uint32_t i = 0; i < b->n; i++) {
+	gml_pack_leave(b, &lo, &hi);	/* shared ends stay taken */
+	for (uint32_t i = lo; i < b->n - hi; i++) {
 		v->chunks[b->pos + i]->owner = NULL;
 		v->chunks[b->pos + i]->guard = *g;
 	}
-	gml_run_touch(v, b->pos, b->n, false);
+	if (b->n > lo + hi)
+		gml_run_touch(v, b->pos + lo, b->n - lo - hi, false);
 	gml_view_guard(v, g);
 	v->live--;
 	free(b);

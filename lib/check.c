@@ -272,15 +272,56 @@ static int check_spilled(gmlake_ctx *ctx, struct gml_block *b,
 	return view_count(t, v);
 }
 
-/* A large block owns every chunk of its run, and its address matches. */
+/*
+ * A packed block's links (pack.c): each neighbour links back, shares the
+ * end position it is linked at and lies next to it by address, on the
+ * same segment and stream; a block off a chunk start lies in a segment.
+ * *lo and *hi: whether its first and last positions are shared (owned by
+ * a neighbour maybe), the last counted once.
+ */
+static int check_packed(gmlake_ctx *ctx, struct gml_block *b, uint32_t *lo,
+			uint32_t *hi)
+{
+	const struct gml_block *l = b->lo_nb, *h = b->hi_nb;
+
+	*lo = l != NULL;
+	*hi = h != NULL && (b->n > 1 || !l);
+	if (b->off >= ctx->chunk || (b->off && b->view->stitched))
+		return gml_set_error(-EFAULT, "block %#lx starts %u bytes into "
+				     "a position", (unsigned long)b->ptr,
+				     b->off);
+	if (l && (l->hi_nb != b || l->view != b->view ||
+		  l->stream != b->stream || l->pos + l->n - 1 != b->pos ||
+		  l->ptr + l->alloc_size > b->ptr))
+		return gml_set_error(-EFAULT, "block %#lx and the block below "
+				     "it sharing a chunk disagree",
+				     (unsigned long)b->ptr);
+	if (h && (h->lo_nb != b || h->view != b->view ||
+		  h->stream != b->stream || h->pos != b->pos + b->n - 1 ||
+		  b->ptr + b->alloc_size > h->ptr))
+		return gml_set_error(-EFAULT, "block %#lx and the block above "
+				     "it sharing a chunk disagree",
+				     (unsigned long)b->ptr);
+	return 0;
+}
+
+/* A large block owns every chunk of its run, but for ends it shares with
+ * its neighbours (pack.c), and its address matches. */
 static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 {
 	struct gml_view *v = b->view;
+	uint32_t lo, hi;
 
 	if (!v || b->pos + b->n > v->n || b->ptr != v->va + (gml_va)b->pos *
-	    ctx->chunk)
+	    ctx->chunk + b->off || b->ptr + b->alloc_size > v->va +
+	    (gml_va)(b->pos + b->n) * ctx->chunk)
 		return gml_set_error(-EFAULT, "block %#lx lies outside its "
 				     "view", (unsigned long)b->ptr);
+	if (check_packed(ctx, b, &lo, &hi))
+		return -EFAULT;
+	if ((lo || hi) && b->off_state != GML_OFF_RESIDENT)
+		return gml_set_error(-EFAULT, "block %#lx shares a chunk but is "
+				     "not resident", (unsigned long)b->ptr);
 	if (b->off_state == GML_OFF_SPILLED && !b->stuck)
 		return check_spilled(ctx, b, t);
 	if (b->on_lru && !b->offloadable)
@@ -298,8 +339,9 @@ static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 	}
 	for (uint32_t i = 0; i < b->n; i++) {
 		struct gml_chunk *c = v->chunks[b->pos + i];
+		bool shared = (i == 0 && lo) || (i == b->n - 1 && b->hi_nb);
 
-		if (!c || c->owner != b)
+		if (!c || (c->owner != b && !(shared && c->owner)))
 			return gml_set_error(-EFAULT, "block %#lx maps a chunk "
 					     "it does not own at +%u", (unsigned
 					     long)b->ptr, i);
@@ -308,7 +350,8 @@ static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 					     "mapped at +%u",
 					     (unsigned long)b->ptr, i);
 	}
-	t->blocks_n += b->n;
+	/* A shared position counts once: at the block above's first. */
+	t->blocks_n += b->n - (b->hi_nb != NULL);
 	return view_count(t, v);
 }
 

@@ -470,3 +470,38 @@ bool gml_best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
 	}
 	return best->view != NULL;
 }
+
+/*
+ * Step 1 for a packed request (pack.c) of size bytes: the oldest segment's
+ * lowest free run, every position of it usable, where the request fits
+ * with the free top of the chunk below and the free bottom of the chunk
+ * above. Requests top fit wants go to gml_first_fit.
+ */
+bool gml_pack_first_fit(gmlake_ctx *ctx, size_t size, int stream,
+			struct run *r, uint32_t *off)
+{
+	uint32_t n = (uint32_t)((size + ctx->chunk - 1) >> ctx->chunk_shift);
+	uint32_t need = n > 2 ? n - 2 : 1;	/* two shared ends at most */
+
+	if (top_fit_wanted(ctx, n))
+		return false;
+	for (struct gml_view *v = ctx->segs; v; v = v->next) {
+		if (v->n < need || !view_may_fit(v, need))
+			continue;
+		for (uint32_t k = 0; k < v->nruns; k++) {
+			const struct gml_free_run *fr = &v->runs[k];
+			bool usable = true;
+
+			if (fr->len < need)
+				continue;
+			for (uint32_t i = fr->pos; usable && i < fr->pos +
+			     fr->len && !every_free_usable(ctx); i++)
+				usable = gml_usable(ctx, v->chunks[i], stream);
+			if (usable && gml_pack_place(ctx, v, fr->pos, fr->len,
+						     size, stream, false, NULL,
+						     r, off))
+				return true;
+		}
+	}
+	return false;
+}

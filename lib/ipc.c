@@ -140,7 +140,8 @@ static int export_large(gmlake_ctx *ctx, const struct gml_block *b,
 
 		handle_at(v, p, &first, &len);
 		if (p == b->pos)
-			out->start = (uint64_t)(p - first) * ctx->chunk;
+			out->start = (uint64_t)(p - first) * ctx->chunk +
+				     b->off;
 		else if (first != p)
 			return gml_set_error(-EFAULT, "gmlake_ipc_export: "
 					     "position %u of view %#llx lies "

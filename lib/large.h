@@ -58,6 +58,18 @@ bool gml_first_fit(gmlake_ctx *ctx, uint32_t n, int stream,
 		   struct run *first);
 bool gml_best_fit(gmlake_ctx *ctx, struct gml_view *list, uint32_t n,
 		  int stream, struct run *best);
+bool gml_pack_first_fit(gmlake_ctx *ctx, size_t size, int stream,
+			struct run *r, uint32_t *off);
+
+/* pack.c: segment blocks at 512-byte offsets, sharing end chunks */
+bool gml_pack_wanted(const gmlake_ctx *ctx, size_t size);
+bool gml_pack_place(const gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
+		    uint32_t len, size_t size, int stream, bool top,
+		    uint32_t *grow, struct run *r, uint32_t *off);
+void gml_pack_take(struct gml_block *b, const struct run *r, uint32_t off,
+		   uint32_t *lo, uint32_t *hi);
+void gml_pack_leave(struct gml_block *b, uint32_t *lo, uint32_t *hi);
+bool gml_pack_shares(const struct gml_block *b);
 
 /* chunk.c; slabs: growth in handles of ctx->slab chunks for a block */
 int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,

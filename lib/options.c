@@ -58,6 +58,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_SPARE_KEEP_MS", OPT_UINT, FIELD(spare_keep_ms), 0 },
 	{ "GMLAKE_STREAM_ORDER", OPT_BOOL, FIELD(stream_order), 0 },
 	{ "GMLAKE_EXPORTABLE", OPT_BOOL, FIELD(exportable), 0 },
+	{ "GMLAKE_PACK", OPT_BOOL, FIELD(pack), 0 },
 	{ "GMLAKE_TOP_FIT", OPT_TOP_FIT, FIELD(top_fit), 0 },
 	{ "GMLAKE_GROW_HANDLE", OPT_SIZE, FIELD(grow_handle), 0 },
 	{ "GMLAKE_GROW_SLACK", OPT_UINT, FIELD(grow_slack),

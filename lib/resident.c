@@ -174,6 +174,9 @@ int gml_large_detach(gmlake_ctx *ctx, struct gml_block *b, bool check)
 		return gml_set_error(-EBUSY, "the block is shared with another "
 				     "process (gmlake_ipc_export), which maps "
 				     "its memory");
+	if (gml_pack_shares(b) || b->off)
+		return gml_set_error(-EBUSY, "the block shares its end chunks "
+				     "with neighbouring blocks (lib/pack.c)");
 	if (ctx->nzombies)
 		gml_zombies_reap(ctx);
 	v->maxfree = GML_RUN_UNKNOWN;

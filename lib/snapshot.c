@@ -10,7 +10,9 @@
  * behind a small chunk) covers its run; a position without such a block
  * is free when its chunk has no owner and "elsewhere" when the chunk's
  * owner lives on another view. Positions without a chunk end a range,
- * except under a spilled block, which keeps its run (offload/).
+ * except under a spilled block, which keeps its run (offload/). Blocks
+ * that share a chunk (lib/pack.c) each show their own bytes, the free
+ * bytes between them a free piece.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -76,7 +78,7 @@ static int owner_cmp(const void *x, const void *y)
 
 	if (a->view != b->view)
 		return (uintptr_t)a->view < (uintptr_t)b->view ? -1 : 1;
-	return a->pos < b->pos ? -1 : a->pos > b->pos;
+	return a->ptr < b->ptr ? -1 : a->ptr > b->ptr;	/* pos order too */
 }
 
 static int sc_cmp(const void *x, const void *y)
@@ -265,14 +267,26 @@ static int small_pieces(struct builder *bd, const struct gml_schunk *sc)
 	return 0;
 }
 
-/* The pieces an owner covers: its small chunk's, or itself to the end of
- * its last chunk. */
-static int owner_pieces(struct builder *bd, const struct owner *o)
+/* The pieces an owner covers from *at (where the last piece ended; free
+ * bytes of a shared chunk before it): its small chunk's, or itself to the
+ * end of its last chunk, or to its own end where the block above shares
+ * that chunk. *at becomes the end. */
+static int owner_pieces(struct builder *bd, const struct owner *o,
+			uint64_t *at)
 {
 	const struct gml_block *b = o->b;
 	uint64_t end = b->view->va +
 		       (uint64_t)(b->pos + b->n) * bd->ctx->chunk;
+	int ret = 0;
 
+	if (b->hi_nb)
+		end = b->ptr + b->alloc_size;
+	if (*at < b->ptr)
+		ret = piece_add(bd, *at, b->ptr - *at, 0, GMLAKE_PIECE_FREE, 0,
+				NULL);
+	*at = end;
+	if (ret)
+		return ret;
 	if (o->sc)
 		return small_pieces(bd, o->sc);
 	return piece_add(bd, b->ptr, end - b->ptr, b->size, o->state, 0,
@@ -287,18 +301,23 @@ static int walk_view(struct builder *bd, const struct gml_view *v)
 	size_t o = owners_of(bd, v);
 	size_t chunk = bd->ctx->chunk;
 	uint32_t pos = 0;
+	uint64_t at = v->va;
 	int ret = 0;
 
 	while (!ret && pos < v->n) {
 		uint64_t addr = v->va + (uint64_t)pos * chunk;
 		const struct gml_chunk *c = v->chunks[pos];
+		const struct gml_block *b = o < bd->nowners ?
+					    bd->owners[o].b : NULL;
 
-		if (o < bd->nowners && bd->owners[o].b->view == v &&
-		    bd->owners[o].b->pos == pos) {
+		/* A block here, or in the chunk the last one shares. */
+		if (b && b->view == v && b->pos <= pos) {
+			if (at < addr)
+				at = addr;
 			ret = range_open(bd, addr, kind);
 			if (!ret)
-				ret = owner_pieces(bd, &bd->owners[o]);
-			pos += bd->owners[o].b->n ? bd->owners[o].b->n : 1;
+				ret = owner_pieces(bd, &bd->owners[o], &at);
+			pos = b->pos + (b->n ? b->n : 1) - (b->hi_nb != NULL);
 			o++;
 			continue;
 		}

@@ -176,6 +176,11 @@ struct gml_block {
 	bool small;
 	struct gml_view *view;		/* large: positions [pos, pos + n) */
 	uint32_t pos, n;
+	uint32_t off;			/* large: ptr's offset in position pos
+					   (pack.c); 0 but in a segment */
+	struct gml_block *lo_nb, *hi_nb; /* pack.c: the blocks sharing its
+					   first and its last chunk, next to
+					   it by address; NULL: none */
 	struct gml_schunk *sc;		/* small: the piece [ptr, +alloc_size) */
 	bool free;			/* small piece free (in the pool) */
 	struct gml_block *prev, *next;	/* small: neighbours by address */

@@ -9,6 +9,8 @@
  */
 #include <pthread.h>
 
+#include <gmlake-snapshot.h>
+
 #include "helpers.h"
 
 #define CAP_CHUNKS(n) ((size_t)(n) * TH_CHUNK)
@@ -522,6 +524,151 @@ START_TEST(test_grow_slack)
 	th_verify_free(ctx, x, 980 * TH_CHUNK, 1, NULL);
 	th_verify_free(ctx, b, TH_CHUNK, 3, NULL);
 	th_verify_free(ctx, d, TH_CHUNK, 5, NULL);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* A context for packing (cfg.pack; _i 1: from GMLAKE_PACK, 2: off), no top
+ * fit and growth by chunks, so that every chunk is counted. */
+static gmlake_ctx *pack_ctx(int mode)
+{
+	struct gmlake_config cfg;
+
+	if (mode == 1)
+		ck_assert_int_eq(setenv("GMLAKE_PACK", "1", 1), 0);
+	th_config(&cfg, CAP_CHUNKS(64));
+	if (mode == 1)
+		ck_assert_int_eq(unsetenv("GMLAKE_PACK"), 0);
+	ck_assert(cfg.pack == (mode == 1));
+	if (mode == 0)
+		cfg.pack = true;
+	cfg.top_fit = 0;
+	cfg.grow_handle = 0;
+	return th_ctx_cfg(&cfg);
+}
+
+/* A block holding pattern seed, which packing may place off a chunk's
+ * start (th_alloc asserts chunk alignment for large blocks). */
+static void *pack_alloc(gmlake_ctx *ctx, size_t size, uint64_t seed,
+			gmlake_stream_t s)
+{
+	void *p = th_alloc_small(ctx, size, s, 0);
+
+	th_fill_ok(ctx, p, size, seed, s);
+	return p;
+}
+
+/*
+ * A snapshot's pieces tile each range without a gap or an overlap, and
+ * every block of p[0..n) (NULL: freed) shows as an allocated piece at its
+ * address with its size asked for.
+ */
+static void pack_snapshot_ok(gmlake_ctx *ctx, void *const *p, size_t n,
+			     size_t size)
+{
+	struct gmlake_snapshot *snap = NULL;
+	size_t found = 0, live = 0;
+
+	ck_assert_int_eq(gmlake_snapshot_take(ctx, &snap), 0);
+	for (size_t r = 0; r < snap->nranges; r++) {
+		const struct gmlake_snap_range *rg = &snap->ranges[r];
+		uint64_t at = rg->address, sum = 0;
+
+		for (uint32_t k = rg->first; k < rg->first + rg->count; k++) {
+			const struct gmlake_snap_piece *pc = &snap->pieces[k];
+
+			ck_assert_uint_eq(pc->address, at);
+			at += pc->size;
+			sum += pc->size;
+			if (pc->state != GMLAKE_PIECE_ALLOCATED)
+				continue;
+			for (size_t i = 0; i < n; i++)
+				if (p[i] && pc->address == (uintptr_t)p[i]) {
+					ck_assert_uint_eq(pc->requested, size);
+					found++;
+				}
+		}
+		ck_assert_uint_eq(sum, rg->size);
+	}
+	for (size_t i = 0; i < n; i++)
+		live += p[i] != NULL;
+	ck_assert_uint_eq(found, live);
+	gmlake_snapshot_free(snap);
+}
+
+/* The context reserves that many chunks, and its snapshot shows p. */
+static void pack_layout_ok(gmlake_ctx *ctx, void *const *p, size_t n,
+			   size_t size, int64_t chunks)
+{
+	struct gmlake_stats st;
+
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.reserved_bytes.current, chunks * (int64_t)TH_CHUNK);
+	pack_snapshot_ok(ctx, p, n, size);
+}
+
+/*
+ * Packing: blocks of 1.5 chunks take 3 chunks a pair, at 512-byte offsets
+ * inside them, each keeping its own bytes; a freed one leaves a hole the
+ * next of its size takes; the snapshot shows each. Off, each takes 2.
+ */
+START_TEST(test_pack)
+{
+	const size_t size = 3 * TH_MiB;
+	gmlake_ctx *ctx = pack_ctx(_i);
+	struct gmlake_stats st;
+	bool on = _i < 2;
+	void *p[6];
+
+	for (int i = 0; i < 6; i++) {
+		p[i] = pack_alloc(ctx, size, 10 + i, NULL);
+		ck_assert_uint_eq((uintptr_t)p[i] % 512, 0);
+		for (int j = 0; j < i; j++)
+			ck_assert(!th_overlap(p[i], size, p[j], size));
+	}
+	pack_layout_ok(ctx, p, 6, size, on ? 9 : 12);
+
+	th_verify_free(ctx, p[1], size, 11, NULL);
+	th_verify_free(ctx, p[4], size, 14, NULL);
+	p[1] = p[4] = NULL;
+	pack_snapshot_ok(ctx, p, 6, size);
+	p[1] = pack_alloc(ctx, size, 21, NULL);
+	pack_layout_ok(ctx, p, 6, size, on ? 9 : 12);
+
+	th_verify_free(ctx, p[0], size, 10, NULL);
+	th_verify_free(ctx, p[1], size, 21, NULL);
+	th_verify_free(ctx, p[5], size, 15, NULL);
+	th_verify_free(ctx, p[2], size, 12, NULL);
+	th_verify_free(ctx, p[3], size, 13, NULL);
+	ck_assert_int_eq(gmlake_trim(ctx), 0);
+	th_stats(ctx, &st);
+	ck_assert_int_eq(st.reserved_bytes.current, 0);
+	th_destroy(ctx);
+}
+END_TEST
+
+/* Only blocks of one stream share a chunk: the bytes one frees are then
+ * reused in stream order, with no event. */
+START_TEST(test_pack_streams)
+{
+	const size_t size = 3 * TH_MiB;
+	gmlake_ctx *ctx = pack_ctx(0);
+	gmlake_stream_t s1, s2;
+	void *a, *b, *c;
+
+	TH_OK(ctx, gmlake_stream_create(ctx, &s1));
+	TH_OK(ctx, gmlake_stream_create(ctx, &s2));
+	a = pack_alloc(ctx, size, 1, s1);
+	b = pack_alloc(ctx, size, 2, s2);
+	c = pack_alloc(ctx, size, 3, s2);
+	/* b does not start in a's last chunk; c does in b's. */
+	ck_assert_uint_ge((uintptr_t)b, (uintptr_t)a + 2 * TH_CHUNK);
+	ck_assert_uint_eq((uintptr_t)c, (uintptr_t)b + size);
+	th_verify_free(ctx, a, size, 1, s1);
+	th_verify_free(ctx, b, size, 2, s2);
+	th_verify_free(ctx, c, size, 3, s2);
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s1));
+	TH_OK(ctx, gmlake_stream_destroy(ctx, s2));
 	th_destroy(ctx);
 }
 END_TEST
@@ -2549,6 +2696,8 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_long_lived);
 	tcase_add_loop_test(tc, test_grow_slack, 0, 3);
 	tcase_add_test(tc, test_grow_slack_bad);
+	tcase_add_loop_test(tc, test_pack, 0, 3);
+	tcase_add_test(tc, test_pack_streams);
 	tcase_add_loop_test(tc, test_long_lived_faults, 0, 5);
 	tcase_add_test(tc, test_top_fit);
 	tcase_add_test(tc, test_top_fit_auto);

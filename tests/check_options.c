@@ -116,7 +116,8 @@ START_TEST(test_defaults)
 	ck_assert_uint_eq(cfg.spare_keep_ms, 5000);
 	ck_assert(cfg.stream_order);
 	ck_assert(cfg.exportable);
-	for (i = 0; i < 2; i++)
+	ck_assert(!cfg.pack);
+	for (i = 0; i < 1; i++)
 		ck_assert_uint_eq(cfg.reserved8[i], 0);
 	ck_assert_uint_eq(cfg.top_fit, GMLAKE_TOP_FIT_AUTO);
 	ck_assert_uint_eq(cfg.grow_handle, 20 * TH_MiB);
@@ -416,6 +417,17 @@ START_TEST(test_exportable)
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), true);	/* the default */
+}
+END_TEST
+
+START_TEST(test_pack)
+{
+	static const struct opt o = OPT("GMLAKE_PACK", pack, bool_at);
+	static const struct val good[] = { { "1", true }, { "off", false } };
+	static const char *const bad[] = { "tight" };
+
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), false);	/* the default */
 }
 END_TEST
 
@@ -959,6 +971,7 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_publish);
 	tcase_add_test(tc, test_stream_order);
 	tcase_add_test(tc, test_exportable);
+	tcase_add_test(tc, test_pack);
 	tcase_add_test(tc, test_offload_engine);
 	tcase_add_test(tc, test_several);
 

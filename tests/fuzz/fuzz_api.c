@@ -1563,6 +1563,7 @@ static void open_ctx(struct fz *f, struct fz_in *in)
 	cfg.log_level = GMLAKE_LOG_ERROR;
 	cfg.show_stats = false;
 	cfg.publish = false;
+	cfg.pack = fz_pick(in, 2);	/* blocks sharing end chunks */
 	ret = gmlake_ctx_init(&f->ctx, &cfg);
 	if (ret)
 		fz_fail("gmlake_ctx_init: %d (%s)", ret, gmlake_last_error());
