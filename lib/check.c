@@ -276,16 +276,11 @@ static int check_spilled(gmlake_ctx *ctx, struct gml_block *b,
  * A packed block's links (pack.c): each neighbour links back, shares the
  * end position it is linked at and lies next to it by address, on the
  * same segment and stream; a block off a chunk start lies in a segment.
- * *lo and *hi: whether its first and last positions are shared (owned by
- * a neighbour maybe), the last counted once.
  */
-static int check_packed(gmlake_ctx *ctx, struct gml_block *b, uint32_t *lo,
-			uint32_t *hi)
+static int check_packed(gmlake_ctx *ctx, const struct gml_block *b)
 {
 	const struct gml_block *l = b->lo_nb, *h = b->hi_nb;
 
-	*lo = l != NULL;
-	*hi = h != NULL && (b->n > 1 || !l);
 	if (b->off >= ctx->chunk || (b->off && b->view->stitched))
 		return gml_set_error(-EFAULT, "block %#lx starts %u bytes into "
 				     "a position", (unsigned long)b->ptr,
@@ -310,16 +305,15 @@ static int check_packed(gmlake_ctx *ctx, struct gml_block *b, uint32_t *lo,
 static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 {
 	struct gml_view *v = b->view;
-	uint32_t lo, hi;
 
 	if (!v || b->pos + b->n > v->n || b->ptr != v->va + (gml_va)b->pos *
 	    ctx->chunk + b->off || b->ptr + b->alloc_size > v->va +
 	    (gml_va)(b->pos + b->n) * ctx->chunk)
 		return gml_set_error(-EFAULT, "block %#lx lies outside its "
 				     "view", (unsigned long)b->ptr);
-	if (check_packed(ctx, b, &lo, &hi))
+	if (check_packed(ctx, b))
 		return -EFAULT;
-	if ((lo || hi) && b->off_state != GML_OFF_RESIDENT)
+	if ((b->lo_nb || b->hi_nb) && b->off_state != GML_OFF_RESIDENT)
 		return gml_set_error(-EFAULT, "block %#lx shares a chunk but is "
 				     "not resident", (unsigned long)b->ptr);
 	if (b->off_state == GML_OFF_SPILLED && !b->stuck)
@@ -339,7 +333,8 @@ static int check_large(gmlake_ctx *ctx, struct gml_block *b, struct tally *t)
 	}
 	for (uint32_t i = 0; i < b->n; i++) {
 		struct gml_chunk *c = v->chunks[b->pos + i];
-		bool shared = (i == 0 && lo) || (i == b->n - 1 && b->hi_nb);
+		bool shared = (i == 0 && b->lo_nb) ||
+			      (i == b->n - 1 && b->hi_nb);
 
 		if (!c || (c->owner != b && !(shared && c->owner)))
 			return gml_set_error(-EFAULT, "block %#lx maps a chunk "

@@ -482,6 +482,7 @@ bool gml_pack_first_fit(gmlake_ctx *ctx, size_t size, int stream,
 {
 	uint32_t n = (uint32_t)((size + ctx->chunk - 1) >> ctx->chunk_shift);
 	uint32_t need = n > 2 ? n - 2 : 1;	/* two shared ends at most */
+	bool scan = !every_free_usable(ctx);
 
 	if (top_fit_wanted(ctx, n))
 		return false;
@@ -494,8 +495,8 @@ bool gml_pack_first_fit(gmlake_ctx *ctx, size_t size, int stream,
 
 			if (fr->len < need)
 				continue;
-			for (uint32_t i = fr->pos; usable && i < fr->pos +
-			     fr->len && !every_free_usable(ctx); i++)
+			for (uint32_t i = fr->pos; scan && usable &&
+			     i < fr->pos + fr->len; i++)
 				usable = gml_usable(ctx, v->chunks[i], stream);
 			if (usable && gml_pack_place(ctx, v, fr->pos, fr->len,
 						     size, stream, false, NULL,

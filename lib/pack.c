@@ -30,7 +30,6 @@
 #include "config.h"
 #endif
 
-
 #include "large.h"
 #include "types.h"
 
@@ -63,8 +62,7 @@ static struct gml_block *lowest_in(const struct gml_view *v, uint32_t p)
 /* Whether position p of segment v holds blocks a packed request on
  * stream may share: its own chunk, mapped, taken by resident blocks of v
  * on that stream. */
-static bool sharable(const gmlake_ctx *ctx, const struct gml_view *v,
-		     uint32_t p, int stream)
+static bool sharable(const struct gml_view *v, uint32_t p, int stream)
 {
 	const struct gml_chunk *c = v->chunks[p];
 	const struct gml_block *o;
@@ -73,7 +71,6 @@ static bool sharable(const gmlake_ctx *ctx, const struct gml_view *v,
 	    c->seg_pos != p || c->spanned)
 		return false;
 	o = c->owner;
-	(void)ctx;
 	return o->view == v && !o->small && o->stream == stream &&
 	       o->off_state == GML_OFF_RESIDENT && !o->exported;
 }
@@ -86,7 +83,7 @@ static size_t room_top(const gmlake_ctx *ctx, const struct gml_view *v,
 	const struct gml_block *h;
 	gml_va end;
 
-	if (!sharable(ctx, v, p, stream))
+	if (!sharable(v, p, stream))
 		return 0;
 	h = highest_in(v, p);
 	if (h->pos + h->n - 1 != p)
@@ -102,7 +99,7 @@ static size_t room_bottom(const gmlake_ctx *ctx, const struct gml_view *v,
 {
 	const struct gml_block *l;
 
-	if (!sharable(ctx, v, p, stream))
+	if (!sharable(v, p, stream))
 		return 0;
 	l = lowest_in(v, p);
 	if (l->pos != p)
@@ -193,7 +190,7 @@ void gml_pack_leave(struct gml_block *b, uint32_t *lo, uint32_t *hi)
 	*hi = h != NULL && (b->n > 1 || !l);
 	if (l)
 		v->chunks[b->pos]->owner = l;
-	if (h && (b->n > 1 || !l))
+	if (*hi)
 		v->chunks[b->pos + b->n - 1]->owner = h;
 	if (l && h && b->n == 1) {	/* both still share that chunk */
 		l->hi_nb = h;
