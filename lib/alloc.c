@@ -244,12 +244,15 @@ static int try_alloc(gmlake_ctx *ctx, size_t size, uint32_t n, int stream,
 		     struct gml_block *b)
 {
 	uint64_t passed = ctx->st.cross_stream_waits;
-	bool pack = gml_pack_wanted(ctx, size), packed = false;
+	bool pack, packed = false;
 	uint32_t off = 0;
 	struct run r;
 	int ret;
 
+	/* Asked after rounding: a request just under a chunk multiple
+	 * fills its chunks once aligned and gains nothing by sharing. */
 	size = gml_align_up(size);
+	pack = gml_pack_wanted(ctx, size);
 	if (pack && gml_pack_first_fit(ctx, size, stream, &r, &off)) {
 		packed = true;
 		ctx->st.fits++;

@@ -673,6 +673,29 @@ START_TEST(test_pack_streams)
 }
 END_TEST
 
+/* A request that rounds up to whole chunks is not packed: it gains
+ * nothing by sharing and would straddle one chunk more. */
+START_TEST(test_pack_whole_after_align)
+{
+	const size_t half = 3 * TH_MiB, whole = 2 * TH_CHUNK - 100;
+	gmlake_ctx *ctx = pack_ctx(0);
+	void *a, *b, *x, *y;
+
+	/* a leaves the top of its last chunk free, below x's free run. */
+	a = pack_alloc(ctx, half, 1, NULL);
+	x = pack_alloc(ctx, 2 * TH_CHUNK, 2, NULL);
+	y = pack_alloc(ctx, TH_CHUNK, 3, NULL);
+	th_verify_free(ctx, x, 2 * TH_CHUNK, 2, NULL);
+	b = pack_alloc(ctx, whole, 4, NULL);
+	ck_assert_ptr_eq(b, x);
+	pack_layout_ok(ctx, (void *[]){ a }, 1, half, 5);
+	th_verify_free(ctx, a, half, 1, NULL);
+	th_verify_free(ctx, b, whole, 4, NULL);
+	th_verify_free(ctx, y, TH_CHUNK, 3, NULL);
+	th_destroy(ctx);
+}
+END_TEST
+
 /* Budgets out of range: the call and the context refuse them, clearly. */
 START_TEST(test_grow_slack_bad)
 {
@@ -2698,6 +2721,7 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_grow_slack_bad);
 	tcase_add_loop_test(tc, test_pack, 0, 3);
 	tcase_add_test(tc, test_pack_streams);
+	tcase_add_test(tc, test_pack_whole_after_align);
 	tcase_add_loop_test(tc, test_long_lived_faults, 0, 5);
 	tcase_add_test(tc, test_top_fit);
 	tcase_add_test(tc, test_top_fit_auto);
