@@ -5,9 +5,11 @@
     LD_LIBRARY_PATH=build-gpu/runtime-libs python3 bench/host_profile.py \\
         --lib build-gpu/libgmlake.so --workload eco_compile [--steps 12]
 
-For each allocator (PyTorch default, expandable segments, libgmlake), in
-a process of its own: one step at each of the workload's shapes (not
-measured: compiles and growth), then --steps steady steps timed two
+--workload is an eco workload or one of the bench's GPT ones that do not
+offload (LoRA, generation, ...). For each allocator (PyTorch default, expandable
+segments, libgmlake), in a process of its own: one step at each of the
+workload's shapes (not measured: compiles and growth), then --steps
+steady steps timed two
 ways, sync to sync (the step time) and from the start of the step until
 its Python code returns (the host's issue time: when it is close to the
 step time, the step is bound by the host, and every microsecond an
@@ -73,21 +75,35 @@ def driver_calls(allocator):
             if k.startswith(("calls.", "call_ns."))}
 
 
+def warmed_state(torch, name, steps):
+    """The workload's state, every shape stepped once (not measured), with
+    at least `steps` more steps to come."""
+    if name in ecosystem.WORKLOADS:
+        state = ecosystem.build(name, "full", 1234,
+                                len(ecosystem.shape_set(name, "full", 1234))
+                                + steps)
+        for shape in state["shapes"]:
+            state["step_at"](shape)
+        torch.cuda.synchronize()
+        # Steps of the seeded sequence, its first ones the shape set's.
+        for _ in state["shapes"]:
+            state["step"]()
+        return state
+    import workloads
+    state = workloads.build(name, "full", 1234)
+    # The GPT workloads cycle through their shapes without end.
+    for _ in range(state["warmup"]):
+        state["step"]()
+    torch.cuda.synchronize()
+    return state
+
+
 def child(args):
     if args.child == "gmlake":
         import gmlake.torch
         gmlake.torch.enable(args.lib)
     import torch
-    steps = 3 * args.steps
-    state = ecosystem.build(args.workload, "full", 1234,
-                            len(ecosystem.shape_set(args.workload, "full",
-                                                    1234)) + steps)
-    for shape in state["shapes"]:
-        state["step_at"](shape)
-    torch.cuda.synchronize()
-    # Steps of the seeded sequence, its first ones being the shape set's.
-    for _ in state["shapes"]:
-        state["step"]()
+    state = warmed_state(torch, args.workload, 3 * args.steps)
     before = driver_calls(args.child)
     total, issue = timed_steps(torch, state, args.steps)
     after = driver_calls(args.child)
@@ -95,7 +111,7 @@ def child(args):
     out = dict(allocator=args.child, step_ms=total, issue_ms=issue, ops=ops,
                driver={k: (after[k] - before.get(k, 0)) / args.steps
                        for k in after if after[k] != before.get(k, 0)})
-    if state["close"]:
+    if state.get("close"):
         state["close"]()
     print(json.dumps(out))
     return 0
@@ -126,7 +142,9 @@ def main():
     p.add_argument("--lib", default=os.path.join(bench.REPO, "build-gpu",
                                                   "libgmlake.so"))
     p.add_argument("--workload", default="eco_compile",
-                   choices=ecosystem.WORKLOADS)
+                   choices=ecosystem.WORKLOADS + tuple(
+                       w for w in bench.GPT
+                       if w not in bench.GROUPS["offload"]))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--child", choices=ALLOCATORS, help=argparse.SUPPRESS)
