@@ -6,12 +6,11 @@
         --lib build-gpu/libgmlake.so --workload eco_compile [--steps 12]
 
 --workload is an eco workload or one of the bench's GPT ones that do not
-offload (LoRA, generation, ...). For each allocator (PyTorch default, expandable
-segments, libgmlake), in a process of its own: one step at each of the
-workload's shapes (not measured: compiles and growth), then --steps
-steady steps timed two
-ways, sync to sync (the step time) and from the start of the step until
-its Python code returns (the host's issue time: when it is close to the
+offload (LoRA, generation, ...). For each allocator (PyTorch default,
+expandable segments, libgmlake), in a process of its own: one step at
+each of the workload's shapes (not measured: compiles and growth), then
+--steps steady steps timed two ways, sync to sync (the step time) and
+from the start of the step until its Python code returns (the host's issue time: when it is close to the
 step time, the step is bound by the host, and every microsecond an
 allocation costs shows in it). Then the same steps again under
 torch.profiler, CPU only, and the operators with the most self time.
