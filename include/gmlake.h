@@ -145,9 +145,10 @@ int gmlake_free(gmlake_ctx *ctx, void *ptr);
 int gmlake_record_stream(gmlake_ctx *ctx, void *ptr, gmlake_stream_t stream);
 /*
  * Long-lived allocations (model parameters, optimizer state): while on
- * (calls nest), a block of 32 MiB or more that would grow the device's
- * memory takes one physical handle of its size instead of one per 2 MiB
- * chunk. -EINVAL for off without on.
+ * (calls nest), a block of 32 MiB or more takes one new physical handle of
+ * its size at the end of the device's memory, past free memory that
+ * shorter-lived blocks left (with an offload ring: only when nothing held
+ * fits it), instead of one per 2 MiB chunk. -EINVAL for off without on.
  */
 int gmlake_long_lived(gmlake_ctx *ctx, bool on);
 /*

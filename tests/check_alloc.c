@@ -381,10 +381,10 @@ static uint64_t calls_between(const struct gmlake_stats *s0,
 }
 
 /*
- * gmlake_long_lived: a block of 16 chunks or more that grows takes one
- * handle (one create, map and set-access); smaller ones take chunks, free
- * memory is still reused first, and with it off growth is by chunks
- * again. Calls nest; off without on is refused.
+ * gmlake_long_lived: a block of 16 chunks or more takes one new handle
+ * (one create, map and set-access) at the end of the segment; smaller
+ * ones take chunks, free memory is still reused first, and with it off
+ * growth is by handles again. Calls nest; off without on is refused.
  */
 START_TEST(test_long_lived)
 {
@@ -434,6 +434,51 @@ START_TEST(test_long_lived)
 	th_verify_free(ctx, b, 4 * c, 1, NULL);
 	th_verify_free(ctx, d, 8 * c, 4, NULL);
 	th_verify_free(ctx, e, 32 * c, 6, NULL);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
+ * A long-lived block of 16 chunks or more (an optimizer's state, made
+ * after backward freed the activations) passes over the holes
+ * shorter-lived blocks left and takes a handle at the end of the segment;
+ * a smaller one takes a hole as usual. The large hole stays the next
+ * step's: with the mode off, the same request takes it with no driver
+ * call.
+ */
+START_TEST(test_long_lived_past_holes)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(256));
+	const size_t c = TH_CHUNK;
+	struct gmlake_stats s0, s1;
+	void *act, *act2, *keep, *x, *y, *v;
+
+	/* keep, the model, makes the requests below too small for top fit
+	 * (a quarter of the requested peak). */
+	act = th_alloc_filled(ctx, 8 * c, 1, NULL);
+	act2 = th_alloc_filled(ctx, 20 * c, 2, NULL);
+	keep = th_alloc_filled(ctx, 100 * c, 3, NULL);
+	th_verify_free(ctx, act, 8 * c, 1, NULL);
+	th_verify_free(ctx, act2, 20 * c, 2, NULL);
+	TH_OK(ctx, gmlake_long_lived(ctx, true));
+	th_stats(ctx, &s0);
+	y = th_alloc_filled(ctx, 20 * c, 4, NULL);
+	th_stats(ctx, &s1);
+	x = th_alloc_filled(ctx, 8 * c, 5, NULL);
+	TH_OK(ctx, gmlake_long_lived(ctx, false));
+	ck_assert((char *)y >= (char *)keep + 100 * c);
+	ck_assert_uint_eq(calls_between(&s0, &s1, GMLAKE_CALL_mem_create), 1);
+	ck_assert_ptr_eq(x, act);
+	/* The large hole is the next step's activations', as it was. */
+	th_stats(ctx, &s0);
+	v = th_alloc_filled(ctx, 20 * c, 6, NULL);
+	th_stats(ctx, &s1);
+	expect_no_driver_work(&s0, &s1);
+	ck_assert_ptr_eq(v, act2);
+	th_verify_free(ctx, x, 8 * c, 5, NULL);
+	th_verify_free(ctx, y, 20 * c, 4, NULL);
+	th_verify_free(ctx, v, 20 * c, 6, NULL);
+	th_verify_free(ctx, keep, 100 * c, 3, NULL);
 	th_destroy(ctx);
 }
 END_TEST
@@ -2717,6 +2762,7 @@ static Suite *alloc_suite(bool emu)
 	tc = th_tcase(s, "Fit");
 	tcase_add_test(tc, test_first_fit);
 	tcase_add_test(tc, test_long_lived);
+	tcase_add_test(tc, test_long_lived_past_holes);
 	tcase_add_loop_test(tc, test_grow_slack, 0, 3);
 	tcase_add_test(tc, test_grow_slack_bad);
 	tcase_add_loop_test(tc, test_pack, 0, 3);

@@ -52,7 +52,15 @@ the step, during the last backward before it.
 
 long_lived() is a context manager inside which each large tensor that
 makes libgmlake grow takes one physical handle instead of one per 2 MiB
-chunk (gmlake_long_lived(3)): for parameters as they load.
+chunk, at the end of its memory (gmlake_long_lived(3)): for parameters
+as they load.
+
+settle_optimizer_state(optimizer) moves the state an optimizer's first
+step made out of the holes the step's activations left
+(gmlake.optimizer_state), so that the next steps' activations find them
+free instead of growing; enable(optimizer_state=True) or
+GMLAKE_TORCH_SETTLE_OPTIMIZER=1 does it for every optimizer after its
+first step. Off by default: it trades memory for driver calls.
 """
 
 import contextlib
@@ -63,6 +71,7 @@ import threading
 import warnings
 
 from . import _adapter, _lib, _snapshot, _stats, _version
+from . import optimizer_state as _optimizer_state
 from .activations import Offloader, offload_activations  # noqa: F401
 from .optimizer import OptimizerOffloader, offload_optimizer  # noqa: F401
 
@@ -76,6 +85,7 @@ HOOKS = (("set_reset_fn", "gmlake_torch_empty_cache"),
 NULL_DATA = "data is not allocated yet"
 BACKEND_ENV = "GMLAKE_TORCH_BACKEND"
 BACKENDS = ("auto", "adapter", "ctypes")
+SETTLE_ENV = "GMLAKE_TORCH_SETTLE_OPTIMIZER"
 # PyTorch's allocator settings, which do not apply to libgmlake.
 ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 SUPPORTED_TORCH = _version.SUPPORTED_TORCH
@@ -178,7 +188,8 @@ def _enable_adapter(torch, path):
     _adapter_module = mod
 
 
-def enable(library=None, excepthook=True, backend=None):
+def enable(library=None, excepthook=True, backend=None,
+           optimizer_state=None):
     """Make libgmlake PyTorch's CUDA allocator; returns the library path.
 
     library: libgmlake.so or its folder (default: GMLAKE_LIBRARY, then the
@@ -187,6 +198,11 @@ def enable(library=None, excepthook=True, backend=None):
     "ctypes". Calling it again is a no-op. excepthook (ctypes backend):
     wrap sys.excepthook so that an uncaught "data is not allocated yet"
     error after a libgmlake failure also prints the cause.
+    optimizer_state: True to move each optimizer's state past the
+    activations' memory after its first step that made some
+    (settle_optimizer_state; gmlake.optimizer_state says why and what it
+    costs); default: GMLAKE_TORCH_SETTLE_OPTIMIZER=1 in the environment,
+    else off.
     """
     import torch
 
@@ -224,6 +240,10 @@ def enable(library=None, excepthook=True, backend=None):
             _enable_ctypes(torch, path, lib)
             used = "ctypes"
         _lib.set_enabled(path, used)
+        if optimizer_state is None:
+            optimizer_state = os.environ.get(SETTLE_ENV) == "1"
+        if optimizer_state:
+            _optimizer_state.install()
         if excepthook and used == "ctypes":
             _install_excepthook()
         return path
@@ -284,6 +304,16 @@ def long_lived(device=None, library=None):
             warnings.warn("gmlake.torch.long_lived: turning it off "
                           "failed: %s" % _lib.last_error(lib),
                           RuntimeWarning, stacklevel=3)
+
+
+def settle_optimizer_state(optimizer, library=None):
+    """Move optimizer's state tensors into memory of their own at the end
+    of libgmlake's (gmlake.optimizer_state.settle): enable() does it
+    after each optimizer's first step that makes state; call it after
+    state is made anew (load_state_dict(), a parameter group added).
+    Returns how many tensors moved; 0 where libgmlake is not PyTorch's
+    allocator."""
+    return _optimizer_state.settle(optimizer, library)
 
 
 def grow_slack(permille=None, device=None, library=None):
