@@ -520,11 +520,15 @@ START_TEST(test_unknown_name)
 	char *err;
 
 	ck_assert_int_eq(setenv("GMLAKE_LIBRARY", "/nowhere", 1), 0);
+	ck_assert_int_eq(setenv("GMLAKE_TORCH_SETTLE_OPTIMIZER", "1", 1), 0);
 	err = init_with("GMLAKE_CHUNK_SZIE", "4M", &cfg);
 	ck_assert_msg(strstr(err, "GMLAKE_CHUNK_SZIE: unknown variable") &&
 		      strstr(err, "did you mean GMLAKE_CHUNK_SIZE?"),
 		      "stderr: %s", err);
 	ck_assert_msg(!strstr(err, "GMLAKE_LIBRARY"), "stderr: %s", err);
+	ck_assert_msg(!strstr(err, "GMLAKE_TORCH_SETTLE_OPTIMIZER"),
+		      "stderr: %s", err);
+	ck_assert_int_eq(unsetenv("GMLAKE_TORCH_SETTLE_OPTIMIZER"), 0);
 	free(err);
 	ck_assert_uint_eq(cfg.chunk_size, 0);	/* the default stays */
 }
