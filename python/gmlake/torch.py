@@ -50,10 +50,10 @@ buckets, each fetching its state back to the same addresses, stepping on
 the GPU as before and spilling it again; the state comes back ahead of
 the step, during the last backward before it.
 
-long_lived() is a context manager inside which each large tensor that
-makes libgmlake grow takes one physical handle instead of one per 2 MiB
-chunk, at the end of its memory (gmlake_long_lived(3)): for parameters
-as they load.
+long_lived() is a context manager inside which each large tensor takes
+one new physical handle at the end of libgmlake's memory instead of one
+per 2 MiB chunk or a hole other tensors left (gmlake_long_lived(3)): for
+parameters as they load.
 
 settle_optimizer_state(optimizer) moves the state an optimizer's first
 step made out of the holes the step's activations left
@@ -279,8 +279,9 @@ def dump_snapshot(filename="dump_snapshot.pickle", library=None):
 
 @contextlib.contextmanager
 def long_lived(device=None, library=None):
-    """Large tensors made inside take one physical handle each instead of
-    one per 2 MiB chunk (gmlake_long_lived(3)): for what lives as long as
+    """Large tensors made inside take one new physical handle each, at the
+    end of libgmlake's memory, instead of one per 2 MiB chunk or a hole
+    other tensors left (gmlake_long_lived(3)): for what lives as long as
     the model, such as parameters as they load or the optimizer's state as
     its first step makes it. Nests. device: a CUDA device index (default:
     the current device). A no-op where libgmlake is not PyTorch's
@@ -307,12 +308,12 @@ def long_lived(device=None, library=None):
 
 
 def settle_optimizer_state(optimizer, library=None):
-    """Move optimizer's state tensors into memory of their own at the end
-    of libgmlake's (gmlake.optimizer_state.settle): enable() does it
-    after each optimizer's first step that makes state; call it after
-    state is made anew (load_state_dict(), a parameter group added).
-    Returns how many tensors moved; 0 where libgmlake is not PyTorch's
-    allocator."""
+    """Move optimizer's large state tensors into memory of their own at
+    the end of libgmlake's (gmlake.optimizer_state.settle): after its
+    first step, or after state is made anew (load_state_dict(), a
+    parameter group added); enable(optimizer_state=True) does it after
+    each optimizer's first step. Returns how many tensors moved; 0 where
+    libgmlake is not PyTorch's allocator."""
     return _optimizer_state.settle(optimizer, library)
 
 
