@@ -98,11 +98,12 @@ def settle(optimizer, library=None):
     torch.compile traces."""
     import torch
 
+    from .torch import long_lived   # that module imports this one
+
     path = library or _lib.enabled_library()
     if path is None or not hasattr(torch._C, "_storage_Use_Count") or \
             _offloaded(optimizer) or _busy(torch):
         return 0
-    _, lib = _lib.load(path)
     by_device = {}
     for state in list(optimizer.state.values()):
         if not isinstance(state, dict):
@@ -113,17 +114,12 @@ def settle(optimizer, library=None):
     moved = 0
     with torch.no_grad():
         for index, tensors in by_device.items():
-            if lib.gmlake_torch_long_lived(index, 1) < 0:
-                raise RuntimeError("gmlake_torch_long_lived: %s" %
-                                   _lib.last_error(lib))
-            try:
+            with long_lived(index, path):
                 for t in tensors:
                     new = torch.empty_like(t)
                     new.copy_(t)
                     t.set_(new)
                     moved += 1
-            finally:
-                lib.gmlake_torch_long_lived(index, 0)
     return moved
 
 

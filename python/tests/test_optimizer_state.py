@@ -36,6 +36,25 @@ MiB = 1 << 20
 DEVICES = itertools.count(40)
 
 
+def _ctx(lib, device):
+    ctx = ctypes.c_void_p()
+    rc = lib.gmlake_torch_ctx_get(device, ctypes.byref(ctx))
+    assert rc == 0, _lib.last_error(lib)
+    return ctx
+
+
+def read_block(lib, device, ptr, n):
+    buf = (ctypes.c_uint8 * n)()
+    rc = lib.gmlake_memcpy_dtoh(_ctx(lib, device), buf, ptr, n, None)
+    assert rc == 0, _lib.last_error(lib)
+    return buf
+
+
+def write_block(lib, device, ptr, buf):
+    rc = lib.gmlake_memcpy_htod(_ctx(lib, device), ptr, buf, len(buf), None)
+    assert rc == 0, _lib.last_error(lib)
+
+
 def fake_torch(lib, device):
     """A torch module with what optimizer_state uses, on lib's blocks of
     device."""
@@ -101,14 +120,8 @@ def fake_torch(lib, device):
             return Tensor(self._storage)
 
         def copy_(self, src):
-            n = src.numel()
-            buf = (ctypes.c_uint8 * n)()
-            ctx = ctypes.c_void_p()
-            assert lib.gmlake_torch_ctx_get(device, ctypes.byref(ctx)) == 0
-            assert lib.gmlake_memcpy_dtoh(ctx, buf, src.data_ptr(), n,
-                                          None) == 0
-            assert lib.gmlake_memcpy_htod(ctx, self.data_ptr(), buf, n,
-                                          None) == 0
+            write_block(lib, device, self.data_ptr(),
+                        read_block(lib, device, src.data_ptr(), src.numel()))
             return self
 
         def set_(self, src):
@@ -180,20 +193,11 @@ class TestSettle(unittest.TestCase):
     def fill(self, t, byte):
         buf = (ctypes.c_uint8 * t.numel())()
         ctypes.memset(buf, byte, t.numel())
-        ctx = ctypes.c_void_p()
-        self.assertEqual(self.lib.gmlake_torch_ctx_get(
-            self.device, ctypes.byref(ctx)), 0)
-        self.assertEqual(self.lib.gmlake_memcpy_htod(
-            ctx, t.data_ptr(), buf, t.numel(), None), 0)
+        write_block(self.lib, self.device, t.data_ptr(), buf)
 
     def read(self, t):
-        buf = (ctypes.c_uint8 * t.numel())()
-        ctx = ctypes.c_void_p()
-        self.assertEqual(self.lib.gmlake_torch_ctx_get(
-            self.device, ctypes.byref(ctx)), 0)
-        self.assertEqual(self.lib.gmlake_memcpy_dtoh(
-            ctx, buf, t.data_ptr(), t.numel(), None), 0)
-        return bytes(buf)
+        return bytes(read_block(self.lib, self.device, t.data_ptr(),
+                                t.numel()))
 
     def step0(self):
         """A model, state that stays (a small tensor, one with a view, a
