@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""An optimizer's state moved out of the activations' memory after the
-step that made it.
+"""An optimizer's state made past the activations' memory.
 
 An optimizer makes its state (AdamW: two tensors the size of each
 parameter) in its first step, after backward freed the step's
@@ -10,33 +9,38 @@ taken and the allocator grows: new device memory in a step that repeats
 a shape (under libgmlake, creates, maps and set-access calls in a steady
 step), and a layout that stays fragmented.
 
-settle(optimizer) copies each large state tensor into a new block made
-under gmlake_long_lived(3), which libgmlake places in a handle of its own
-at the end of its newest segment, past what shorter-lived blocks freed,
-and points the tensor at the copy (Tensor.set_): optimizer.state, the
-tensor objects and every reference to them stay valid, the old block is
-freed, and the holes are the activations' again. With
-gmlake.torch.enable(optimizer_state=True) (or
-GMLAKE_TORCH_SETTLE_OPTIMIZER=1), a global optimizer step post-hook
-(install()) settles each optimizer after the first of its steps that
-made state; state made later (a parameter group added,
-load_state_dict()) is left where it is, for settle() to move when
-called.
+With gmlake.torch.enable(optimizer_state=True) (or
+GMLAKE_TORCH_SETTLE_OPTIMIZER=1), global optimizer step hooks (install())
+make each optimizer's first state under gmlake_long_lived(3), which
+libgmlake places in handles of their own at the end of its newest
+segment, past the holes: a step pre-hook wraps the optimizer's
+_init_group (where torch.optim's Adam, AdamW, Adagrad, RMSprop and most
+others make their state) in long_lived() until the step that made state
+ends. State made elsewhere in that step (SGD's momentum, a custom
+optimizer's) is moved there by the post-hook: copied into a block made
+under long_lived and the tensor pointed at it (Tensor.set_), which
+leaves its old place free as memory added where the activations may not
+need it. State made later (a parameter group added, load_state_dict())
+is left where it is, for settle() to move when called.
 
-Off by default: where the activations do not need the holes the old
-state leaves, the moved state is memory added (bench/results/
-gpt-settle-h100/: driver time per steady step down by 37-46%, peak
-reserved -0.5% to +1.6%).
+settle(optimizer) does the moving for any optimizer, at any time:
+optimizer.state, the tensor objects and every reference to them stay
+valid, the old block is freed.
+
+Off by default (bench/results/gpt-settle-h100/ measured the move after
+the step: driver time per steady step down by 37-46%, peak reserved
+-0.5% to +1.6%).
 
 A tensor is moved only when nothing else can see its memory: a plain
 CUDA tensor of at least MIN_BYTES that owns its whole storage and shares
 it with no view (PyTorch's storage use count); DTensors and other
-subclasses, views and aliased tensors stay. Never while a CUDA graph
-captures or torch.compile traces, nor for an optimizer that
-gmlake.torch.offload_optimizer() manages: its state lives on the host
-between steps at addresses the offloader keeps.
+subclasses, views and aliased tensors stay. Nothing is placed or moved
+while a CUDA graph captures or torch.compile traces, nor for an
+optimizer that gmlake.torch.offload_optimizer() manages: its state lives
+on the host between steps at addresses the offloader keeps.
 """
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -49,8 +53,9 @@ from . import _lib
 MIN_BYTES = 32 << 20
 
 _lock = threading.Lock()
-_settled = weakref.WeakSet()    # optimizers the hook has moved
-_hook = None
+_settled = weakref.WeakSet()    # optimizers the hooks are done with
+_placed = weakref.WeakKeyDictionary()   # optimizer -> ids made in place
+_hooks = None
 _base_count = {}                # device index -> use count of a sole owner
 
 
@@ -96,6 +101,11 @@ def settle(optimizer, library=None):
     stream. A no-op (0) where libgmlake is not PyTorch's allocator, for
     an offloaded optimizer, and while a CUDA graph captures or
     torch.compile traces."""
+    return _settle(optimizer, library, ())
+
+
+def _settle(optimizer, library, skip):
+    """settle(), leaving the tensors whose id() is in skip."""
     import torch
 
     from .torch import long_lived   # that module imports this one
@@ -109,7 +119,8 @@ def settle(optimizer, library=None):
         if not isinstance(state, dict):
             continue
         for t in state.values():
-            if isinstance(t, torch.Tensor) and _movable(torch, t):
+            if isinstance(t, torch.Tensor) and id(t) not in skip and \
+                    _movable(torch, t):
                 by_device.setdefault(t.device.index, []).append(t)
     moved = 0
     with torch.no_grad():
@@ -123,7 +134,67 @@ def settle(optimizer, library=None):
     return moved
 
 
+def _state_ids(torch, optimizer, params):
+    ids = set()
+    for p in params:
+        state = optimizer.state.get(p)
+        if isinstance(state, dict):
+            ids.update(id(t) for t in state.values()
+                       if isinstance(t, torch.Tensor))
+    return ids
+
+
+def _placing(optimizer, init_group):
+    """init_group (the optimizer's bound _init_group) run under
+    long_lived() on its group's CUDA devices; the ids of the state
+    tensors it made go to _placed."""
+    from .torch import long_lived
+
+    def placed_init_group(group, *args, **kwargs):
+        import torch
+        params = group.get("params", ()) if isinstance(group, dict) else ()
+        devices = {p.device.index for p in params
+                   if isinstance(p, torch.Tensor) and p.is_cuda}
+        if not devices or _busy(torch):
+            return init_group(group, *args, **kwargs)
+        before = _state_ids(torch, optimizer, params)
+        with contextlib.ExitStack() as stack:
+            for index in sorted(devices):
+                stack.enter_context(long_lived(index))
+            result = init_group(group, *args, **kwargs)
+        made = _state_ids(torch, optimizer, params) - before
+        with _lock:
+            _placed.setdefault(optimizer, set()).update(made)
+        return result
+
+    placed_init_group._gmlake_placing = True
+    return placed_init_group
+
+
+def _pre_step(optimizer, args, kwargs):
+    with _lock:
+        if optimizer in _settled:
+            return
+    if _offloaded(optimizer) or _lib.enabled_library() is None:
+        return
+    import torch
+    if _busy(torch):
+        return
+    init_group = getattr(optimizer, "_init_group", None)
+    if callable(init_group) and \
+            not getattr(init_group, "_gmlake_placing", False):
+        optimizer._init_group = _placing(optimizer, init_group)
+
+
+def _unwrap(optimizer):
+    mine = getattr(vars(optimizer).get("_init_group"), "_gmlake_placing",
+                   False)
+    if mine:
+        del optimizer._init_group
+
+
 def _post_step(optimizer, args, kwargs):
+    _unwrap(optimizer)
     with _lock:
         if optimizer in _settled:
             return
@@ -134,8 +205,9 @@ def _post_step(optimizer, args, kwargs):
         return
     with _lock:
         _settled.add(optimizer)     # once, whatever happens below
+        placed = _placed.pop(optimizer, set())
     try:
-        settle(optimizer)
+        _settle(optimizer, None, placed)
     except RuntimeError as e:       # out of memory for a copy, ...
         # The state not moved stays valid where it is: training goes on.
         warnings.warn("gmlake: optimizer state left in place: %s" % e,
@@ -143,15 +215,17 @@ def _post_step(optimizer, args, kwargs):
 
 
 def install():
-    """Register the global step post-hook once (gmlake.torch.enable);
-    False where this PyTorch has no global optimizer hooks."""
-    global _hook
+    """Register the global step pre- and post-hooks once
+    (gmlake.torch.enable); False where this PyTorch has no global
+    optimizer hooks."""
+    global _hooks
     try:
         from torch.optim.optimizer import \
-            register_optimizer_step_post_hook as register
+            register_optimizer_step_post_hook as register_post, \
+            register_optimizer_step_pre_hook as register_pre
     except ImportError:
         return False
     with _lock:
-        if _hook is None:
-            _hook = register(_post_step)
+        if _hooks is None:
+            _hooks = (register_pre(_pre_step), register_post(_post_step))
     return True

@@ -62,7 +62,7 @@ def fake_torch(lib, device):
     torch.capturing = False
     torch.compiling = False
     torch.fail_alloc = None
-    torch.hooks = []
+    torch.pre_hooks, torch.post_hooks = [], []
 
     class Storage:
         def __init__(self, nbytes):
@@ -142,12 +142,17 @@ def fake_torch(lib, device):
     torch.cuda = types.SimpleNamespace(
         is_current_stream_capturing=lambda: torch.capturing)
 
-    def register(fn):
-        torch.hooks.append(fn)
-        return fn
+    def registrar(hooks):
+        def register(fn):
+            hooks.append(fn)
+            return fn
+        return register
     torch.optim = types.ModuleType("torch.optim")
     torch.optim.optimizer = types.ModuleType("torch.optim.optimizer")
-    torch.optim.optimizer.register_optimizer_step_post_hook = register
+    torch.optim.optimizer.register_optimizer_step_pre_hook = \
+        registrar(torch.pre_hooks)
+    torch.optim.optimizer.register_optimizer_step_post_hook = \
+        registrar(torch.post_hooks)
     torch.modules = {"torch.optim": torch.optim,
                      "torch.optim.optimizer": torch.optim.optimizer}
     return torch
@@ -158,6 +163,36 @@ class FakeOptimizer:
 
     def __init__(self):
         self.state = {}
+
+
+class InitGroupOptimizer(FakeOptimizer):
+    """An optimizer that makes its state as torch.optim's Adam does: in
+    _init_group, called by step() for each parameter group, with the
+    global step hooks around step()."""
+
+    def __init__(self, torch, params, nbytes):
+        super().__init__()
+        self.torch, self.nbytes = torch, nbytes
+        self.param_groups = [{"params": params}]
+        self.init_calls = 0
+
+    def _init_group(self, group, made):
+        self.init_calls += 1
+        for p in group["params"]:
+            if not self.state.get(p):
+                t = self.torch.empty(self.nbytes)
+                self.state[p] = {"exp_avg": t}
+                made.append(t)
+
+    def step(self):
+        for hook in self.torch.pre_hooks:
+            hook(self, (), {})
+        made = []
+        for group in self.param_groups:
+            self._init_group(group, made)
+        for hook in self.torch.post_hooks:
+            hook(self, (), {})
+        return made
 
 
 @unittest.skipUnless(HAVE_LIB and ON_EMU, "needs GMLAKE_LIBRARY and "
@@ -251,11 +286,12 @@ class TestSettle(unittest.TestCase):
         self.assertEqual(big.data_ptr(), ptr)
 
     def test_hook_settles_each_optimizer_once(self):
-        with mock.patch.object(optimizer_state, "_hook", None):
+        with mock.patch.object(optimizer_state, "_hooks", None):
             self.assertTrue(optimizer_state.install())
             self.assertTrue(optimizer_state.install())
-            self.assertEqual(len(self.torch.hooks), 1)
-            hook = self.torch.hooks[0]
+            self.assertEqual(len(self.torch.pre_hooks), 1)
+            self.assertEqual(len(self.torch.post_hooks), 1)
+            hook = self.torch.post_hooks[0]
             empty = FakeOptimizer()
             hook(empty, (), {})                 # no state yet: later
             self.assertNotIn(empty, optimizer_state._settled)
@@ -271,7 +307,7 @@ class TestSettle(unittest.TestCase):
             self.assertEqual(big.data_ptr(), moved)
 
     def test_hook_failure_warns_and_keeps_state(self):
-        with mock.patch.object(optimizer_state, "_hook", None):
+        with mock.patch.object(optimizer_state, "_hooks", None):
             optimizer_state.install()
             opt, _ = self.step0()
             big = opt.state["p"]["exp_avg"]
@@ -279,7 +315,7 @@ class TestSettle(unittest.TestCase):
             self.torch.fail_alloc = "CUDA out of memory"
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
-                self.torch.hooks[0](opt, (), {})
+                self.torch.post_hooks[0](opt, (), {})
             self.torch.fail_alloc = None
             self.assertEqual(len(w), 1)
             self.assertIn("optimizer state left in place: CUDA out of "
@@ -288,6 +324,57 @@ class TestSettle(unittest.TestCase):
             self.assertEqual(self.read(big), b"\x5a" * (64 * MiB))
             self.assertLess(
                 self.lib.gmlake_torch_long_lived(self.device, 0), 0)
+
+    def test_hooks_make_state_past_the_holes(self):
+        """State made in _init_group in the first step lands past the
+        activations' hole in place: not copied there afterwards."""
+        T = self.torch
+        with mock.patch.object(optimizer_state, "_hooks", None):
+            optimizer_state.install()
+            params = [T.empty(64 * MiB), T.empty(64 * MiB)]
+            act = T.empty(300 * MiB)
+            in_hole = range(act.data_ptr(), act.data_ptr() + 300 * MiB)
+            del act
+            opt = InitGroupOptimizer(T, params, 64 * MiB)
+            with mock.patch.object(optimizer_state, "_settle",
+                                   wraps=optimizer_state._settle) as settle, \
+                    mock.patch.object(T, "empty_like",
+                                      wraps=T.empty_like) as copy:
+                made = opt.step()
+            self.assertEqual(len(made), 2)
+            for t in made:
+                self.assertNotIn(t.data_ptr(), in_hole)
+            # Placed where they were made: the post-hook copied none.
+            settle.assert_called_once()
+            self.assertEqual(settle.call_args.args[2],
+                             {id(t) for t in made})
+            copy.assert_not_called()
+            self.assertNotIn("_init_group", vars(opt))
+            self.assertLess(self.lib.gmlake_torch_long_lived(self.device, 0),
+                            0)
+            # Later steps run the optimizer's own _init_group, unwrapped.
+            self.assertEqual(opt.step(), [])
+            self.assertNotIn("_init_group", vars(opt))
+            self.assertEqual(opt.init_calls, 2)
+            # The hole is the next step's activations' again.
+            act = T.empty(300 * MiB)
+            self.assertIn(act.data_ptr(), in_hole)
+
+    def test_hooks_leave_placing_off_when_not_ours(self):
+        T = self.torch
+        with mock.patch.object(optimizer_state, "_hooks", None):
+            optimizer_state.install()
+            act = T.empty(300 * MiB)
+            in_hole = range(act.data_ptr(), act.data_ptr() + 300 * MiB)
+            params = [T.empty(64 * MiB)]
+            del act
+            offloaded = InitGroupOptimizer(T, params, 64 * MiB)
+            offloaded._gmlake_offloader = object()
+            self.assertIn(offloaded.step()[0].data_ptr(), in_hole)
+            self.assertNotIn("_init_group", vars(offloaded))
+            _lib.set_enabled(None, None)        # not PyTorch's allocator
+            plain = InitGroupOptimizer(T, params, 64 * MiB)
+            self.assertIn(plain.step()[0].data_ptr(), in_hole)
 
 
 if __name__ == "__main__":
