@@ -27,9 +27,10 @@ settle(optimizer) does the moving for any optimizer, at any time:
 optimizer.state, the tensor objects and every reference to them stay
 valid, the old block is freed.
 
-Off by default (bench/results/gpt-settle-h100/ measured the move after
-the step: driver time per steady step down by 37-46%, peak reserved
--0.5% to +1.6%).
+Off by default: on an H100 the hooks took the bench's GPT workloads'
+steady driver time from 1.4-2.0% of a step to 0.55-0.91% at no cost in
+peak reserved memory (bench/results/gpt-place-h100/), but raised
+FSDP2's and torch.compile's (bench/results/eco-place-h100/).
 
 A tensor is moved only when nothing else can see its memory: a plain
 CUDA tensor of at least MIN_BYTES that owns its whole storage and shares

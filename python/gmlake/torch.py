@@ -55,12 +55,12 @@ one new physical handle at the end of libgmlake's memory instead of one
 per 2 MiB chunk or a hole other tensors left (gmlake_long_lived(3)): for
 parameters as they load.
 
-settle_optimizer_state(optimizer) moves the state an optimizer's first
-step made out of the holes the step's activations left
-(gmlake.optimizer_state), so that the next steps' activations find them
-free instead of growing; enable(optimizer_state=True) or
-GMLAKE_TORCH_SETTLE_OPTIMIZER=1 does it for every optimizer after its
-first step. Off by default: it trades memory for driver calls.
+enable(optimizer_state=True) or GMLAKE_TORCH_SETTLE_OPTIMIZER=1 makes
+every optimizer's first state past the holes its first step's
+activations left (gmlake.optimizer_state), so that the next steps'
+activations find them free instead of growing; settle_optimizer_state
+(optimizer) moves state made elsewhere there. Off by default: it helped
+the bench's GPT workloads and cost FSDP2.
 """
 
 import contextlib
@@ -198,11 +198,10 @@ def enable(library=None, excepthook=True, backend=None,
     "ctypes". Calling it again is a no-op. excepthook (ctypes backend):
     wrap sys.excepthook so that an uncaught "data is not allocated yet"
     error after a libgmlake failure also prints the cause.
-    optimizer_state: True to move each optimizer's state past the
-    activations' memory after its first step that made some
-    (settle_optimizer_state; gmlake.optimizer_state says why and what it
-    costs); default: GMLAKE_TORCH_SETTLE_OPTIMIZER=1 in the environment,
-    else off.
+    optimizer_state: True to make each optimizer's first state past the
+    activations' memory (global step hooks; gmlake.optimizer_state says
+    how, why and what it costs); default: GMLAKE_TORCH_SETTLE_OPTIMIZER=1
+    in the environment, else off.
     """
     import torch
 
@@ -309,10 +308,9 @@ def long_lived(device=None, library=None):
 
 def settle_optimizer_state(optimizer, library=None):
     """Move optimizer's large state tensors into memory of their own at
-    the end of libgmlake's (gmlake.optimizer_state.settle): after its
-    first step, or after state is made anew (load_state_dict(), a
-    parameter group added); enable(optimizer_state=True) does it after
-    each optimizer's first step. Returns how many tensors moved; 0 where
+    the end of libgmlake's (gmlake.optimizer_state.settle): after state
+    is made anew (load_state_dict(), a parameter group added), or made
+    where enable(optimizer_state=True)'s hooks do not place it. Returns how many tensors moved; 0 where
     libgmlake is not PyTorch's allocator."""
     return _optimizer_state.settle(optimizer, library)
 
