@@ -14,10 +14,11 @@ GMLAKE_TORCH_SETTLE_OPTIMIZER=1), global optimizer step hooks (install())
 make each optimizer's first state under gmlake_long_lived(3), which
 libgmlake places in handles of their own at the end of its newest
 segment, past the holes: a step pre-hook wraps the optimizer's
-_init_group (where torch.optim's Adam, AdamW, Adagrad, RMSprop and most
-others make their state) in long_lived() until the step that made state
-ends. State made elsewhere in that step (SGD's momentum, a custom
-optimizer's) is moved there by the post-hook: copied into a block made
+_init_group (where torch.optim's Adam, AdamW, Adamax, NAdam, RAdam,
+RMSprop and Adadelta make their state) in long_lived() until the step
+that made state ends. State made elsewhere (SGD's momentum in its step,
+Adagrad's when it is built, a custom optimizer's) is moved there by the
+post-hook after that step: copied into a block made
 under long_lived and the tensor pointed at it (Tensor.set_), which
 leaves its old place free as memory added where the activations may not
 need it. State made later (a parameter group added, load_state_dict())
