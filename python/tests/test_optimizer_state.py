@@ -372,9 +372,38 @@ class TestSettle(unittest.TestCase):
             offloaded._gmlake_offloader = object()
             self.assertIn(offloaded.step()[0].data_ptr(), in_hole)
             self.assertNotIn("_init_group", vars(offloaded))
+            T.compiling = True                  # torch.compile traces
+            traced = InitGroupOptimizer(T, params, 64 * MiB)
+            self.assertIn(traced.step()[0].data_ptr(), in_hole)
+            self.assertNotIn("_init_group", vars(traced))
+            T.compiling = False
             _lib.set_enabled(None, None)        # not PyTorch's allocator
             plain = InitGroupOptimizer(T, params, 64 * MiB)
             self.assertIn(plain.step()[0].data_ptr(), in_hole)
+
+    def test_hooks_after_a_failed_step(self):
+        """A step that raises after making state leaves the wrapper; the
+        next step ends it, and the state it placed is not copied."""
+        T = self.torch
+        with mock.patch.object(optimizer_state, "_hooks", None):
+            optimizer_state.install()
+            params = [T.empty(64 * MiB)]
+            act = T.empty(200 * MiB)
+            in_hole = range(act.data_ptr(), act.data_ptr() + 200 * MiB)
+            del act
+            opt = InitGroupOptimizer(T, params, 64 * MiB)
+            for hook in T.pre_hooks:
+                hook(opt, (), {})
+            made = []
+            opt._init_group(opt.param_groups[0], made)  # then it raised
+            self.assertIn("_init_group", vars(opt))
+            with mock.patch.object(T, "empty_like",
+                                   wraps=T.empty_like) as copy:
+                self.assertEqual(opt.step(), [])
+            copy.assert_not_called()
+            self.assertNotIn("_init_group", vars(opt))
+            self.assertNotIn(made[0].data_ptr(), in_hole)
+            self.assertIn(opt, optimizer_state._settled)
 
 
 if __name__ == "__main__":
