@@ -173,14 +173,20 @@ def _placing(optimizer, init_group):
     return placed_init_group
 
 
-def _pre_step(optimizer, args, kwargs):
+def _left_alone(optimizer):
+    """Whether the hooks leave optimizer be now: done with it, offloaded,
+    or while a CUDA graph captures or torch.compile traces."""
     with _lock:
         if optimizer in _settled:
-            return
-    if _offloaded(optimizer) or _lib.enabled_library() is None:
-        return
+            return True
+    if _offloaded(optimizer):
+        return True
     import torch
-    if _busy(torch):
+    return _busy(torch)
+
+
+def _pre_step(optimizer, args, kwargs):
+    if _lib.enabled_library() is None or _left_alone(optimizer):
         return
     init_group = getattr(optimizer, "_init_group", None)
     if callable(init_group) and \
@@ -197,13 +203,7 @@ def _unwrap(optimizer):
 
 def _post_step(optimizer, args, kwargs):
     _unwrap(optimizer)
-    with _lock:
-        if optimizer in _settled:
-            return
-    if not optimizer.state or _offloaded(optimizer):
-        return
-    import torch
-    if _busy(torch):
+    if not optimizer.state or _left_alone(optimizer):
         return
     with _lock:
         _settled.add(optimizer)     # once, whatever happens below
