@@ -9,29 +9,34 @@ taken and the allocator grows: new device memory in a step that repeats
 a shape (under libgmlake, creates, maps and set-access calls in a steady
 step), and a layout that stays fragmented.
 
-With gmlake.torch.enable(optimizer_state=True) (or
-GMLAKE_TORCH_SETTLE_OPTIMIZER=1), global optimizer step hooks (install())
-make each optimizer's first state under gmlake_long_lived(3), which
+gmlake.torch.enable() installs global optimizer step hooks (install())
+that make each optimizer's first state under gmlake_long_lived(3), which
 libgmlake places in handles of their own at the end of its newest
 segment, past the holes: a step pre-hook wraps the optimizer's
 _init_group (where torch.optim's Adam, AdamW, Adamax, NAdam, RAdam,
 RMSprop and Adadelta make their state) in long_lived() until the step
-that made state ends. State made elsewhere (SGD's momentum in its step,
-Adagrad's when it is built, a custom optimizer's) is moved there by the
-post-hook after that step: copied into a block made
-under long_lived and the tensor pointed at it (Tensor.set_), which
-leaves its old place free as memory added where the activations may not
-need it. State made later (a parameter group added, load_state_dict())
-is left where it is, for settle() to move when called.
+that made state ends. That is the default ("place"): on an H100 it took
+the bench's GPT workloads' steady driver time from 1.4-2.0% of a step to
+0.55-0.91% at no cost in peak reserved memory
+(bench/results/gpt-place-h100/). An optimizer with a parameter of a
+tensor subclass (FSDP2's DTensors) is left alone: placed there, FSDP2's
+state made its largest blocks (fp32 logits) stitch and repair
+(bench/results/eco-place-h100/).
+
+With enable(optimizer_state=True) (or GMLAKE_TORCH_SETTLE_OPTIMIZER=1),
+state made elsewhere (SGD's momentum in its step, Adagrad's when it is
+built, a custom optimizer's, or all of it where this PyTorch's optimizers
+have no _init_group) is moved there too by the post-hook after that
+step: copied into a block made under long_lived and the tensor pointed
+at it (Tensor.set_), which leaves its old place free as memory added
+where the activations may not need it (so not by default).
+enable(optimizer_state=False) or GMLAKE_TORCH_SETTLE_OPTIMIZER=0
+installs no hook. State made later (a parameter group added,
+load_state_dict()) is left where it is, for settle() to move when called.
 
 settle(optimizer) does the moving for any optimizer, at any time:
 optimizer.state, the tensor objects and every reference to them stay
 valid, the old block is freed.
-
-Off by default: on an H100 the hooks took the bench's GPT workloads'
-steady driver time from 1.4-2.0% of a step to 0.55-0.91% at no cost in
-peak reserved memory (bench/results/gpt-place-h100/), but raised
-FSDP2's and torch.compile's (bench/results/eco-place-h100/).
 
 A tensor is moved only when nothing else can see its memory: a plain
 CUDA tensor of at least MIN_BYTES that owns its whole storage and shares
@@ -58,6 +63,7 @@ _lock = threading.Lock()
 _settled = weakref.WeakSet()    # optimizers the hooks are done with
 _placed = weakref.WeakKeyDictionary()   # optimizer -> ids made in place
 _hooks = None
+_copy = False                   # the post-hook moves state made elsewhere
 _base_count = {}                # device index -> use count of a sole owner
 
 
@@ -173,15 +179,32 @@ def _placing(optimizer, init_group):
     return placed_init_group
 
 
+def _subclass_params(torch, optimizer):
+    """Whether a parameter of optimizer is a tensor subclass (FSDP2's
+    DTensor) rather than a plain tensor or nn.Parameter."""
+    nn = getattr(torch, "nn", None)
+    plain = (torch.Tensor, getattr(nn, "Parameter", torch.Tensor))
+    for group in getattr(optimizer, "param_groups", ()):
+        params = group.get("params", ()) if isinstance(group, dict) else ()
+        if any(type(p) not in plain for p in params):
+            return True
+    return False
+
+
 def _left_alone(optimizer):
     """Whether the hooks leave optimizer be now: done with it, offloaded,
-    or while a CUDA graph captures or torch.compile traces."""
+    with a tensor subclass among its parameters, or while a CUDA graph
+    captures or torch.compile traces."""
     with _lock:
         if optimizer in _settled:
             return True
     if _offloaded(optimizer):
         return True
     import torch
+    if _subclass_params(torch, optimizer):
+        with _lock:
+            _settled.add(optimizer)     # decided once, not every step
+        return True
     return _busy(torch)
 
 
@@ -208,6 +231,9 @@ def _post_step(optimizer, args, kwargs):
     with _lock:
         _settled.add(optimizer)     # once, whatever happens below
         placed = _placed.pop(optimizer, set())
+        copy = _copy
+    if not copy:
+        return
     try:
         _settle(optimizer, None, placed)
     except RuntimeError as e:       # out of memory for a copy, ...
@@ -216,11 +242,13 @@ def _post_step(optimizer, args, kwargs):
                       RuntimeWarning, stacklevel=2)
 
 
-def install():
+def install(copy=False):
     """Register the global step pre- and post-hooks once
-    (gmlake.torch.enable); False where this PyTorch has no global
-    optimizer hooks."""
-    global _hooks
+    (gmlake.torch.enable); with copy, the post-hook also moves state the
+    first step made outside _init_group (from then on: a later
+    install(copy=False) does not undo it). False where this PyTorch has
+    no global optimizer hooks."""
+    global _hooks, _copy
     try:
         from torch.optim.optimizer import \
             register_optimizer_step_post_hook as register_post, \
@@ -228,6 +256,7 @@ def install():
     except ImportError:
         return False
     with _lock:
+        _copy = _copy or bool(copy)
         if _hooks is None:
             _hooks = (register_pre(_pre_step), register_post(_post_step))
     return True

@@ -55,12 +55,14 @@ one new physical handle at the end of libgmlake's memory instead of one
 per 2 MiB chunk or a hole other tensors left (gmlake_long_lived(3)): for
 parameters as they load.
 
-enable(optimizer_state=True) or GMLAKE_TORCH_SETTLE_OPTIMIZER=1 makes
-every optimizer's first state past the holes its first step's
-activations left (gmlake.optimizer_state), so that the next steps'
-activations find them free instead of growing; settle_optimizer_state
-(optimizer) moves state made elsewhere there. Off by default: it helped
-the bench's GPT workloads and cost FSDP2.
+enable() makes every optimizer's first state past the holes its first
+step's activations left (gmlake.optimizer_state: step hooks around
+torch.optim's _init_group; not for FSDP2's DTensor parameters), so that
+the next steps' activations find them free instead of growing.
+enable(optimizer_state=True) or GMLAKE_TORCH_SETTLE_OPTIMIZER=1 also
+moves state made elsewhere there after the first step, False or =0
+turns the hooks off; settle_optimizer_state(optimizer) moves an
+optimizer's state there at any time.
 """
 
 import contextlib
@@ -188,6 +190,26 @@ def _enable_adapter(torch, path):
     _adapter_module = mod
 
 
+def _optimizer_state_mode(value):
+    """enable()'s optimizer_state (or, for None, SETTLE_ENV) as "place",
+    "copy" or None (no hooks); ValueError naming what is wrong."""
+    if value is None:
+        env = os.environ.get(SETTLE_ENV, "")
+        value = {"": "place", "place": "place", "1": True,
+                 "0": False}.get(env.strip().lower())
+        if value is None:
+            raise ValueError("gmlake.torch.enable: %s=%r is not 1, 0 or "
+                             "place" % (SETTLE_ENV, env))
+    if value is True:
+        return "copy"
+    if value is False:
+        return None
+    if value == "place":
+        return "place"
+    raise ValueError("gmlake.torch.enable: optimizer_state=%r is not "
+                     "True, False or \"place\"" % (value,))
+
+
 def enable(library=None, excepthook=True, backend=None,
            optimizer_state=None):
     """Make libgmlake PyTorch's CUDA allocator; returns the library path.
@@ -198,16 +220,20 @@ def enable(library=None, excepthook=True, backend=None,
     "ctypes". Calling it again is a no-op. excepthook (ctypes backend):
     wrap sys.excepthook so that an uncaught "data is not allocated yet"
     error after a libgmlake failure also prints the cause.
-    optimizer_state: True to make each optimizer's first state past the
-    activations' memory (global step hooks; gmlake.optimizer_state says
-    how, why and what it costs); default: GMLAKE_TORCH_SETTLE_OPTIMIZER=1
-    in the environment, else off.
+    optimizer_state: "place" (the default) makes each optimizer's first
+    state past the activations' memory where torch.optim makes it
+    (global step hooks; gmlake.optimizer_state says how, why, for which
+    optimizers and what it measured); True also moves state made
+    elsewhere there after the first step; False installs no hook.
+    Default: GMLAKE_TORCH_SETTLE_OPTIMIZER (1: True, 0: False, place),
+    else "place".
     """
     import torch
 
     with _lock:
         if _lib.enabled_library():
             return _lib.enabled_library()
+        mode = _optimizer_state_mode(optimizer_state)
         choice = backend or os.environ.get(BACKEND_ENV) or "auto"
         if choice not in BACKENDS:
             raise ValueError("gmlake.torch.enable: backend %r is not one of "
@@ -239,10 +265,8 @@ def enable(library=None, excepthook=True, backend=None,
             _enable_ctypes(torch, path, lib)
             used = "ctypes"
         _lib.set_enabled(path, used)
-        if optimizer_state is None:
-            optimizer_state = os.environ.get(SETTLE_ENV) == "1"
-        if optimizer_state:
-            _optimizer_state.install()
+        if mode:
+            _optimizer_state.install(copy=mode == "copy")
         if excepthook and used == "ctypes":
             _install_excepthook()
         return path

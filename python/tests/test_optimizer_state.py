@@ -225,6 +225,15 @@ class TestSettle(unittest.TestCase):
         self._mods.stop()
         _lib.set_enabled(None, None)
 
+    def hooks(self):
+        """No hooks installed and copying off, for the test's install()."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(optimizer_state, "_hooks",
+                                              None))
+        stack.enter_context(mock.patch.object(optimizer_state, "_copy",
+                                              False))
+        return stack
+
     def fill(self, t, byte):
         buf = (ctypes.c_uint8 * t.numel())()
         ctypes.memset(buf, byte, t.numel())
@@ -286,9 +295,9 @@ class TestSettle(unittest.TestCase):
         self.assertEqual(big.data_ptr(), ptr)
 
     def test_hook_settles_each_optimizer_once(self):
-        with mock.patch.object(optimizer_state, "_hooks", None):
-            self.assertTrue(optimizer_state.install())
-            self.assertTrue(optimizer_state.install())
+        with self.hooks():
+            self.assertTrue(optimizer_state.install(copy=True))
+            self.assertTrue(optimizer_state.install())   # copy stays on
             self.assertEqual(len(self.torch.pre_hooks), 1)
             self.assertEqual(len(self.torch.post_hooks), 1)
             hook = self.torch.post_hooks[0]
@@ -307,8 +316,8 @@ class TestSettle(unittest.TestCase):
             self.assertEqual(big.data_ptr(), moved)
 
     def test_hook_failure_warns_and_keeps_state(self):
-        with mock.patch.object(optimizer_state, "_hooks", None):
-            optimizer_state.install()
+        with self.hooks():
+            optimizer_state.install(copy=True)
             opt, _ = self.step0()
             big = opt.state["p"]["exp_avg"]
             ptr = big.data_ptr()
@@ -329,8 +338,8 @@ class TestSettle(unittest.TestCase):
         """State made in _init_group in the first step lands past the
         activations' hole in place: not copied there afterwards."""
         T = self.torch
-        with mock.patch.object(optimizer_state, "_hooks", None):
-            optimizer_state.install()
+        with self.hooks():
+            optimizer_state.install(copy=True)
             params = [T.empty(64 * MiB), T.empty(64 * MiB)]
             act = T.empty(300 * MiB)
             in_hole = range(act.data_ptr(), act.data_ptr() + 300 * MiB)
@@ -360,9 +369,68 @@ class TestSettle(unittest.TestCase):
             act = T.empty(300 * MiB)
             self.assertIn(act.data_ptr(), in_hole)
 
+    def test_default_places_and_copies_nothing(self):
+        """install() without copy: state made in _init_group is placed,
+        state made elsewhere stays where it was made."""
+        T = self.torch
+        with self.hooks():
+            optimizer_state.install()
+            params = [T.empty(64 * MiB)]
+            act = T.empty(300 * MiB)
+            in_hole = range(act.data_ptr(), act.data_ptr() + 300 * MiB)
+            del act
+            opt = InitGroupOptimizer(T, params, 64 * MiB)
+            with mock.patch.object(optimizer_state, "_settle") as settle:
+                made = opt.step()
+            self.assertNotIn(made[0].data_ptr(), in_hole)
+            settle.assert_not_called()
+            self.assertIn(opt, optimizer_state._settled)
+            # State made outside _init_group (SGD's momentum) stays.
+            other, _ = self.step0()
+            big = other.state["p"]["exp_avg"]
+            ptr = big.data_ptr()
+            for hook in T.post_hooks:
+                hook(other, (), {})
+            self.assertEqual(big.data_ptr(), ptr)
+            self.assertIn(other, optimizer_state._settled)
+
+    def test_hooks_leave_subclass_params_alone(self):
+        """An optimizer with a tensor subclass among its parameters
+        (FSDP2's DTensors) makes its state where it would without the
+        hooks, and is not looked at again."""
+        T = self.torch
+
+        class DTensor(T.Tensor):
+            pass
+
+        with self.hooks():
+            optimizer_state.install(copy=True)
+            act = T.empty(300 * MiB)
+            in_hole = range(act.data_ptr(), act.data_ptr() + 300 * MiB)
+            params = [T.empty(64 * MiB), DTensor(T.Storage(64 * MiB))]
+            del act
+            opt = InitGroupOptimizer(T, params, 64 * MiB)
+            with mock.patch.object(optimizer_state, "_settle") as settle:
+                made = opt.step()
+            self.assertEqual(len(made), 2)
+            for t in made:
+                self.assertIn(t.data_ptr(), in_hole)
+            settle.assert_not_called()
+            self.assertNotIn("_init_group", vars(opt))
+            self.assertIn(opt, optimizer_state._settled)
+            # Plain parameters alone: placed past the first hole's free
+            # rest and a second hole.
+            act = T.empty(300 * MiB)
+            second = range(act.data_ptr(), act.data_ptr() + 300 * MiB)
+            del act
+            plain = InitGroupOptimizer(T, params[:1], 64 * MiB)
+            ptr = plain.step()[0].data_ptr()
+            self.assertNotIn(ptr, in_hole)
+            self.assertNotIn(ptr, second)
+
     def test_hooks_leave_placing_off_when_not_ours(self):
         T = self.torch
-        with mock.patch.object(optimizer_state, "_hooks", None):
+        with self.hooks():
             optimizer_state.install()
             act = T.empty(300 * MiB)
             in_hole = range(act.data_ptr(), act.data_ptr() + 300 * MiB)
@@ -385,7 +453,7 @@ class TestSettle(unittest.TestCase):
         """A step that raises after making state leaves the wrapper; the
         next step ends it, and the state it placed is not copied."""
         T = self.torch
-        with mock.patch.object(optimizer_state, "_hooks", None):
+        with self.hooks():
             optimizer_state.install()
             params = [T.empty(64 * MiB)]
             act = T.empty(200 * MiB)

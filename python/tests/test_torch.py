@@ -737,6 +737,34 @@ class TestEnableWarns(unittest.TestCase):
             with self.assertRaises(ValueError):
                 gmlake.torch.enable(backend="cuda")
 
+    def test_optimizer_state_mode(self):
+        mode = gmlake.torch._optimizer_state_mode
+        env = gmlake.torch.SETTLE_ENV
+        for value, want in ((None, "place"), ("place", "place"),
+                            (True, "copy"), (False, None)):
+            with mock.patch.dict(os.environ, {}, clear=False):
+                os.environ.pop(env, None)
+                self.assertEqual(mode(value), want)
+        for text, want in (("", "place"), ("place", "place"), ("1", "copy"),
+                           ("0", None), (" 1 ", "copy")):
+            with mock.patch.dict(os.environ, {env: text}):
+                self.assertEqual(mode(None), want)
+                self.assertEqual(mode(False), None)     # the argument wins
+        with mock.patch.dict(os.environ, {env: "yes"}):
+            with self.assertRaisesRegex(ValueError, env + ".*'yes'"):
+                mode(None)
+        for bad in (1, "copy", "on"):
+            with self.assertRaisesRegex(ValueError, "optimizer_state"):
+                mode(bad)
+
+    def test_bad_optimizer_state_env(self):
+        torch = types.ModuleType("torch")
+        with mock.patch.dict(sys.modules, {"torch": torch}), \
+                mock.patch.dict(os.environ,
+                                {gmlake.torch.SETTLE_ENV: "true"}):
+            with self.assertRaisesRegex(ValueError, "SETTLE_OPTIMIZER"):
+                gmlake.torch.enable()
+
 
 if __name__ == "__main__":
     unittest.main()
