@@ -341,6 +341,10 @@ int gml_large_alloc(gmlake_ctx *ctx, size_t size, int stream,
 		return gml_set_error(-ENOMEM, "no host memory for a block");
 	ctx->poll_gen++;
 	gml_reap_dying(ctx, false);
+	/* With no tier, whose thread's timer reaps them, freed spans whose
+	 * work is done go back to the driver here (span.c's span_keep). */
+	if (ctx->nstale && !ctx->tier)
+		gml_stale_reap(ctx, false);
 	ret = try_alloc(ctx, size, (uint32_t)chunks, stream, b);
 	for (unsigned rung = 0;
 	     ret == -ENOMEM && gml_pressure_relieve(ctx, &rung, NULL);)

@@ -21,7 +21,8 @@
  * spill or free, so they are never free chunks: no stitched view maps
  * them and nothing releases them one by one. At the free the run becomes
  * holes, as a spilled block's run is, once the work that used it is done
- * (a stale entry, unmapped by gml_stale_reap), and the handle a spare.
+ * (a stale entry, unmapped by gml_stale_reap), and the handle a spare,
+ * or, with no tier, the driver's again (span_keep).
  * Spare spans go with the spare chunks (gml_spares_release: the spare
  * timer, trim, memory pressure, destroy). When the device has no room for
  * a new span, the spare chunks go first, then free chunks of the chunk
@@ -273,13 +274,27 @@ static void span_forget(struct gml_view *v, uint32_t p)
 
 /* Unmap a span's run now and keep its handle; 0, or -errno with the run
  * still mapped. */
+/*
+ * An unmapped span's handle: a spare for the next fetch of its size
+ * under a tier, whose thread's timer gives spares back. With no tier no
+ * fetch comes and no timer runs, so a freed long-lived block's handle (an
+ * optimizer's state, gmlake_long_lived) goes back to the driver now
+ * instead of staying reserved until memory pressure or destroy; kept
+ * where the driver refuses it.
+ */
+static void span_keep(gmlake_ctx *ctx, gml_handle h, uint32_t n)
+{
+	if (ctx->tier || !gml_span_release(ctx, h, n))
+		gml_span_put(ctx, h, n);
+}
+
 static int span_unmap(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 		      uint32_t n, gml_handle h)
 {
 	int ret = gml_view_unmap_run(ctx, s, pos, n);
 
 	if (!ret)
-		gml_span_put(ctx, h, n);
+		span_keep(ctx, h, n);
 	return ret;
 }
 
@@ -315,6 +330,8 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 	struct gml_view *v = b->view;
 	gml_handle h = v->chunks[b->pos]->handle;
 	uint32_t pos = b->pos, n = b->n;
+	struct gml_guard when = *g;
+	uint64_t seq;
 
 	span_forget(v, pos);
 	v->maxfree = GML_RUN_UNKNOWN;
@@ -322,7 +339,13 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 		v->holes += n;
 	if (gml_guard_ready(ctx, g, -1) && !span_unmap(ctx, v, pos, n, h))
 		return;
-	if (!v->stitched && gml_stale_add(ctx, v, pos, n, h, g) == 0)
+	/* With no tier the stale entry is reaped at a later allocation
+	 * (gml_large_alloc), by polling: a single stream's seq 0 guard never
+	 * completes, so an event marks the work now. */
+	if (!ctx->tier && g->stream >= 0 && !g->seq &&
+	    !gml_stream_mark(ctx, g->stream, true, &seq))
+		when.seq = seq;
+	if (!v->stitched && gml_stale_add(ctx, v, pos, n, h, &when) == 0)
 		return;
 	if (g->stream >= 0 && gml_stream_wait(ctx, g->stream, g->seq))
 		gml_log(GMLAKE_LOG_ERROR, "cannot wait for the work on a freed "
