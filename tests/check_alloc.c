@@ -530,6 +530,48 @@ START_TEST(test_long_lived_faults)
 END_TEST
 
 /*
+ * A freed long-lived block with no tier: a failing call on the way back
+ * to the driver (the event marking its work, its query, the unmap, the
+ * release) loses nothing: the free succeeds, the next allocation works,
+ * and a trim leaves reserved memory where it was before the block. _i:
+ * the call kind.
+ */
+START_TEST(test_long_lived_free_faults)
+{
+	static const int calls[] = {
+		GMLAKE_CALL_event_record, GMLAKE_CALL_event_query,
+		GMLAKE_CALL_mem_unmap, GMLAKE_CALL_mem_release,
+	};
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(64));
+	struct gmlake_stats s0, s1, sa, sb;
+	void *a, *b, *d;
+
+	b = th_alloc_filled(ctx, 2 * TH_CHUNK, 1, NULL);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_stats(ctx, &s0);
+	TH_OK(ctx, gmlake_long_lived(ctx, true));
+	a = th_alloc_filled(ctx, 32 * TH_CHUNK, 2, NULL);
+	TH_OK(ctx, gmlake_long_lived(ctx, false));
+	th_verify_ok(ctx, a, 32 * TH_CHUNK, 2, NULL);
+	th_stats(ctx, &sa);
+	gml_dev_fail_nth(th_dev(ctx), calls[_i], 1, EIO);
+	TH_OK(ctx, gmlake_free(ctx, a));
+	d = th_alloc(ctx, 4 * TH_CHUNK, NULL);	/* reaps the freed span */
+	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
+	th_stats(ctx, &sb);
+	ck_assert_uint_ge(calls_between(&sa, &sb, calls[_i]), 1);	/* fired */
+	th_fill_ok(ctx, d, 4 * TH_CHUNK, 3, NULL);
+	th_verify_free(ctx, d, 4 * TH_CHUNK, 3, NULL);
+	TH_OK(ctx, gmlake_trim(ctx));
+	th_stats(ctx, &s1);
+	ck_assert_int_eq(s1.reserved_bytes.current, s0.reserved_bytes.current);
+	ck_assert_int_eq(s1.chunks.current, s0.chunks.current);
+	th_verify_free(ctx, b, 2 * TH_CHUNK, 1, NULL);
+	th_destroy(ctx);
+}
+END_TEST
+
+/*
  * The growth budget (cfg.grow_slack, gmlake_grow_slack): 982 of 992
  * chunks live, the 10 free in two runs of 5. A request of 10 grows the
  * segment while reserved memory stays within the budget over the most
@@ -2780,6 +2822,7 @@ static Suite *alloc_suite(bool emu)
 	tcase_add_test(tc, test_pack_streams);
 	tcase_add_test(tc, test_pack_whole_after_align);
 	tcase_add_loop_test(tc, test_long_lived_faults, 0, 5);
+	tcase_add_loop_test(tc, test_long_lived_free_faults, 0, 4);
 	tcase_add_test(tc, test_top_fit);
 	tcase_add_test(tc, test_top_fit_auto);
 	tcase_add_test(tc, test_split_coalesce);
