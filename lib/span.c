@@ -272,8 +272,6 @@ static void span_forget(struct gml_view *v, uint32_t p)
 	free(first);
 }
 
-/* Unmap a span's run now and keep its handle; 0, or -errno with the run
- * still mapped. */
 /*
  * An unmapped span's handle: a spare for the next fetch of its size
  * under a tier, whose thread's timer gives spares back. With no tier no
@@ -288,6 +286,8 @@ static void span_keep(gmlake_ctx *ctx, gml_handle h, uint32_t n)
 		gml_span_put(ctx, h, n);
 }
 
+/* Unmap a span's run now and keep its handle (span_keep); 0, or -errno
+ * with the run still mapped. */
 static int span_unmap(gmlake_ctx *ctx, struct gml_view *s, uint32_t pos,
 		      uint32_t n, gml_handle h)
 {
