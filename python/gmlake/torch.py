@@ -334,7 +334,7 @@ def settle_optimizer_state(optimizer, library=None):
     """Move optimizer's large state tensors into memory of their own at
     the end of libgmlake's (gmlake.optimizer_state.settle): after state
     is made anew (load_state_dict(), a parameter group added), or made
-    where enable(optimizer_state=True)'s hooks do not place it. Returns
+    where enable()'s hooks do not place it (outside _init_group). Returns
     how many tensors moved; 0 where libgmlake is not PyTorch's
     allocator."""
     return _optimizer_state.settle(optimizer, library)
