@@ -195,11 +195,12 @@ def _optimizer_state_mode(value):
     "copy" or None (no hooks); ValueError naming what is wrong."""
     if value is None:
         env = os.environ.get(SETTLE_ENV, "")
-        value = {"": "place", "place": "place", "1": True,
-                 "0": False}.get(env.strip().lower())
-        if value is None:
+        key = env.strip().lower()
+        modes = {"": "place", "place": "place", "1": "copy", "0": None}
+        if key not in modes:
             raise ValueError("gmlake.torch.enable: %s=%r is not 1, 0 or "
                              "place" % (SETTLE_ENV, env))
+        return modes[key]
     if value is True:
         return "copy"
     if value is False:
