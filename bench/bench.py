@@ -68,7 +68,9 @@ offloader record its records at backward's largest resident_bytes
 gives gpt_offload's and llama_offload's offload_activations() those
 options ('{"same_address": true, "lag": 2}': the same-address one);
 BENCH_TRACE=DIR records each workload's allocations in every child
-(its own allocator's history, a 977-byte marker before each step) into
+(its own allocator's history, a 977-byte marker before each step and
+the long-lived markers around an optimizer's first state,
+benchlib.mark_long_lived) into
 DIR/WORKLOAD-ALLOCATOR.trace.gz for gmlake-replay: the run the bench
 measured, which a bench/capture_eco.py run may not be (an earlier
 workload in the same process, other settings);
@@ -465,6 +467,7 @@ def trace_start(torch):
         torch.cuda.memory._record_memory_history(
             enabled="all", context=None, stacks="python",
             max_entries=8_000_000)
+        benchlib.mark_long_lived(torch)
 
 
 def trace_end(torch, name, args, r):
@@ -482,7 +485,8 @@ def trace_end(torch, name, args, r):
     settle = benchlib.settle_flags(r)
     events, peak_alloc, peak_reserved = s2t.convert(
         snap["device_traces"][torch.cuda.current_device()],
-        step_mark=benchlib.STEP_MARK, settle=settle)
+        step_mark=benchlib.STEP_MARK, settle=settle,
+        long_lived_marks=benchlib.LONG_LIVED_MARKS)
     header = ["pytorch %s" % torch.__version__, "workload=%s" % name,
               "steps=%d" % len(settle), "peak_alloc=%d" % peak_alloc]
     # gmlake-replay reads peak_reserved as PyTorch's (its torch% column):

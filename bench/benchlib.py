@@ -171,6 +171,55 @@ def shape_sequence(shapes, steps, rng, tries=1000):
 # the count of markers rather than write wrong steps.
 STEP_MARK = 977
 
+# The long-lived markers (snapshot_to_trace.convert(long_lived_marks=...)):
+# blocks of these sizes, allocated and freed right before and after an
+# optimizer's _init_group makes its first state, become "long_lived 1 0 0"
+# and "long_lived 0 0 0" lines, where a run under libgmlake has its
+# optimizer hooks call gmlake_long_lived(). Primes again, asked for by no
+# allocation of the traces in tests/data.
+LONG_LIVED_MARKS = (983, 991)
+
+
+def mark_long_lived(torch):
+    """Global optimizer step hooks that put a long-lived marker before and
+    after each _init_group call of an optimizer's first step, as
+    gmlake.optimizer_state's hooks put gmlake_long_lived() there (the same
+    optimizers: with plain tensor parameters, outside compiling and
+    capture). capture_eco.py's children install them, the unrecorded
+    one too so that both allocate alike, and bench.py's under
+    BENCH_TRACE."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    from gmlake import optimizer_state as ostate
+
+    done = set()
+
+    def marker(size):
+        m = torch.empty(size, dtype=torch.uint8, device="cuda")
+        del m
+
+    def pre(opt, args, kwargs):
+        init_group = getattr(opt, "_init_group", None)
+        if id(opt) in done or not callable(init_group) or \
+                ostate._subclass_params(torch, opt) or ostate._busy(torch):
+            return
+
+        def marked(*a, **k):
+            marker(LONG_LIVED_MARKS[0])
+            try:
+                return init_group(*a, **k)
+            finally:
+                marker(LONG_LIVED_MARKS[1])
+        opt._init_group = marked
+
+    def post(opt, args, kwargs):
+        vars(opt).pop("_init_group", None)
+        if opt.state:
+            done.add(id(opt))
+
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
+
 
 def shape_key(shape):
     """A hashable key of a shape as a step returns it or as results.json

@@ -12,7 +12,13 @@ gmlake.snapshot_to_trace) with NAME.trace.json beside it (steps, mean
 step, mean steady step, PyTorch's peaks). Each step is marked in the
 trace by a step line ("step K S 0", S 1 for a settling step: the first
 at its shape), so that gmlake-replay prices the steady steps wherever
-they fall. With --expandable a second child runs the same
+they fall. An optimizer's first state is marked the same way, with
+"long_lived 1 0 0" before and "long_lived 0 0 0" after each call of its
+_init_group in the step that made state, where gmlake.torch.enable()'s
+hooks turn gmlake_long_lived() on (gmlake/optimizer_state.py), so that
+the replay places the state as libgmlake does under PyTorch (the hooks'
+choice of optimizers: plain tensor parameters only; FSDP2's DTensor
+optimizer is not marked). With --expandable a second child runs the same
 steps under expandable_segments:True, unrecorded, for
 NAME.expandable.json: the figure gmlake-replay compares against.
 
@@ -36,6 +42,7 @@ import benchlib  # noqa: E402
 import ecosystem  # noqa: E402
 
 STEP_MARK = benchlib.STEP_MARK
+LONG_LIVED_MARKS = benchlib.LONG_LIVED_MARKS
 
 
 def short(name):
@@ -73,6 +80,7 @@ def child(ns):
         torch.cuda.memory._record_memory_history(
             enabled="all", context=None, stacks="python",
             max_entries=8_000_000)
+    benchlib.mark_long_lived(torch)
     state = ecosystem.build(ns.child, ns.size, ns.seed, steps)
     settle = settle_flags(ns.child, ns.size, ns.seed, steps)
     torch.cuda.synchronize()
@@ -106,7 +114,8 @@ def child(ns):
         torch.cuda.memory._record_memory_history(enabled=None)
         dev = torch.cuda.current_device()
         events, peak_alloc, peak_reserved = s2t.convert(
-            snap["device_traces"][dev], step_mark=STEP_MARK, settle=settle)
+            snap["device_traces"][dev], step_mark=STEP_MARK, settle=settle,
+            long_lived_marks=LONG_LIVED_MARKS)
         s2t.write(base + ".trace.gz", events,
                   ["pytorch %s" % torch.__version__,
                    "workload=%s" % short(ns.child), "steps=%d" % steps,

@@ -180,6 +180,31 @@ START_TEST(test_line_step)
 }
 END_TEST
 
+/* long_lived F 0 0: F 1 turns gmlake_long_lived() on, 0 off. */
+START_TEST(test_line_long_lived)
+{
+	struct gml_trace_event ev;
+	const char *why;
+
+	ck_assert_str_eq(gml_trace_kind_name(GML_TRACE_LONG_LIVED),
+			 "long_lived");
+	ck_assert_int_eq(parse("long_lived 1 0 0", &ev, &why), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_LONG_LIVED);
+	ck_assert_uint_eq(ev.addr, 1);
+	ck_assert_str_eq(why, "");
+	ck_assert_int_eq(parse("long_lived 0 0 0", &ev, &why), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_LONG_LIVED);
+	ck_assert_uint_eq(ev.addr, 0);
+	ck_assert_int_eq(parse("long_live 1 0 0", &ev, NULL), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_OTHER);
+
+	expect_bad("long_lived 2 0 0", 16, "long_lived's flag");
+	expect_bad("long_lived 18446744073709551615 0 0", 35,
+		   "long_lived's flag");
+	expect_bad("long_lived 1 0", 14, "too few fields");
+}
+END_TEST
+
 /* Step lines in a file: each a STEP event; a bad flag names its line. */
 START_TEST(test_file_steps)
 {
@@ -966,6 +991,7 @@ static Suite *trace_suite(void)
 	tcase_add_test(tc, test_line_unknown_action);
 	tcase_add_test(tc, test_line_blanks);
 	tcase_add_test(tc, test_line_step);
+	tcase_add_test(tc, test_line_long_lived);
 	tcase_add_test(tc, test_line_limits);
 	tcase_add_test(tc, test_line_comment_blank);
 	tcase_add_test(tc, test_line_length_bound);

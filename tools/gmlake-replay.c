@@ -138,6 +138,7 @@ struct replay {
 	struct gml_trace *t;	      /* open for both passes */
 	uint64_t events; /* every event line of the trace */
 	uint64_t nalloc, nfree, unknown;
+	uint64_t long_lived_on; /* long_lived lines turning it on, replayed */
 	uint64_t nsteps, steady_steps; /* step lines; those with S == 0 */
 	uint64_t trace_peak_live; /* sum of live sizes, from the trace */
 
@@ -853,6 +854,23 @@ static int step_line(struct replay *r, gmlake_ctx *ctx,
 	return 0;
 }
 
+/* A long_lived line: gmlake_long_lived() on or off, as the optimizer's
+ * hooks do around its state in a run under libgmlake (the traces come
+ * from PyTorch's allocator, which has no such call). */
+static int long_lived_line(struct replay *r, gmlake_ctx *ctx,
+			   const struct gml_trace_event *ev, uint64_t line)
+{
+	int ret = gmlake_long_lived(ctx, ev->addr == 1);
+
+	if (ret) {
+		errmsg("%s:%" PRIu64 ": %s", r->path, line,
+		       gmlake_last_error());
+		return ret;
+	}
+	r->long_lived_on += ev->addr == 1;
+	return 0;
+}
+
 /*
  * The second pass: the trace from the start again, each event replayed as
  * it is read. A trace that changed since the first pass fails here.
@@ -878,6 +896,12 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		progress(r, o, "replaying", info->events, r->events);
 		if (ev.kind == GML_TRACE_STEP) {
 			ret = step_line(r, ctx, &ev, o);
+			if (ret)
+				return ret;
+			continue;
+		}
+		if (ev.kind == GML_TRACE_LONG_LIVED) {
+			ret = long_lived_line(r, ctx, &ev, info->lines);
 			if (ret)
 				return ret;
 			continue;
@@ -1140,6 +1164,7 @@ static void print_json(const struct replay *r, const struct result *x)
 	json_u64("allocs", r->nalloc);
 	json_u64("frees", r->nfree);
 	json_u64("unknown_actions", r->unknown);
+	json_u64("long_lived_windows", r->long_lived_on);
 	json_u64("skipped_frees", r->skipped_frees);
 	json_u64("duplicate_allocs", r->dup_allocs);
 	json_u64("chunk_size", e->chunk_size);

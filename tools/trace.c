@@ -51,6 +51,7 @@ static const char *const kind_names[GML_TRACE_KIND_COUNT] = {
 	[GML_TRACE_SEGMENT_MAP] = "segment_map",
 	[GML_TRACE_SEGMENT_UNMAP] = "segment_unmap",
 	[GML_TRACE_STEP] = "step",
+	[GML_TRACE_LONG_LIVED] = "long_lived",
 	[GML_TRACE_OTHER] = "other",
 };
 
@@ -181,6 +182,10 @@ int gml_trace_parse_line(const char *line, size_t len,
 	/* S picks the steps a replay prices: no guessing at other values. */
 	if (ev->kind == GML_TRACE_STEP && ev->size > 1) {
 		*why = "step's settle flag (the size field) is not 0 or 1";
+		return -EINVAL;
+	}
+	if (ev->kind == GML_TRACE_LONG_LIVED && ev->addr > 1) {
+		*why = "long_lived's flag (the address field) is not 0 or 1";
 		return -EINVAL;
 	}
 	return 1;

@@ -50,6 +50,7 @@ enum gml_trace_kind {
 	GML_TRACE_SEGMENT_MAP,
 	GML_TRACE_SEGMENT_UNMAP,
 	GML_TRACE_STEP,	 /* addr: step index, size: 1 settling, 0 steady */
+	GML_TRACE_LONG_LIVED, /* addr: 1 on, 0 off (gmlake_long_lived) */
 	GML_TRACE_OTHER, /* well-formed, action unknown */
 	GML_TRACE_KIND_COUNT
 };

@@ -38,6 +38,14 @@ A step line comes before its step's first event; gmlake-replay prices
 the steady steps' driver work (gmlake-replay(1)). With settle given, a
 number of markers other than len(settle) is a ValueError: the size was
 not the capture's alone, or the trace lost its start.
+
+Long-lived markers: convert(..., long_lived_marks=(ON, OFF)) turns
+allocations of exactly ON and OFF bytes into the lines "long_lived 1 0 0"
+and "long_lived 0 0 0", which make gmlake-replay call
+gmlake_long_lived() as libgmlake's optimizer hooks do around an
+optimizer's _init_group (gmlake/optimizer_state.py); their frees are
+dropped and their bytes count in no peak. An OFF marker without an ON
+before it is a ValueError.
 """
 
 import argparse
@@ -57,17 +65,26 @@ def _stream(value):
         return 0
 
 
-def convert(trace, keep_unmatched=False, step_mark=None, settle=None):
+def convert(trace, keep_unmatched=False, step_mark=None, settle=None,
+            long_lived_marks=None):
     """(events, peak_alloc, peak_reserved) from one device's trace entries
     (dicts with action, addr, size, stream). events: (action, addr, size,
     stream) tuples in order. step_mark: the size of the step markers,
     whose allocs become ("step", k, settle[k] or 0, 0) and whose frees go
-    (see the module's doc); None: no markers."""
+    (see the module's doc); None: no markers. long_lived_marks: the sizes
+    (ON, OFF) of the long-lived markers, whose allocs become
+    ("long_lived", 1 or 0, 0, 0); None: none."""
     if settle is not None and step_mark is None:
         raise ValueError("settle flags without step_mark")
+    ll_on, ll_off = long_lived_marks or (None, None)
+    if long_lived_marks is not None and \
+            len({ll_on, ll_off, step_mark}) != 3:
+        raise ValueError("long-lived marker sizes %r must differ from each "
+                         "other and from step_mark" % (long_lived_marks,))
     live = {}
     marks = set()   # addresses of the markers live now
     steps = 0
+    depth = 0       # long_lived on lines without their off yet
     alloc = reserved = peak_alloc = peak_reserved = 0
     out = []
     for e in trace:
@@ -85,6 +102,15 @@ def convert(trace, keep_unmatched=False, step_mark=None, settle=None):
             out.append(("step", steps, flag, 0))
             marks.add(addr)
             steps += 1
+            continue
+        if action == "alloc" and long_lived_marks is not None and \
+                size in (ll_on, ll_off):
+            if size == ll_off and not depth:
+                raise ValueError("long-lived off marker (%d bytes) without "
+                                 "an on marker before it" % size)
+            depth += 1 if size == ll_on else -1
+            out.append(("long_lived", 1 if size == ll_on else 0, 0, 0))
+            marks.add(addr)
             continue
         if action in FREES and addr in marks:
             if action == "free_completed":

@@ -175,5 +175,73 @@ class TestStepMarkers(unittest.TestCase):
             self.assertEqual(r["allocs"], 4)
 
 
+LL_ON, LL_OFF = 979, 983
+
+
+class TestLongLivedMarkers(unittest.TestCase):
+
+    def window(self):
+        """A 64 MiB activation freed, then a 64 MiB state block allocated
+        between long-lived markers (each freed at once, as the capture's)."""
+        on = [ev("alloc", 4096, LL_ON), ev("free_requested", 4096, LL_ON),
+              ev("free_completed", 4096, LL_ON)]
+        off = [ev("alloc", 4096, LL_OFF), ev("free_requested", 4096, LL_OFF),
+               ev("free_completed", 4096, LL_OFF)]
+        return (block(1 << 30, 64 * MiB) + on +
+                [ev("alloc", (1 << 30) + 64 * MiB, 64 * MiB)] + off)
+
+    def test_markers_become_lines(self):
+        out, peak_alloc, _ = s2t.convert(self.window(),
+                                         long_lived_marks=(LL_ON, LL_OFF))
+        self.assertEqual([e[0] for e in out],
+                         ["alloc", "free_requested", "free_completed",
+                          "long_lived", "alloc", "long_lived"])
+        self.assertEqual(out[3], ("long_lived", 1, 0, 0))
+        self.assertEqual(out[5], ("long_lived", 0, 0, 0))
+        self.assertEqual(peak_alloc, 64 * MiB)  # markers count in no peak
+
+    def test_without_marks(self):
+        # Not asked for: the markers are allocations like any other.
+        out, _, _ = s2t.convert(self.window())
+        self.assertNotIn("long_lived", [e[0] for e in out])
+        self.assertEqual(sum(1 for e in out if e[0] == "alloc"), 4)
+
+    def test_off_before_on(self):
+        trace = [ev("alloc", 4096, LL_OFF)]
+        with self.assertRaisesRegex(ValueError, "off marker .* without"):
+            s2t.convert(trace, long_lived_marks=(LL_ON, LL_OFF))
+
+    def test_sizes_must_differ(self):
+        with self.assertRaisesRegex(ValueError, "must differ"):
+            s2t.convert([], step_mark=MARK, long_lived_marks=(MARK, LL_OFF))
+        with self.assertRaisesRegex(ValueError, "must differ"):
+            s2t.convert([], long_lived_marks=(LL_ON, LL_ON))
+
+    def test_written_and_replayed(self):
+        out, peak_alloc, peak_reserved = s2t.convert(
+            self.window(), long_lived_marks=(LL_ON, LL_OFF))
+        replay = os.path.join(os.environ.get("top_builddir", ROOT), "tools",
+                              "gmlake-replay")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "ll.trace.gz")
+            s2t.write(path, out, ["pytorch test", "workload=ll"])
+            with gzip.open(path, "rt") as f:
+                lines = f.read().splitlines()
+            self.assertEqual([ln for ln in lines
+                              if ln.startswith("long_lived")],
+                             ["long_lived 1 0 0", "long_lived 0 0 0"])
+            if not os.access(replay, os.X_OK):
+                self.skipTest("%s not built" % replay)
+            env = dict(os.environ, GMLAKE_BACKEND="emu")
+            p = subprocess.run([replay, "--json", "--quiet", path],
+                               capture_output=True, text=True, timeout=120,
+                               env=env)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            r = json.loads(p.stdout)
+            self.assertEqual(r["long_lived_windows"], 1)
+            self.assertEqual(r["unknown_actions"], 0)
+            self.assertEqual(r["allocs"], 2)
+
+
 if __name__ == "__main__":
     unittest.main()
