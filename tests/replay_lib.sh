@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: MIT
 #
 # Helpers of the replay tests (replay_test.sh, replay_steps_test.sh,
-# replay_orders_test.sh), sourced: a pass/fail count, the values of
-# gmlake-replay's JSON lines, and a bound on them.
+# replay_orders_test.sh, replay_long_lived_test.sh), sourced: a pass/fail
+# count, one trace's replay as JSON, the values of gmlake-replay's JSON
+# lines, and a bound on them.
 
 passed=0
 failed=0
@@ -48,4 +49,11 @@ at_most() {
 			exit 1
 		exit !(v + 0 <= max + 0)
 	}'
+}
+
+# run_json TRACE: gmlake-replay's JSON line for TRACE in $out, its status
+# in $rc, its stderr in $tmp/err ($replay and $tmp set by the caller).
+run_json() {
+	out=$("$replay" --json --quiet "$1" 2>"$tmp/err")
+	rc=$?
 }

@@ -22,7 +22,7 @@ replay=$top_builddir/tools/gmlake-replay
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
 
-# result, value and the counts.
+# result, value, run_json and the counts.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
@@ -57,11 +57,6 @@ make_trace() {
 	} >"$1"
 }
 
-# run_json TRACE: its JSON line in $out, the status in $rc.
-run_json() {
-	out=$("$replay" --json --quiet "$1" 2>"$tmp/err")
-	rc=$?
-}
 
 make_trace "$tmp/window.trace" "long_lived 1 0 0" "long_lived 0 0 0"
 make_trace "$tmp/plain.trace"

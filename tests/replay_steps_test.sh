@@ -21,7 +21,7 @@ replay=$top_builddir/tools/gmlake-replay
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
 
-# result, value and the counts.
+# result, value, run_json and the counts.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
@@ -79,12 +79,6 @@ make_trace() {
 	} >"$file"
 }
 
-# run_json TRACE: its JSON line in $out, the status in $rc, stderr in
-# $tmp/err.
-run_json() {
-	out=$("$replay" --json --quiet "$1" 2>"$tmp/err")
-	rc=$?
-}
 
 # Step 1 grows: with step lines, and the same trace without them.
 make_trace "$tmp/steps.trace" 1

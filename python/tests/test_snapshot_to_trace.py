@@ -45,6 +45,20 @@ def block(addr, size, stream=0):
             ev("free_completed", addr, size, stream)]
 
 
+def replayed(case, path):
+    """tools/gmlake-replay's JSON line for the trace at path on the
+    emulated device (case skipped when the tool is not built)."""
+    replay = os.path.join(os.environ.get("top_builddir", ROOT), "tools",
+                          "gmlake-replay")
+    if not os.access(replay, os.X_OK):
+        case.skipTest("%s not built" % replay)
+    env = dict(os.environ, GMLAKE_BACKEND="emu")
+    p = subprocess.run([replay, "--json", "--quiet", path],
+                       capture_output=True, text=True, timeout=120, env=env)
+    case.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+    return json.loads(p.stdout)
+
+
 class TestStepMarkers(unittest.TestCase):
 
     def three_steps(self):
@@ -150,8 +164,6 @@ class TestStepMarkers(unittest.TestCase):
         trace = self.three_steps()
         out, peak_alloc, peak_reserved = s2t.convert(
             trace, step_mark=MARK, settle=[1, 1, 0])
-        replay = os.path.join(os.environ.get("top_builddir", ROOT), "tools",
-                              "gmlake-replay")
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "marked.trace.gz")
             s2t.write(path, out, ["pytorch test", "workload=marked",
@@ -161,14 +173,7 @@ class TestStepMarkers(unittest.TestCase):
                 lines = f.read().splitlines()
             self.assertEqual([ln for ln in lines if ln.startswith("step")],
                              ["step 0 1 0", "step 1 1 0", "step 2 0 0"])
-            if not os.access(replay, os.X_OK):
-                self.skipTest("%s not built" % replay)
-            env = dict(os.environ, GMLAKE_BACKEND="emu")
-            p = subprocess.run([replay, "--json", "--quiet", path],
-                               capture_output=True, text=True, timeout=120,
-                               env=env)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            r = json.loads(p.stdout)
+            r = replayed(self, path)
             self.assertEqual(r["priced"], "steady_steps")
             self.assertEqual(r["steady_steps"], 1)
             self.assertEqual(r["unknown_actions"], 0)
@@ -220,8 +225,6 @@ class TestLongLivedMarkers(unittest.TestCase):
     def test_written_and_replayed(self):
         out, peak_alloc, peak_reserved = s2t.convert(
             self.window(), long_lived_marks=(LL_ON, LL_OFF))
-        replay = os.path.join(os.environ.get("top_builddir", ROOT), "tools",
-                              "gmlake-replay")
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "ll.trace.gz")
             s2t.write(path, out, ["pytorch test", "workload=ll"])
@@ -230,14 +233,7 @@ class TestLongLivedMarkers(unittest.TestCase):
             self.assertEqual([ln for ln in lines
                               if ln.startswith("long_lived")],
                              ["long_lived 1 0 0", "long_lived 0 0 0"])
-            if not os.access(replay, os.X_OK):
-                self.skipTest("%s not built" % replay)
-            env = dict(os.environ, GMLAKE_BACKEND="emu")
-            p = subprocess.run([replay, "--json", "--quiet", path],
-                               capture_output=True, text=True, timeout=120,
-                               env=env)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            r = json.loads(p.stdout)
+            r = replayed(self, path)
             self.assertEqual(r["long_lived_windows"], 1)
             self.assertEqual(r["unknown_actions"], 0)
             self.assertEqual(r["allocs"], 2)
