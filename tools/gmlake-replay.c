@@ -7,7 +7,8 @@
  * every line (so a malformed trace fails before any replay), counts the
  * allocations and finds the peak of live bytes; the second replays into a
  * fresh context: alloc events become gmlake_alloc() on the event's stream,
- * free_completed events gmlake_free(). Memory is bounded by the blocks
+ * free_completed events gmlake_free(), long_lived lines
+ * gmlake_long_lived(). Memory is bounded by the blocks
  * live at once (at most --max-live) and a latency histogram, not by the
  * trace's length; the emulated capacity a trace can ask for is bounded too
  * (MAX_CHUNKS chunks). Driver work of the steady state is priced at

@@ -27,6 +27,11 @@
  * without step lines is as valid, and readers older than step lines
  * count them as unknown actions.
  *
+ * A "long_lived F 0 0" line (GML_TRACE_LONG_LIVED) says that the run
+ * called gmlake_long_lived() with F (the addr field, 1 on, 0 off; any
+ * other F is malformed) there: where an optimizer's hooks made its first
+ * state.
+ *
  * Nothing here allocates on the event path, exits or aborts, whatever the
  * input; gml_trace_parse_line() takes raw bytes (NULs included) and is the
  * entry point for fuzzing.
