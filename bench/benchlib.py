@@ -180,6 +180,9 @@ STEP_MARK = 977
 LONG_LIVED_MARKS = (983, 991)
 
 
+_marking = []    # the torch module mark_long_lived() hooked
+
+
 def mark_long_lived(torch):
     """Global optimizer step hooks that put a long-lived marker before and
     after each _init_group call of an optimizer's first step, as
@@ -187,7 +190,12 @@ def mark_long_lived(torch):
     optimizers: with plain tensor parameters, outside compiling and
     capture). capture_eco.py's children install them, the unrecorded
     one too so that both allocate alike, and bench.py's under
-    BENCH_TRACE."""
+    BENCH_TRACE. Once per process: a second call (the next workload in
+    the same child) adds nothing, where a second set of hooks would mark
+    each window twice."""
+    if torch in _marking:
+        return
+    _marking.append(torch)
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
     from gmlake import optimizer_state as ostate

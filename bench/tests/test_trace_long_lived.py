@@ -4,7 +4,7 @@ from the first run of step-0 survivors to the last one, a lone earlier
 survivor left out, the sidecar copied, no run or marks already there
 refused), and benchlib.mark_long_lived's hooks on a stand-in for torch
 (markers around _init_group in an optimizer's first step only, none for
-a tensor-subclass optimizer or while compiling)."""
+a tensor-subclass optimizer or while compiling, installed once)."""
 
 import gzip
 import os
@@ -139,11 +139,12 @@ class FakeOptimizer:
 
 class TestMarkLongLived(unittest.TestCase):
 
-    def run_steps(self, param, compiling=False, steps=2):
+    def run_steps(self, param, compiling=False, steps=2, calls=1):
         log = []
         torch, modules, pre, post = fake_torch(log, compiling)
         with mock.patch.dict(sys.modules, modules):
-            benchlib.mark_long_lived(torch)
+            for _ in range(calls):
+                benchlib.mark_long_lived(torch)
             opt = FakeOptimizer(log, param)
             for _ in range(steps):
                 opt.step(pre, post)
@@ -153,6 +154,12 @@ class TestMarkLongLived(unittest.TestCase):
     def test_first_step_marked(self):
         on, off = benchlib.LONG_LIVED_MARKS
         self.assertEqual(self.run_steps(FakeTensor()), [on, "state", off])
+
+    def test_installed_once(self):
+        # bench.py calls it for each workload of a child.
+        on, off = benchlib.LONG_LIVED_MARKS
+        self.assertEqual(self.run_steps(FakeTensor(), calls=2),
+                         [on, "state", off])
 
     def test_subclass_params_not_marked(self):
         class Sub(FakeTensor):
