@@ -198,9 +198,12 @@ def mark_long_lived(torch):
     _marking.append(torch)
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
+    import weakref
     from gmlake import optimizer_state as ostate
 
-    done = set()
+    # Optimizers whose state exists: weak, since a child's next workload
+    # may build its optimizer where the last one's freed object was.
+    done = weakref.WeakSet()
 
     def marker(size):
         m = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -208,7 +211,7 @@ def mark_long_lived(torch):
 
     def pre(opt, args, kwargs):
         init_group = getattr(opt, "_init_group", None)
-        if id(opt) in done or not callable(init_group) or \
+        if opt in done or not callable(init_group) or \
                 ostate._subclass_params(torch, opt) or ostate._busy(torch):
             return
 
@@ -223,7 +226,7 @@ def mark_long_lived(torch):
     def post(opt, args, kwargs):
         vars(opt).pop("_init_group", None)
         if opt.state:
-            done.add(id(opt))
+            done.add(opt)
 
     register_optimizer_step_pre_hook(pre)
     register_optimizer_step_post_hook(post)

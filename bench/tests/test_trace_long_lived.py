@@ -139,16 +139,19 @@ class FakeOptimizer:
 
 class TestMarkLongLived(unittest.TestCase):
 
-    def run_steps(self, param, compiling=False, steps=2, calls=1):
+    def run_steps(self, param, compiling=False, steps=2, calls=1,
+                  optimizers=1):
         log = []
         torch, modules, pre, post = fake_torch(log, compiling)
         with mock.patch.dict(sys.modules, modules):
             for _ in range(calls):
                 benchlib.mark_long_lived(torch)
-            opt = FakeOptimizer(log, param)
-            for _ in range(steps):
-                opt.step(pre, post)
-        self.assertNotIn("_init_group", vars(opt))     # unwrapped after
+            for _ in range(optimizers):     # one after the other
+                opt = FakeOptimizer(log, param)
+                for _ in range(steps):
+                    opt.step(pre, post)
+                self.assertNotIn("_init_group", vars(opt))  # unwrapped
+                del opt
         return log
 
     def test_first_step_marked(self):
@@ -160,6 +163,13 @@ class TestMarkLongLived(unittest.TestCase):
         on, off = benchlib.LONG_LIVED_MARKS
         self.assertEqual(self.run_steps(FakeTensor(), calls=2),
                          [on, "state", off])
+
+    def test_next_optimizer_marked(self):
+        # A workload after another in one child: its optimizer may sit
+        # where the freed one was, and is marked all the same.
+        on, off = benchlib.LONG_LIVED_MARKS
+        self.assertEqual(self.run_steps(FakeTensor(), optimizers=3),
+                         [on, "state", off] * 3)
 
     def test_subclass_params_not_marked(self):
         class Sub(FakeTensor):
