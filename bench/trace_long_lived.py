@@ -61,6 +61,9 @@ def main(argv=None):
     ap.add_argument("outdir")
     ap.add_argument("--step", type=int, default=0)
     ns = ap.parse_args(argv)
+    if not ns.trace.endswith(".trace.gz"):
+        ap.error("%s: not a NAME.trace.gz" % ns.trace)
+    stem = ns.trace[:-len(".trace.gz")]
     with gzip.open(ns.trace, "rt") as f:
         lines = f.read().splitlines()
     if any(line.startswith("long_lived ") for line in lines):
@@ -78,8 +81,7 @@ def main(argv=None):
     name = os.path.basename(ns.trace)
     with gzip.open(os.path.join(ns.outdir, name), "wt") as f:
         f.write("\n".join(out) + "\n")
-    side = ns.trace[:-len(".gz")] if ns.trace.endswith(".gz") else ns.trace
-    side = side[:-len(".trace")] + ".trace.json"
+    side = stem + ".trace.json"
     if os.path.exists(side):
         shutil.copy(side, os.path.join(ns.outdir, os.path.basename(side)))
     n = sum(1 for line in lines[a:b + 1] if line.startswith("alloc "))

@@ -57,7 +57,6 @@ make_trace() {
 	} >"$1"
 }
 
-
 make_trace "$tmp/window.trace" "long_lived 1 0 0" "long_lived 0 0 0"
 make_trace "$tmp/plain.trace"
 
@@ -77,7 +76,7 @@ fi
 
 run_json "$tmp/plain.trace"
 if [ $rc -eq 0 ] && [ "$(value long_lived_windows "$out")" = 0 ] &&
-	at_most 1 "$(value creates_second_half "$out")"; then
+	[ "$(value creates_second_half "$out")" -gt 0 ] 2>/dev/null; then
 	result OK "state without the window: it takes the hole, step 1 grows"
 else
 	result FAIL "no window: status $rc, wanted growth in step 1: $out"

@@ -79,7 +79,6 @@ make_trace() {
 	} >"$file"
 }
 
-
 # Step 1 grows: with step lines, and the same trace without them.
 make_trace "$tmp/steps.trace" 1
 grep -v '^step ' "$tmp/steps.trace" >"$tmp/nosteps.trace"

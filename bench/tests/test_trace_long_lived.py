@@ -79,6 +79,11 @@ class TestTraceLongLived(unittest.TestCase):
             self.assertEqual(p.returncode, 1)
             self.assertIn("no run of 4 blocks", p.stderr)
 
+    def test_not_a_trace_gz_refused(self):
+        p = run_script("/nonexistent/t.trace", "/nonexistent/out")
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("not a NAME.trace.gz", p.stderr)
+
     def test_marked_trace_refused(self):
         with tempfile.TemporaryDirectory() as d:
             ev = events()
