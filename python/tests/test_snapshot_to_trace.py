@@ -33,10 +33,10 @@ def ev(action, addr, size, stream=0):
     return {"action": action, "addr": addr, "size": size, "stream": stream}
 
 
-def marker(addr):
+def marker(addr, size=MARK):
     """A marker as a capture makes it: allocated, then freed at once."""
-    return [ev("alloc", addr, MARK), ev("free_requested", addr, MARK),
-            ev("free_completed", addr, MARK)]
+    return [ev("alloc", addr, size), ev("free_requested", addr, size),
+            ev("free_completed", addr, size)]
 
 
 def block(addr, size, stream=0):
@@ -188,12 +188,9 @@ class TestLongLivedMarkers(unittest.TestCase):
     def window(self):
         """A 64 MiB activation freed, then a 64 MiB state block allocated
         between long-lived markers (each freed at once, as the capture's)."""
-        on = [ev("alloc", 4096, LL_ON), ev("free_requested", 4096, LL_ON),
-              ev("free_completed", 4096, LL_ON)]
-        off = [ev("alloc", 4096, LL_OFF), ev("free_requested", 4096, LL_OFF),
-               ev("free_completed", 4096, LL_OFF)]
-        return (block(1 << 30, 64 * MiB) + on +
-                [ev("alloc", (1 << 30) + 64 * MiB, 64 * MiB)] + off)
+        return (block(1 << 30, 64 * MiB) + marker(4096, LL_ON) +
+                [ev("alloc", (1 << 30) + 64 * MiB, 64 * MiB)] +
+                marker(4096, LL_OFF))
 
     def test_markers_become_lines(self):
         out, peak_alloc, _ = s2t.convert(self.window(),
