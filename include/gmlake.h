@@ -89,7 +89,10 @@ struct gmlake_config {
 					   at their ends (placed at 512
 					   bytes, as PyTorch's expandable
 					   segments); false */
-	uint8_t reserved8[1];
+	bool emu_lag;			/* emulated device: queued work
+					   waits until the host waits for
+					   the device, as a GPU behind its
+					   host does; false */
 	size_t top_fit;			/* requests of at least this many
 					   bytes take the highest free run,
 					   its top end; GMLAKE_TOP_FIT_AUTO

@@ -20,6 +20,11 @@
  *  - An event counts records (rec_gen) and completions (done_gen); it is
  *    complete when every record has been reached by its stream's worker; a
  *    record on an idle stream completes at once.
+ *  - With cfg->emu_lag the workers take no item until the host waits for
+ *    the device (stream_sync, event_sync): then every stream runs all it
+ *    has queued, as a GPU running behind its host catches up when the host
+ *    synchronizes. Replay's --lag, for policies that must hold while the
+ *    device has not finished the work on freed memory.
  *
  * Handles of chunks, streams and events are slot ids with a generation
  * (gen << 32 | index + 1), so a stale or made-up handle is found out and
@@ -227,6 +232,7 @@ static int emu_open(const struct gmlake_config *cfg, void **priv)
 	dev->exportable = cfg->exportable;
 	dev->host_numa = -1;
 	dev->ordinal = cfg->device;
+	dev->lag = cfg->emu_lag;
 	dev->gran = gran;
 	dev->capacity = cap;
 	gml_emu_table_init(&dev->chunks);
@@ -266,6 +272,10 @@ static void emu_close(void *priv)
 
 	if (!dev)
 		return;
+	/* Queued work runs now; a worker may wait on another's event. */
+	pthread_mutex_lock(&dev->lock);
+	gml_emu_catch_up_begin(dev);
+	pthread_mutex_unlock(&dev->lock);
 	for (i = 0; i < dev->streams.len; i++) {
 		if (!dev->streams.slot[i].obj)
 			continue;

@@ -8,6 +8,7 @@
 #define GML_DRV_EMU_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -152,7 +153,21 @@ struct emu_dev {
 	uint64_t host_next;	/* next free offset in host_fd, in units */
 	int host_numa;		/* reported host NUMA node */
 	int ordinal;		/* cfg->device */
+	bool lag;		/* cfg->emu_lag: work waits for a host wait */
+	atomic_uint catching;	/* host waits in progress (lag) */
 };
+
+/* Whether a lagging device's workers must leave queued work alone now. */
+static inline bool gml_emu_lagging(struct emu_dev *dev)
+{
+	return dev->lag &&
+	       !atomic_load_explicit(&dev->catching, memory_order_acquire);
+}
+
+/* drv_emu_stream.c: a host wait on a lagging device (cfg->emu_lag) lets
+ * every stream run from begin to end; dev->lock held for begin. */
+void gml_emu_catch_up_begin(struct emu_dev *dev);
+void gml_emu_catch_up_end(struct emu_dev *dev);
 
 /* drv_emu_mem.c */
 bool gml_emu_dev_range_ok(struct emu_dev *dev, const void *p, size_t size);

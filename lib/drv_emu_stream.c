@@ -77,7 +77,8 @@ static void *emu_worker(void *arg)
 	pthread_setname_np(pthread_self(), "gmlake-emu");	/* for top -H */
 	pthread_mutex_lock(&s->lock);
 	for (;;) {
-		while (!s->stop && (s->hold || !s->head))
+		while (!s->stop &&
+		       (s->hold || gml_emu_lagging(s->dev) || !s->head))
 			pthread_cond_wait(&s->work, &s->lock);
 		it = s->head;
 		if (!it)
@@ -235,15 +236,49 @@ int gml_emu_stream_destroy(void *priv, gmlake_stream_t h)
 		pthread_mutex_unlock(&dev->lock);
 		return -EINVAL;
 	}
+	/* Its queued work may wait on other streams' events. */
+	gml_emu_catch_up_begin(dev);
 	gml_emu_table_del(&dev->streams, s->id);
 	pthread_mutex_unlock(&dev->lock);
 
 	gml_emu_stream_stop(s);
 
 	pthread_mutex_lock(&dev->lock);
+	gml_emu_catch_up_end(dev);
 	emu_stream_put(s);
 	pthread_mutex_unlock(&dev->lock);
 	return 0;
+}
+
+/* Wake stream s if it has queued work; dev->lock held. */
+static void emu_wake(struct emu_stream *s)
+{
+	pthread_mutex_lock(&s->lock);
+	pthread_cond_signal(&s->work);
+	pthread_mutex_unlock(&s->lock);
+}
+
+/*
+ * A host wait on a lagging device (emu_lag) lets every stream run until
+ * the wait returns: the one waited for may wait on another's event.
+ * Workers take no new item once the last wait ends. dev->lock held.
+ */
+void gml_emu_catch_up_begin(struct emu_dev *dev)
+{
+	if (!dev->lag)
+		return;
+	atomic_fetch_add_explicit(&dev->catching, 1, memory_order_release);
+	emu_wake(dev->null_stream);
+	for (uint32_t i = 0; i < dev->streams.len; i++)
+		if (dev->streams.slot[i].obj)
+			emu_wake(dev->streams.slot[i].obj);
+}
+
+void gml_emu_catch_up_end(struct emu_dev *dev)
+{
+	if (dev->lag)
+		atomic_fetch_sub_explicit(&dev->catching, 1,
+					  memory_order_release);
 }
 
 int gml_emu_stream_sync(void *priv, gmlake_stream_t h)
@@ -253,8 +288,10 @@ int gml_emu_stream_sync(void *priv, gmlake_stream_t h)
 
 	pthread_mutex_lock(&dev->lock);
 	s = gml_emu_stream_get(dev, h, "stream_sync");
-	if (s)
+	if (s) {
 		s->refs++;
+		gml_emu_catch_up_begin(dev);
+	}
 	pthread_mutex_unlock(&dev->lock);
 	if (!s)
 		return -EINVAL;
@@ -265,6 +302,7 @@ int gml_emu_stream_sync(void *priv, gmlake_stream_t h)
 	pthread_mutex_unlock(&s->lock);
 
 	pthread_mutex_lock(&dev->lock);
+	gml_emu_catch_up_end(dev);
 	emu_stream_put(s);
 	pthread_mutex_unlock(&dev->lock);
 	return 0;
@@ -368,7 +406,7 @@ int gml_emu_event_record(void *priv, gml_event h, gmlake_stream_t sh)
 	 * Records happen under dev->lock, so nothing is queued meanwhile.
 	 */
 	pthread_mutex_lock(&s->lock);
-	if (!s->head && !s->busy && !s->hold) {
+	if (!s->head && !s->busy && !s->hold && !dev->lag) {
 		pthread_mutex_lock(&dev->ev_lock);
 		it->ev->done_gen = ++it->ev->rec_gen;
 		pthread_cond_broadcast(&dev->ev_cond);
@@ -431,6 +469,7 @@ int gml_emu_event_sync(void *priv, gml_event h)
 		pthread_mutex_unlock(&dev->lock);
 		return -EINVAL;
 	}
+	gml_emu_catch_up_begin(dev);
 	pthread_mutex_lock(&dev->ev_lock);
 	pthread_mutex_unlock(&dev->lock);
 	target = ev->rec_gen;
@@ -440,6 +479,7 @@ int gml_emu_event_sync(void *priv, gml_event h)
 	if (!--ev->refs)
 		free(ev);
 	pthread_mutex_unlock(&dev->ev_lock);
+	gml_emu_catch_up_end(dev);
 	return 0;
 }
 

@@ -49,6 +49,7 @@ static const struct option_def options[] = {
 	{ "GMLAKE_STITCH_CACHE", OPT_UINT, FIELD(stitch_cache_max), 0 },
 	{ "GMLAKE_EMU_CAPACITY", OPT_SIZE, FIELD(emu_capacity), 0 },
 	{ "GMLAKE_EMU_GRANULARITY", OPT_SIZE, FIELD(emu_granularity), 0 },
+	{ "GMLAKE_EMU_LAG", OPT_BOOL, FIELD(emu_lag), 0 },
 	{ "GMLAKE_LOG_LEVEL", OPT_LOG, FIELD(log_level), 0 },
 	{ "GMLAKE_SHOW_STATS", OPT_BOOL, FIELD(show_stats), 0 },
 	{ "GMLAKE_PUBLISH", OPT_BOOL, FIELD(publish), 0 },

@@ -9,6 +9,7 @@
 #endif
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -620,11 +621,16 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 	struct gml_chunk **spare = NULL;
 	uint8_t *bad, *best_mask = NULL;
 	uint16_t *taken;
+	uint32_t busy = 0;
 	int ret = -ENOENT;
 
 	for (struct gml_view *v = ctx->stitched; v; v = v->next) {
-		if (v->live || v->n < n || !gml_guards_done(ctx, v))
+		if (v->live || v->n < n)
 			continue;
+		if (!gml_guards_done(ctx, v)) {
+			busy++;
+			continue;
+		}
 		bad = malloc(2 * (size_t)v->n);	/* then fresh[] */
 		taken = malloc(v->n * sizeof(*taken));
 		if (!bad || !taken) {
@@ -656,6 +662,10 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 			free(bad);
 		}
 	}
+	if (busy)	/* the device has not caught up with their work */
+		gml_log(GMLAKE_LOG_DEBUG, "repair of %" PRIu32 " chunks "
+			"passed over %" PRIu32 " cached views whose last work is "
+			"still queued", n, busy);
 	if (!best || (uint64_t)best_bad * 65 >=
 		     (uint64_t)window_handles(best, best_pos, n) * 42)
 		goto out_free_mask;

@@ -859,6 +859,78 @@ START_TEST(test_hold_keeps_pending)
 }
 END_TEST
 
+/*
+ * emu_lag: recorded work waits for a host wait, which lets every stream
+ * run, one stream's wait on another's event included; a destroy and a
+ * close run what is queued. Fails if the device runs work on its own
+ * (the queries see it done) or a host wait leaves a stream held (hang).
+ */
+START_TEST(test_lag_waits_for_host)
+{
+	static char src[4096];
+	struct gmlake_config cfg;
+	gmlake_stream_t a, b;
+	gml_event ea, eb, idle;
+	gml_handle h;
+	char *p;
+
+	close_dev();
+	memset(&cfg, 0, sizeof(cfg));
+	cfg.emu_capacity = CAP_UNITS * G;
+	cfg.emu_granularity = G;
+	cfg.emu_lag = true;
+	ck_assert_int_eq(ops->open(&cfg, &dev), 0);
+	p = mapped(1, &h);
+	fill(src, sizeof(src), 7);
+	ck_assert_int_eq(ops->stream_create(dev, &a), 0);
+	ck_assert_int_eq(ops->stream_create(dev, &b), 0);
+	ck_assert_int_eq(ops->event_create(dev, &ea), 0);
+	ck_assert_int_eq(ops->event_create(dev, &eb), 0);
+	ck_assert_int_eq(ops->event_create(dev, &idle), 0);
+
+	/* Even an idle stream's record stays pending. */
+	ck_assert_int_eq(ops->event_record(dev, idle, NULL), 0);
+	ck_assert_int_eq(ops->memcpy_async(dev, p, src, sizeof(src),
+					   GML_COPY_HTOD, a), 0);
+	ck_assert_int_eq(ops->event_record(dev, ea, a), 0);
+	ck_assert_int_eq(ops->stream_wait(dev, b, ea), 0);
+	ck_assert_int_eq(ops->event_record(dev, eb, b), 0);
+	for (int i = 0; i < 5; i++) {
+		ck_assert_int_eq(ops->event_query(dev, idle), -EBUSY);
+		ck_assert_int_eq(ops->event_query(dev, ea), -EBUSY);
+		ck_assert_int_eq(ops->event_query(dev, eb), -EBUSY);
+		sleep_ms(5);
+	}
+	ck_assert(zeroed(p, sizeof(src)));
+
+	/* Syncing b needs a's copy and event: both run. */
+	ck_assert_int_eq(ops->stream_sync(dev, b), 0);
+	ck_assert_int_eq(ops->event_query(dev, eb), 0);
+	ck_assert_int_eq(ops->event_query(dev, ea), 0);
+	ck_assert(filled(p, sizeof(src), 7));
+	ck_assert_int_eq(ops->event_sync(dev, idle), 0);
+	ck_assert_int_eq(ops->event_query(dev, idle), 0);
+
+	/* Held again once the host's waits returned. */
+	ck_assert_int_eq(ops->event_record(dev, ea, a), 0);
+	sleep_ms(5);
+	ck_assert_int_eq(ops->event_query(dev, ea), -EBUSY);
+
+	/* b's queued wait on a's event runs at its destroy. */
+	ck_assert_int_eq(ops->stream_wait(dev, b, ea), 0);
+	ck_assert_int_eq(ops->event_record(dev, eb, b), 0);
+	ck_assert_int_eq(ops->stream_destroy(dev, b), 0);
+	ck_assert_int_eq(ops->event_query(dev, eb), 0);
+
+	/* The close runs the rest. */
+	ck_assert_int_eq(ops->memcpy_async(dev, p, src, 8, GML_COPY_HTOD,
+					   a), 0);
+	ck_assert_int_eq(ops->event_destroy(dev, eb), 0);
+	ck_assert_int_eq(ops->event_destroy(dev, idle), 0);
+	close_dev();
+}
+END_TEST
+
 START_TEST(test_fifo_order)
 {
 	enum { N = 64 };
@@ -1318,6 +1390,7 @@ static Suite *emu_suite(void)
 	tcase_add_test(tc, test_stream_create_destroy);
 	tcase_add_test(tc, test_event_basic);
 	tcase_add_test(tc, test_hold_keeps_pending);
+	tcase_add_test(tc, test_lag_waits_for_host);
 	tcase_add_test(tc, test_fifo_order);
 	tcase_add_test(tc, test_streams_independent);
 	tcase_add_test(tc, test_destroy_drains);

@@ -117,8 +117,7 @@ START_TEST(test_defaults)
 	ck_assert(cfg.stream_order);
 	ck_assert(cfg.exportable);
 	ck_assert(!cfg.pack);
-	for (i = 0; i < 1; i++)
-		ck_assert_uint_eq(cfg.reserved8[i], 0);
+	ck_assert(!cfg.emu_lag);
 	ck_assert_uint_eq(cfg.top_fit, GMLAKE_TOP_FIT_AUTO);
 	ck_assert_uint_eq(cfg.grow_handle, 20 * TH_MiB);
 	ck_assert_uint_eq(cfg.grow_slack, 20);
@@ -425,6 +424,17 @@ START_TEST(test_pack)
 	static const struct opt o = OPT("GMLAKE_PACK", pack, bool_at);
 	static const struct val good[] = { { "1", true }, { "off", false } };
 	static const char *const bad[] = { "tight" };
+
+	expect_values(&o, good, ARRAY_SIZE(good));
+	expect_rejected(&o, bad, ARRAY_SIZE(bad), false);	/* the default */
+}
+END_TEST
+
+START_TEST(test_emu_lag)
+{
+	static const struct opt o = OPT("GMLAKE_EMU_LAG", emu_lag, bool_at);
+	static const struct val good[] = { { "yes", true }, { "0", false } };
+	static const char *const bad[] = { "slow" };
 
 	expect_values(&o, good, ARRAY_SIZE(good));
 	expect_rejected(&o, bad, ARRAY_SIZE(bad), false);	/* the default */
@@ -976,6 +986,7 @@ static Suite *options_suite(void)
 	tcase_add_test(tc, test_stream_order);
 	tcase_add_test(tc, test_exportable);
 	tcase_add_test(tc, test_pack);
+	tcase_add_test(tc, test_emu_lag);
 	tcase_add_test(tc, test_offload_engine);
 	tcase_add_test(tc, test_several);
 

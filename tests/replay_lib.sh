@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: MIT
 #
 # Helpers of the replay tests (replay_test.sh, replay_steps_test.sh,
-# replay_orders_test.sh, replay_long_lived_test.sh), sourced: a pass/fail
-# count, one trace's replay as JSON, the values of gmlake-replay's JSON
-# lines, and a bound on them.
+# replay_orders_test.sh, replay_long_lived_test.sh, replay_lag_test.sh),
+# sourced: a pass/fail count, one trace's replay as JSON, the values of
+# gmlake-replay's JSON lines, and a bound on them.
 
 passed=0
 failed=0

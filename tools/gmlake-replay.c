@@ -77,6 +77,7 @@ struct options {
 	bool touch;
 	bool quiet;
 	bool per_step; /* each step's driver work after the trace's row */
+	bool lag;      /* the emulated device runs behind, synced per step */
 	bool progress; /* a progress line: stderr is a terminal */
 };
 
@@ -145,6 +146,7 @@ struct replay {
 
 	const char *backend;
 	size_t capacity;
+	bool lag;		/* the emulated device lags (--lag, GMLAKE_EMU_LAG) */
 	struct gmlake_stats mid, end;
 	struct gmlake_stats step_start; /* at the last step line replayed */
 	bool in_step, step_steady; /* a step line was replayed; its S == 0 */
@@ -604,8 +606,11 @@ static int new_ctx(struct replay *r, const struct options *o, gmlake_ctx **ctx)
 		cfg.backend = GMLAKE_BACKEND_EMU;
 	if (o->chunk_size)
 		cfg.chunk_size = o->chunk_size;
+	if (o->lag)
+		cfg.emu_lag = true;
 	cfg.emu_capacity = pick_capacity(r, o, cfg.emu_capacity);
 	r->capacity = cfg.emu_capacity;
+	r->lag = cfg.emu_lag && cfg.backend == GMLAKE_BACKEND_EMU;
 	r->backend = backend_name(cfg.backend);
 	ret = check_capacity(r, &cfg);
 	if (ret)
@@ -835,12 +840,36 @@ static int step_keep(struct replay *r, const struct options *o,
  * A step line: the step it ends goes into the priced window when steady,
  * and the one it begins is measured from here.
  */
+/* --lag: the device catches up at a step line, as it does when a
+ * training loop synchronizes between steps; every stream the trace
+ * made, then the default one. */
+static int step_sync(struct replay *r, gmlake_ctx *ctx,
+		     const struct streammap *sm)
+{
+	int ret = 0;
+
+	for (size_t i = 0; i < sm->n && !ret; i++)
+		ret = gmlake_stream_synchronize(ctx, sm->streams[i]);
+	if (!ret)
+		ret = gmlake_stream_synchronize(ctx, NULL);
+	if (ret)
+		errmsg("%s: step line: gmlake_stream_synchronize: %s: %s",
+		       r->name, strerror(-ret), gmlake_last_error());
+	return ret;
+}
+
 static int step_line(struct replay *r, gmlake_ctx *ctx,
+		     const struct streammap *sm,
 		     const struct gml_trace_event *ev, const struct options *o)
 {
 	struct gmlake_stats now;
 	int ret;
 
+	if (r->lag) {
+		ret = step_sync(r, ctx, sm);
+		if (ret)
+			return ret;
+	}
 	ret = snapshot(r, ctx, &now);
 	if (ret)
 		return ret;
@@ -896,7 +925,7 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		ret = 0;
 		progress(r, o, "replaying", info->events, r->events);
 		if (ev.kind == GML_TRACE_STEP) {
-			ret = step_line(r, ctx, &ev, o);
+			ret = step_line(r, ctx, sm, &ev, o);
 			if (ret)
 				return ret;
 			continue;
@@ -1170,6 +1199,7 @@ static void print_json(const struct replay *r, const struct result *x)
 	json_u64("duplicate_allocs", r->dup_allocs);
 	json_u64("chunk_size", e->chunk_size);
 	json_u64("capacity", r->capacity);
+	json_u64("lag", r->lag);
 	json_u64("peak_requested", (uint64_t)e->requested_bytes.peak);
 	json_u64("peak_allocated", (uint64_t)e->allocated_bytes.peak);
 	json_u64("peak_reserved", (uint64_t)e->reserved_bytes.peak);
@@ -1352,6 +1382,8 @@ static void usage(FILE *f)
 		"                          (default 1048576)\n"
 		"  -q, --quiet             no progress line (shown only on a terminal)\n"
 		"  -s, --per-step          each step's driver work (traces with step lines)\n"
+		"  -l, --lag               emulated device behind the host: queued work runs\n"
+		"                          only at step lines and other host waits\n"
 		"  -h, --help              this help\n"
 		"  -V, --version           library version\n",
 		prog);
@@ -1368,13 +1400,14 @@ static int parse_args(int argc, char **argv, struct options *o)
 		{"max-live", required_argument, NULL, 'm'},
 		{"quiet", no_argument, NULL, 'q'},
 		{"per-step", no_argument, NULL, 's'},
+		{"lag", no_argument, NULL, 'l'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
 	};
 	int c;
 
-	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qshV", longopts, NULL)) !=
+	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qslhV", longopts, NULL)) !=
 	       -1) {
 		switch (c) {
 		case 'b':
@@ -1414,6 +1447,9 @@ static int parse_args(int argc, char **argv, struct options *o)
 		case 's':
 			o->per_step = true;
 			break;
+		case 'l':
+			o->lag = true;
+			break;
 		case 'h':
 			usage(stdout);
 			exit(EXIT_SUCCESS);
@@ -1425,6 +1461,15 @@ static int parse_args(int argc, char **argv, struct options *o)
 			usage(stderr);
 			return -EINVAL;
 		}
+	}
+	if (o->lag && o->backend == GMLAKE_BACKEND_CUDA) {
+		errmsg("--lag is the emulated device's; a GPU lags by itself");
+		return -EINVAL;
+	}
+	if (o->lag && o->touch) {
+		errmsg("--lag cannot go with --touch, whose copies wait for "
+		       "the device at every block");
+		return -EINVAL;
 	}
 	if (optind == argc) {
 		errmsg("no trace given");
