@@ -9,7 +9,8 @@
 # and its driver work differs from the plain replay's (a replay that
 # ignored --lag, or a device that ran work on its own, gives the same
 # work). GMLAKE_EMU_LAG alone lags the same way. --lag with --touch or
-# with the CUDA backend is a usage error (exit 2).
+# with --backend cuda is a usage error (exit 2); under GMLAKE_BACKEND=cuda
+# the trace fails (exit 1) before any device is opened.
 #
 # Automake test: exit 0 pass, 1 fail, 99 hard error. $srcdir is the source
 # directory, $top_builddir the build directory (both default to '.').
@@ -83,6 +84,14 @@ for bad in "--touch" "--backend cuda"; do
 		result FAIL "--lag $bad: exit $rc: $(cat "$tmp/err")"
 	fi
 done
+
+GMLAKE_BACKEND=cuda "$replay" --quiet --lag "$trace" >/dev/null 2>"$tmp/err"
+rc=$?
+if [ $rc -eq 1 ] && grep -q -- "--lag is the emulated device's" "$tmp/err"; then
+	result OK "--lag under GMLAKE_BACKEND=cuda fails naming --lag"
+else
+	result FAIL "--lag under GMLAKE_BACKEND=cuda: exit $rc: $(cat "$tmp/err")"
+fi
 
 echo "replay_lag_test: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

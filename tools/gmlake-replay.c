@@ -610,6 +610,11 @@ static int new_ctx(struct replay *r, const struct options *o, gmlake_ctx **ctx)
 		cfg.emu_lag = true;
 	cfg.emu_capacity = pick_capacity(r, o, cfg.emu_capacity);
 	r->capacity = cfg.emu_capacity;
+	if (o->lag && cfg.backend != GMLAKE_BACKEND_EMU) {
+		errmsg("%s: --lag is the emulated device's, not backend %s's",
+		       r->name, backend_name(cfg.backend));
+		return -EINVAL;
+	}
 	r->lag = cfg.emu_lag && cfg.backend == GMLAKE_BACKEND_EMU;
 	r->backend = backend_name(cfg.backend);
 	ret = check_capacity(r, &cfg);
@@ -836,10 +841,6 @@ static int step_keep(struct replay *r, const struct options *o,
 	return 0;
 }
 
-/*
- * A step line: the step it ends goes into the priced window when steady,
- * and the one it begins is measured from here.
- */
 /* --lag: the device catches up at a step line, as it does when a
  * training loop synchronizes between steps; every stream the trace
  * made, then the default one. */
@@ -858,6 +859,10 @@ static int step_sync(struct replay *r, gmlake_ctx *ctx,
 	return ret;
 }
 
+/*
+ * A step line: the step it ends goes into the priced window when steady,
+ * and the one it begins is measured from here.
+ */
 static int step_line(struct replay *r, gmlake_ctx *ctx,
 		     const struct streammap *sm,
 		     const struct gml_trace_event *ev, const struct options *o)
