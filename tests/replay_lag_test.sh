@@ -23,16 +23,11 @@ trace=$srcdir/tests/data/eco_sage.trace.gz
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
 
-# result, value, at_most and the counts.
+# replay_setup, result, value, at_most, run_json and the counts.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
-if [ ! -x "$replay" ]; then
-	echo "replay_lag_test: $replay not built" >&2
-	exit 99
-fi
-tmp=$(mktemp -d) || exit 99
-trap 'rm -rf "$tmp"' EXIT
+replay_setup replay_lag_test
 
 # work LINE: the driver work of a JSON line, as one comparable string.
 work() {
@@ -43,19 +38,26 @@ work() {
 	echo "$s"
 }
 
-plain=$("$replay" --json --quiet "$trace" 2>"$tmp/err")
-rc=$?
-lagged=$("$replay" --json --quiet --lag "$trace" 2>>"$tmp/err")
-rc2=$?
-if [ $rc -ne 0 ] || [ $rc2 -ne 0 ]; then
-	result FAIL "replays exit $rc and $rc2: $(cat "$tmp/err")"
-else
-	result OK "plain and lagged replays run to the end"
-fi
+# runs OPTION...: the replay of the trace, in $out; one case.
+runs() {
+	run_json "$@" "$trace"
+	if [ $rc -eq 0 ]; then
+		result OK "replay${*:+ $*} runs to the end"
+	else
+		result FAIL "replay${*:+ $*} exits $rc: $(cat "$tmp/err")"
+	fi
+}
 
-[ "$(value lag "$plain")" = 0 ] && [ "$(value lag "$lagged")" = 1 ] &&
-	result OK "JSON lag is 0, then 1 with --lag" ||
+runs
+plain=$out
+runs --lag
+lagged=$out
+
+if [ "$(value lag "$plain")" = 0 ] && [ "$(value lag "$lagged")" = 1 ]; then
+	result OK "JSON lag is 0, then 1 with --lag"
+else
 	result FAIL "JSON lag: '$(value lag "$plain")' and '$(value lag "$lagged")'"
+fi
 
 if [ "$(work "$plain")" != "$(work "$lagged")" ]; then
 	result OK "the lag reaches the allocator:$(work "$lagged") against$(work "$plain")"
@@ -64,15 +66,20 @@ else
 fi
 
 frag=$(value fragmentation_pct "$lagged")
-at_most "$frag" 3 &&
-	result OK "lagged fragmentation $frag% at most 3%" ||
+if at_most "$frag" 3; then
+	result OK "lagged fragmentation $frag% at most 3%"
+else
 	result FAIL "lagged fragmentation '$frag'% over 3%"
+fi
 
-env_lag=$(GMLAKE_EMU_LAG=1 "$replay" --json --quiet "$trace" 2>"$tmp/err")
-[ "$(value lag "$env_lag")" = 1 ] &&
-	[ "$(work "$env_lag")" = "$(work "$lagged")" ] &&
-	result OK "GMLAKE_EMU_LAG=1 lags as --lag does" ||
+GMLAKE_EMU_LAG=1 run_json "$trace"
+env_lag=$out
+if [ "$(value lag "$env_lag")" = 1 ] &&
+	[ "$(work "$env_lag")" = "$(work "$lagged")" ]; then
+	result OK "GMLAKE_EMU_LAG=1 lags as --lag does"
+else
 	result FAIL "GMLAKE_EMU_LAG=1: lag '$(value lag "$env_lag")',$(work "$env_lag") against$(work "$lagged")"
+fi
 
 for bad in "--touch" "--backend cuda"; do
 	# shellcheck disable=SC2086

@@ -2,8 +2,8 @@
 #
 # Helpers of the replay tests (replay_test.sh, replay_steps_test.sh,
 # replay_orders_test.sh, replay_long_lived_test.sh, replay_lag_test.sh),
-# sourced: a pass/fail count, one trace's replay as JSON, the values of
-# gmlake-replay's JSON lines, and a bound on them.
+# sourced: their set-up, a pass/fail count, one trace's replay as JSON,
+# the values of gmlake-replay's JSON lines, and a bound on them.
 
 passed=0
 failed=0
@@ -51,9 +51,21 @@ at_most() {
 	}'
 }
 
-# run_json TRACE: gmlake-replay's JSON line for TRACE in $out, its status
-# in $rc, its stderr in $tmp/err ($replay and $tmp set by the caller).
+# replay_setup NAME: exit 99 (hard error, naming test NAME) unless
+# $replay is built; a scratch directory $tmp, removed at exit.
+replay_setup() {
+	if [ ! -x "$replay" ]; then
+		echo "$1: $replay not built" >&2
+		exit 99
+	fi
+	tmp=$(mktemp -d) || exit 99
+	trap 'rm -rf "$tmp"' EXIT
+}
+
+# run_json [OPTION...] TRACE: gmlake-replay's JSON line for TRACE in $out,
+# its status in $rc, its stderr in $tmp/err ($replay and $tmp set by the
+# caller).
 run_json() {
-	out=$("$replay" --json --quiet "$1" 2>"$tmp/err")
+	out=$("$replay" --json --quiet "$@" 2>"$tmp/err")
 	rc=$?
 }

@@ -22,16 +22,11 @@ replay=$top_builddir/tools/gmlake-replay
 GMLAKE_BACKEND=emu
 export GMLAKE_BACKEND
 
-# result, value, run_json and the counts.
+# replay_setup, result, value, run_json and the counts.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
-if [ ! -x "$replay" ]; then
-	echo "replay_long_lived_test: $replay not built" >&2
-	exit 99
-fi
-tmp=$(mktemp -d) || exit 99
-trap 'rm -rf "$tmp"' EXIT
+replay_setup replay_long_lived_test
 
 MIB=1048576
 ACT=$((64 * MIB))

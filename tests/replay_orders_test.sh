@@ -24,16 +24,11 @@ export GMLAKE_BACKEND
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
-if [ ! -x "$replay" ]; then
-	echo "replay_orders_test: $replay not built" >&2
-	exit 99
-fi
+replay_setup replay_orders_test
 if ! command -v python3 >/dev/null 2>&1; then
 	echo "skip - replay_orders_test: no python3"
 	exit 77
 fi
-tmp=$(mktemp -d) || exit 99
-trap 'rm -rf "$tmp"' EXIT
 
 if ! python3 "$srcdir/bench/trace_shuffle.py" \
 	"$srcdir/tests/data/eco_sage.trace.gz" "$tmp" --steps 40 \

@@ -60,7 +60,7 @@ torch_fragmentation_pct expandable_fragmentation_pct driver_ms_second_half
 driver_pct_second_half measured_driver_ms_second_half creates maps set_access
 unmaps releases stitches alloc_p50_us alloc_p99_us skipped_frees backend"
 
-# result, value and the counts.
+# replay_setup, result, value and the counts.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
@@ -79,10 +79,7 @@ gap_limit() {
 	done
 }
 
-if [ ! -x "$replay" ]; then
-	echo "replay_test: $replay not built" >&2
-	exit 99
-fi
+replay_setup replay_test
 shopt -s nullglob
 traces=("$srcdir"/tests/data/*.trace.gz)
 if [ ${#traces[@]} -eq 0 ]; then
@@ -170,10 +167,7 @@ else
 	result FAIL "${name%.trace.gz}: --touch run failed"
 fi
 
-# Bounds: what a trace makes the replayer spend. A scratch directory for
-# the traces made here.
-tmp=$(mktemp -d) || exit 99
-trap 'rm -rf "$tmp"' EXIT
+# Bounds: what a trace makes the replayer spend, on traces made in $tmp.
 
 # --touch on blocks of 9-15 bytes (a pattern of 8 at their start): the
 # replayer once copied their whole size into an 8-byte buffer.
