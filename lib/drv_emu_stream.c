@@ -250,7 +250,7 @@ int gml_emu_stream_destroy(void *priv, gmlake_stream_t h)
 	return 0;
 }
 
-/* Wake stream s if it has queued work; dev->lock held. */
+/* Wake stream s's worker to look at its queue again; dev->lock held. */
 static void emu_wake(struct emu_stream *s)
 {
 	pthread_mutex_lock(&s->lock);
