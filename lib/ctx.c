@@ -343,19 +343,23 @@ GML_EXPORT int gmlake_free(gmlake_ctx *ctx, void *ptr)
 	ctx->st.frees++;
 	g.stream = b->stream;
 	/*
-	 * A real event even on one stream for blocks on stitched views (a
-	 * few per training step), so their views can be repaired or unmapped
-	 * later without waiting for the whole stream.
+	 * An event at once even on one stream for blocks on stitched views
+	 * (a few per training step), so that their views can be repaired or
+	 * unmapped once the work before the free is done: in the next step
+	 * the stream is busy again, and an event recorded only then would
+	 * wait for that step's work too, leaving the view to a new stitch.
 	 */
-	gml_stream_mark(ctx, b->stream, b->nextra > 0 ||
-			(!b->small && b->view->stitched), &g.seq);
+	gml_stream_mark(ctx, b->stream,
+			!b->small && b->view->stitched ? GML_MARK_NOW :
+			b->nextra > 0 ? GML_MARK_FORCE : GML_MARK_LAZY,
+			&g.seq);
 	if (!b->nextra) {
 		gml_block_release(ctx, b, &g);
 		goto out_leave;
 	}
 	/* Other streams used it: free once all of them caught up. */
 	for (uint32_t i = 0; i < b->nextra; i++)
-		gml_stream_mark(ctx, b->extra[i].stream, true,
+		gml_stream_mark(ctx, b->extra[i].stream, GML_MARK_FORCE,
 				&b->extra[i].seq);
 	b->extra[b->nextra++] = g;	/* record_stream left room */
 	live_add(&ctx->deferred, b);

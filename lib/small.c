@@ -227,7 +227,7 @@ static struct gml_guard leaving_guard(gmlake_ctx *ctx, struct gml_schunk *sc,
 
 	if (g->stream == sc->stream)
 		return *g;
-	gml_stream_mark(ctx, sc->stream, true, &own.seq);
+	gml_stream_mark(ctx, sc->stream, GML_MARK_FORCE, &own.seq);
 	return own;
 }
 

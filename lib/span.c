@@ -343,7 +343,7 @@ void gml_span_free(gmlake_ctx *ctx, struct gml_block *b,
 	 * (gml_large_alloc), by polling: a single stream's seq 0 guard never
 	 * completes, so an event marks the work now. */
 	if (!ctx->tier && g->stream >= 0 && !g->seq &&
-	    !gml_stream_mark(ctx, g->stream, true, &seq))
+	    !gml_stream_mark(ctx, g->stream, GML_MARK_FORCE, &seq))
 		when.seq = seq;
 	if (!v->stitched && gml_stale_add(ctx, v, pos, n, h, &when) == 0)
 		return;

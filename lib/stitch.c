@@ -41,7 +41,8 @@ int gml_view_evict(gmlake_ctx *ctx, struct gml_view *v, bool wait)
 	}
 	for (uint32_t i = 0; i < v->nguards; i++)
 		if (v->guards[i].seq == 0)
-			gml_stream_mark(ctx, v->guards[i].stream, true,
+			gml_stream_mark(ctx, v->guards[i].stream,
+					GML_MARK_FORCE,
 					&v->guards[i].seq);
 	v->dying = true;
 	gml_list_add(&ctx->dying, v);
@@ -629,9 +630,7 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 			continue;
 		if (!gml_guards_done(ctx, v)) {
 			busy++;
-#ifndef GML_REPAIR_WAIT
 			continue;
-#endif
 		}
 		bad = malloc(2 * (size_t)v->n);	/* then fresh[] */
 		taken = malloc(v->n * sizeof(*taken));
@@ -664,21 +663,13 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 			free(bad);
 		}
 	}
-	if (busy)	/* the device has not caught up with their work; waited
-			 * for below under GML_REPAIR_WAIT */
+	if (busy)	/* the device has not caught up with their work */
 		gml_log(GMLAKE_LOG_DEBUG, "repair of %" PRIu32 " chunks "
 			"passed over %" PRIu32 " cached views whose last work is "
 			"still queued", n, busy);
 	if (!best || (uint64_t)best_bad * 65 >=
 		     (uint64_t)window_handles(best, best_pos, n) * 42)
 		goto out_free_mask;
-#ifdef GML_REPAIR_WAIT
-	/* Experiment (tools/gpu.sh variant): a view whose last work is
-	 * queued is repaired after the host waits for that work, instead
-	 * of a new stitch mapping all n chunks. */
-	if (!gml_guards_done(ctx, best) && gml_guards_wait(ctx, best))
-		goto out_free_mask;
-#endif
 	ret = -ENOMEM;
 	need = window_singles(best, best_pos, n, best_mask, best_swaps);
 	spare = malloc(((size_t)need + best_swaps + 1) * sizeof(*spare));

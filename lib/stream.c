@@ -13,9 +13,10 @@
  * records nothing and queries nothing. It gets its stream's open seq,
  * which the stream's next event covers, recorded on demand by whoever
  * asks about that seq; an event recorded later completes later, which is
- * safe. Only frees that must be waited for by seq (blocks other streams
- * used, blocks on stitched views) record at once, while fewer than two of
- * the stream's events are in flight. A fit looking at many chunks polls
+ * safe. Frees that must be waited for by seq record at once: blocks on
+ * stitched views always (a few per step; their repair must not wait for
+ * the next step's work), blocks other streams used while fewer than two
+ * of the stream's events are in flight. A fit looking at many chunks polls
  * each stream once per allocation (ctx->poll_gen, gml_guard_ready_scan),
  * not once per chunk.
  *
@@ -256,9 +257,11 @@ bool gml_guard_ready(gmlake_ctx *ctx, const struct gml_guard *g, int want)
  * never completes, so the memory stays with its own stream: safe, and the
  * free succeeds.
  */
-int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
+int gml_stream_mark(gmlake_ctx *ctx, int idx, enum gml_mark how,
+		    uint64_t *seq)
 {
 	struct gml_stream *s = &ctx->streams[idx];
+	bool force = how != GML_MARK_LAZY;
 
 	if (s->dead) {
 		*seq = s->done_seq;
@@ -271,12 +274,14 @@ int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq)
 	/* No query here: a free on its own stream needs no answer, and the
 	 * open seq costs nothing until another stream asks about it. A
 	 * forced mark is waited for by seq: its event is recorded now unless
-	 * two are still in flight after one poll. */
+	 * two are still in flight after one poll. A mark made NOW is an
+	 * event whatever is in flight: an open seq recorded when asked about
+	 * would also cover the work queued after the free. */
 	if (force && s->count >= 2) {
 		ctx->poll_gen++;
 		poll_stream_once(ctx, s);
 	}
-	if (!force || s->count >= 2) {
+	if (!force || (how == GML_MARK_FORCE && s->count >= 2)) {
 		s->open_seq = s->next_seq + 1;
 		*seq = s->open_seq;
 		return 0;

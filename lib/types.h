@@ -300,7 +300,16 @@ struct gmlake_ctx {
 /* stream.c */
 int gml_stream_find(gmlake_ctx *ctx, gmlake_stream_t handle);
 int gml_stream_index(gmlake_ctx *ctx, gmlake_stream_t handle, int *idx);
-int gml_stream_mark(gmlake_ctx *ctx, int idx, bool force, uint64_t *seq);
+/* How a free marks its stream's work (gml_stream_mark). */
+enum gml_mark {
+	GML_MARK_LAZY,		/* nothing on a single stream, else the
+				   open seq */
+	GML_MARK_FORCE,		/* an event now unless two are in flight
+				   after a poll, else the open seq */
+	GML_MARK_NOW,		/* an event now */
+};
+int gml_stream_mark(gmlake_ctx *ctx, int idx, enum gml_mark how,
+		    uint64_t *seq);
 void gml_streams_mark_always(gmlake_ctx *ctx);
 bool gml_stream_done(gmlake_ctx *ctx, int idx, uint64_t seq);
 /* The seq that covers every free on stream idx so far. */

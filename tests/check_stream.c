@@ -185,6 +185,63 @@ START_TEST(test_same_stream_at_once)
 }
 END_TEST
 
+/*
+ * A block on a stitched view freed while two of its stream's events are
+ * in flight gets an event of its own at once: after the host waited for
+ * the stream, the view is repaired although work queued later is still
+ * pending. An event recorded only when the repair asks would cover that
+ * later work too and leave the request to a new stitch.
+ */
+START_TEST(test_stitched_free_marks_at_once)
+{
+	gmlake_ctx *ctx = th_ctx(CAP_CHUNKS(32));
+	gmlake_stream_t a = th_stream(ctx);
+	struct gmlake_stats s0, s1;
+	struct pending pd;
+	void *p[16], *v, *x, *big;
+	int i;
+
+	for (i = 0; i < 16; i++)
+		p[i] = th_alloc_filled(ctx, 2 * TH_MiB, 100 + i, a);
+	for (i = 1; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	big = th_alloc(ctx, 16 * TH_MiB, a);	/* V: the 8 odd chunks */
+	th_free(ctx, big);
+
+	/* Two frees on stitched memory while a is held: two events in
+	 * flight, then V's own free. */
+	th_hold(ctx, a, true);
+	for (i = 0; i < 2; i++) {
+		v = th_alloc(ctx, 4 * TH_MiB, a);
+		th_free(ctx, v);
+	}
+	big = th_alloc(ctx, 16 * TH_MiB, a);
+	th_free(ctx, big);
+	th_hold(ctx, a, false);
+	th_sync(ctx, a);
+
+	/* a busy again: a read queued and held; x takes one of V's chunks. */
+	th_hold(ctx, a, true);
+	pending_queue(ctx, &pd, p[0], 2 * TH_MiB, 100, a);
+	x = th_alloc(ctx, 2 * TH_MiB, a);
+	th_stats(ctx, &s0);
+	expect_alloc(ctx, &big, 16 * TH_MiB, a, "V's size while a is busy");
+	th_stats(ctx, &s1);
+	ck_assert_uint_eq(s1.stitch_repairs, s0.stitch_repairs + 1);
+	ck_assert_uint_eq(s1.stitches, s0.stitches);
+	ck_assert_uint_eq(s1.grows, s0.grows + 1);	/* x's chunk anew */
+	release_and_check(ctx, a, &pd, 1, "read queued before the repair");
+	th_fill_ok(ctx, big, 16 * TH_MiB, 7, a);
+	for (i = 0; i < 16; i += 2)
+		th_verify_ok(ctx, p[i], 2 * TH_MiB, 100 + i, a);
+	th_verify_free(ctx, big, 16 * TH_MiB, 7, a);
+	th_free(ctx, x);
+	for (i = 0; i < 16; i += 2)
+		th_free(ctx, p[i]);
+	destroy_all(ctx, a, NULL);
+}
+END_TEST
+
 /* Freed on A while A is held: not for B until A completes; then it is. */
 START_TEST(test_cross_stream_pending)
 {
@@ -1001,6 +1058,7 @@ static Suite *stream_suite(bool emu)
 	tc = th_tcase(s, "SameStream");
 	tcase_add_test(tc, test_same_stream_at_once);
 	tcase_add_test(tc, test_copy_order);
+	tcase_add_test(tc, test_stitched_free_marks_at_once);
 
 	tc = th_tcase(s, "CrossStream");
 	tcase_add_test(tc, test_cross_stream_pending);
