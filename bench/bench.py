@@ -54,6 +54,8 @@ them. The same by hand, and other uses:
   python3 bench/bench.py --lib ...              # the gpt workloads
   python3 bench/bench.py --lib ... --rounds 3   # rounds 1-3 in one call
   python3 bench/bench.py --lib ... --sweep      # also the capacity sweep
+  python3 bench/bench.py --lib ... --fresh --workloads eco --round K
+                                # a process per workload and allocator
 
 While a child runs, a line on stderr says what it is doing (on a
 terminal only). bench.py exits 0 when every workload ran, 1 when one
@@ -891,8 +893,11 @@ def note_meta(meta, r):
         meta.setdefault(k, r[k])
 
 
-def run_allocator(args, allocator, names, meta, notes):
-    todo = list(enumerate(names))
+def run_allocator(args, allocator, todo, meta, notes):
+    """Run the (index, name) workloads of todo under allocator in one
+    child, again in a new child from the first one not done if a child
+    dies; their results."""
+    todo = list(todo)
     results = []
     for _attempt in range(len(todo) + 1):
         if not todo:
@@ -981,6 +986,11 @@ def parse(argv):
                    "them in this order, even rounds in reverse" %
                    ",".join(benchlib.ALLOCATORS))
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--fresh", action="store_true",
+                   help="each workload in a child process of its own, as "
+                   "a job that starts with it (default: one child per "
+                   "allocator runs the round's workloads one after "
+                   "another)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="processes (GPUs) per allocator for the dist "
                    "workloads, under torch.distributed.run (default 1; "
@@ -1117,7 +1127,7 @@ def run_round(args, k, names, allocators, store, argv, sweep):
                gmlake_env=" ".join("%s=%s" % kv
                                    for kv in gmlake_settings().items()),
                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-               notes=[], results=[], sweeps=[])
+               fresh=bool(args.fresh), notes=[], results=[], sweeps=[])
     if store.has(k, [] if args.only_sweep else names):
         rnd["notes"].append("replaces an earlier round %d of these "
                             "workloads in this results.json" % k)
@@ -1125,11 +1135,16 @@ def run_round(args, k, names, allocators, store, argv, sweep):
         benchlib.ALLOCATOR_NAMES[a] for a in rnd["order"])), flush=True)
     if not args.only_sweep:
         warm_compile_cache(args, names, rnd)
+        # --fresh: a child per workload, as a job that starts with it
+        # (what one workload leaves cached does not serve the next).
+        todo = list(enumerate(names))
+        groups = [[w] for w in todo] if args.fresh else [todo]
         for a in rnd["order"]:
-            rnd["results"] += run_allocator(args, a, names, rnd,
-                                            rnd["notes"])
-            rnd["wall_s"] = round(time.time() - start, 1)
-            store.put(rnd)
+            for group in groups:
+                rnd["results"] += run_allocator(args, a, group, rnd,
+                                                rnd["notes"])
+                rnd["wall_s"] = round(time.time() - start, 1)
+                store.put(rnd)
     if sweep:
         run_sweeps(args, names, allocators, rnd)
     for r in rnd["results"]:

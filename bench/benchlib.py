@@ -987,6 +987,17 @@ def report_header(rounds):
     return lines, warn
 
 
+def _fresh_text(rounds):
+    """How the rounds split workloads into processes (bench.py --fresh)."""
+    fresh = [str(r["round"]) for r in rounds if r.get("fresh")]
+    if not fresh:
+        return ""
+    if len(fresh) == len(rounds):
+        return " for each workload (--fresh)"
+    return " for each workload in round%s %s (--fresh)" % (
+        "" if len(fresh) == 1 else "s", ", ".join(fresh))
+
+
 def results_markdown(data):
     """results.md of a format-2 data: every round merged."""
     rounds = data["rounds"]
@@ -995,11 +1006,11 @@ def results_markdown(data):
     head, warn = report_header(rounds)
     parts = ["# libgmlake benchmark results\n",
              "; ".join(head) + ".\n",
-             "%d round%s (%s). Each allocator ran in its own process, "
+             "%d round%s (%s). Each allocator ran in its own process%s, "
              "with the same seeds, shapes and steps; odd rounds ran the "
              "allocators in the order %s, even rounds in reverse.\n" % (
                  len(ids), "" if len(ids) == 1 else "s",
-                 ", ".join(str(k) for k in ids),
+                 ", ".join(str(k) for k in ids), _fresh_text(rounds),
                  ", ".join(_name(a) for a in (rounds[0].get("order") or
                                               ALLOCATORS)) if rounds
                  else "?")]

@@ -884,14 +884,14 @@ class TestBenchCli(unittest.TestCase):
             rc = self.bench.main(argv)
         return rc, err.getvalue()
 
-    def fake(self, args, a, names, meta, notes):
+    def fake(self, args, a, todo, meta, notes):
         """Every workload ran: 4 steps, two shapes; a step per call."""
         self.order.append(a)
         n = len(self.order)
         meta.setdefault("gpu", "GPU X")
         return [result(w, a, [90, 80, 10 * n, 10 * n], [[1], [2], [1], [2]],
                        index=i, peak_allocated=G, peak_reserved=2 * G)
-                for i, w in enumerate(names)]
+                for i, w in todo]
 
     order = None
 
@@ -1084,7 +1084,7 @@ class TestBenchCli(unittest.TestCase):
                 self.load()["rounds"][-1]["notes"]))
 
     def test_failed_workload_exits_1(self):
-        def fake(args, a, names, meta, notes):
+        def fake(args, a, todo, meta, notes):
             r = result("lora", a, [1, 1], index=0)
             if a == "expandable":
                 r.update(ok=False, error="RuntimeError: boom")
@@ -1100,7 +1100,7 @@ class TestBenchCli(unittest.TestCase):
         """A call cut short keeps every child that finished."""
         seen = []
 
-        def fake(args, a, names, meta, notes):
+        def fake(args, a, todo, meta, notes):
             path = os.path.join(self.tmp, "results.json")
             if os.path.exists(path):
                 with open(path) as f:
@@ -1185,6 +1185,49 @@ class TestBenchCli(unittest.TestCase):
             self.bench.warm_compile_cache(args, ["eco_compile"], rnd)
             self.assertEqual(len(calls), 1)
             self.assertIn("warm from an earlier run", rnd["notes"][1])
+
+    def test_fresh_child_per_workload(self):
+        """--fresh: one child per workload and allocator, indices kept;
+        without it one child per allocator runs them all."""
+        def run(extra):
+            calls = []
+
+            def fake_child(args, allocator, what, extra, names=(),
+                           label=None):
+                calls.append((allocator, extra[1]))
+                return 0, [dict(kind="result", workload=n, index=int(i),
+                                allocator=allocator, ok=True, oom=False,
+                                step_times=[0.1, 0.1])
+                           for i, n in (w.split(":")
+                                        for w in extra[1].split(","))]
+            out = os.path.join(self.tmp, "fresh%d" % len(extra))
+            args = self.bench.parse(["--lib", "/x.so", "--workloads",
+                                     "eco_sage,eco_vit", "--allocators",
+                                     "gmlake,default", "--round", "2",
+                                     "--out", out] + extra)
+            with mock.patch.object(self.bench, "run_child", fake_child), \
+                    mock.patch("sys.stdout", io.StringIO()):
+                rnd = self.bench.run_round(
+                    args, 2, ["eco_sage", "eco_vit"], ["gmlake", "default"],
+                    self.bench.Store(out), ["bench.py"], False)
+            with open(os.path.join(out, "results.md")) as f:
+                return calls, rnd, f.read()
+        calls, rnd, md = run(["--fresh"])
+        self.assertEqual(calls, [("default", "0:eco_sage"),
+                                 ("default", "1:eco_vit"),
+                                 ("gmlake", "0:eco_sage"),
+                                 ("gmlake", "1:eco_vit")])
+        self.assertTrue(rnd["fresh"])
+        self.assertEqual(sorted((r["allocator"], r["index"])
+                                for r in rnd["results"]),
+                         [("default", 0), ("default", 1), ("gmlake", 0),
+                          ("gmlake", 1)])
+        self.assertIn("own process for each workload (--fresh)", md)
+        calls, rnd, md = run([])
+        self.assertEqual(calls, [("default", "0:eco_sage,1:eco_vit"),
+                                 ("gmlake", "0:eco_sage,1:eco_vit")])
+        self.assertFalse(rnd["fresh"])
+        self.assertNotIn("--fresh", md)
 
     def test_shown_command(self):
         self.assertEqual(self.bench.shown_command(
