@@ -29,8 +29,8 @@
 #	(PyTorch's allocators against libgmlake on real models), writing to
 #	${GML_GPU_OUT:-/tmp}/bench (results.json, results.md); BENCH-ARGS go
 #	to bench.py (--workloads gpt|eco|all|NAMES, --round K, --rounds N,
-#	--quick, --sweep, --report ...). One round of the ecosystem workloads
-#	in one call (K = 1, 2, 3, each call its own):
+#	--fresh, --quick, --sweep, --report ...). One round of the ecosystem
+#	workloads in one call (K = 1, 2, 3, each call its own):
 #	    GML_GPU_OUT=DIR tools/gpu.sh bench --workloads eco --round K
 #	then merge the rounds' results.json anywhere, without a GPU:
 #	    python3 bench/bench.py --report R1 R2 R3 --out DIR
