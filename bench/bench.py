@@ -21,8 +21,11 @@ Workloads (--workloads, comma-separated names or groups):
        (llama_save_on_cpu, llama_offload; only in this group and all);
   eco  models from the ecosystem (ecosystem.py): timm ViT-L, torchvision
        Mask R-CNN, torch_geometric GraphSAGE, transformers Llama under
-       FSDP2, torch.compile; one round of them takes about 5-8 minutes on
-       an H200;
+       FSDP2, torch.compile; one round of them takes about 4-5 minutes on
+       an H100;
+  eco_extra  two more from the ecosystem: peft LoRA on transformers'
+       Llama (eco_lora) and timm ResNet-50 under cudnn.benchmark
+       (eco_convnet);
   dist  distributed training over NCCL (distributed.py): the bench's GPT
        under DDP, transformers Llama under FSDP2, the same with peft LoRA,
        and all_reduce/all_gather bandwidth over stitched tensors; with
@@ -137,7 +140,8 @@ GPT = ("gpt_ckpt", "gpt_plain", "lora", "gpt_keep", "gpt_save_on_cpu",
 # Activation offload on transformers' Llama (not in the default group).
 LLAMA = ("llama_save_on_cpu", "llama_offload")
 WORKLOADS = GPT + LLAMA + ecosystem.WORKLOADS + distributed.WORKLOADS
-GROUPS = {"gpt": GPT, "eco": ecosystem.WORKLOADS,
+GROUPS = {"gpt": GPT, "eco": ecosystem.CORE,
+          "eco_extra": ecosystem.EXTRA,
           "dist": distributed.WORKLOADS, "all": WORKLOADS,
           "offload": ("gpt_save_on_cpu", "gpt_offload") + LLAMA}
 # Seconds a workload may take in a child, building included (the child's
@@ -149,6 +153,7 @@ BUDGET = {"full": dict(dict.fromkeys(GPT, 70), **dict.fromkeys(LLAMA, 90),
                        gpt_save_on_cpu=150, gpt_offload=150,
                        eco_vit=60, eco_maskrcnn=60,
                        eco_sage=45, eco_llama_fsdp=75, eco_compile=150,
+                       eco_lora=90, eco_convnet=75,
                        dist_gpt_ddp=90, dist_llama_fsdp=90,
                        dist_lora_fsdp=90, dist_collectives=60),
           "quick": dict(dict.fromkeys(GPT + LLAMA, 10),

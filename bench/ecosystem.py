@@ -15,7 +15,19 @@ step to step as a data loader's batches do.
                   random (batch, sequence), AdamW;
   eco_compile     torch.compile (default mode, dynamic=False) of an
                   nn.TransformerEncoder training step: each new shape
-                  compiles (a settling step), AdamW.
+                  compiles (a settling step), AdamW;
+
+and two more (EXTRA, the bench's eco_extra group), patterns the five do
+not have:
+
+  eco_lora        transformers Llama (20 layers, hidden 2560, bf16
+                  weights) with peft LoRA adapters on every projection,
+                  gradient checkpointing, random (batch, sequence), AdamW
+                  over the adapters only;
+  eco_convnet     timm ResNet-50, channels_last, bf16 autocast, with
+                  cudnn.benchmark on (each new shape times cuDNN's
+                  algorithms, whose workspaces come and go), random batch
+                  and resolution, SGD.
 
 Each workload draws a small set of shapes from its ranges (SHAPES), seeded
 by the workload's name and the seed, and then the shape of every step from
@@ -35,8 +47,10 @@ import socket
 
 import benchlib
 
-WORKLOADS = ("eco_vit", "eco_maskrcnn", "eco_sage", "eco_llama_fsdp",
-             "eco_compile")
+CORE = ("eco_vit", "eco_maskrcnn", "eco_sage", "eco_llama_fsdp",
+        "eco_compile")
+EXTRA = ("eco_lora", "eco_convnet")
+WORKLOADS = CORE + EXTRA
 
 # Python modules each workload needs besides torch.
 REQUIRES = {
@@ -45,6 +59,8 @@ REQUIRES = {
     "eco_sage": ("torch_geometric",),
     "eco_llama_fsdp": ("transformers",),
     "eco_compile": (),
+    "eco_lora": ("transformers", "peft"),
+    "eco_convnet": ("timm",),
 }
 
 # Shape ranges; count is the size of the seeded set the steps draw from.
@@ -66,6 +82,11 @@ SHAPES = {
                                tokens=16384),
         "eco_compile": dict(count=3, batch=(8, 16, 32), seq=(128, 256, 512),
                             tokens=8192),
+        "eco_lora": dict(count=4, batch=(1, 2, 4, 8),
+                         seq=tuple(range(512, 2049, 256)), tokens=16384),
+        # (batch, resolution): multiples of 32, as ResNet's strides need.
+        "eco_convnet": dict(count=4, batch=(64, 96, 128, 160),
+                            res=tuple(range(160, 289, 32))),
     },
     "quick": {
         "eco_vit": dict(count=3, batch=(2, 4, 8), res=(64, 96, 128)),
@@ -76,6 +97,9 @@ SHAPES = {
                                tokens=512),
         "eco_compile": dict(count=2, batch=(2, 4), seq=(32, 64, 128),
                             tokens=256),
+        "eco_lora": dict(count=2, batch=(1, 2), seq=(64, 128, 256),
+                         tokens=512),
+        "eco_convnet": dict(count=2, batch=(2, 4), res=(64, 96)),
     },
 }
 
@@ -83,9 +107,9 @@ SHAPES = {
 # about 24 steady steps in full size.
 STEPS = {
     "full": dict(eco_vit=28, eco_maskrcnn=28, eco_sage=28, eco_llama_fsdp=28,
-                 eco_compile=24),
+                 eco_compile=24, eco_lora=28, eco_convnet=28),
     "quick": dict(eco_vit=8, eco_maskrcnn=6, eco_sage=6, eco_llama_fsdp=6,
-                  eco_compile=6),
+                  eco_compile=6, eco_lora=6, eco_convnet=6),
 }
 
 MODELS = {
@@ -96,7 +120,12 @@ MODELS = {
         llama=dict(hidden_size=2048, intermediate_size=5504,
                    num_hidden_layers=12, num_attention_heads=16,
                    num_key_value_heads=16, vocab_size=32000),
-        compile=dict(d=1024, heads=16, ffn=4096, layers=4, vocab=32000)),
+        compile=dict(d=1024, heads=16, ffn=4096, layers=4, vocab=32000),
+        lora_llama=dict(hidden_size=2560, intermediate_size=6912,
+                        num_hidden_layers=20, num_attention_heads=20,
+                        num_key_value_heads=20, vocab_size=32000),
+        lora=dict(r=16, alpha=32),
+        convnet=("resnet50", {})),
     "quick": dict(
         vit=("vit_tiny_patch16_224", dict(depth=2, num_classes=10)),
         maskrcnn=dict(num_classes=5, min_size=256, max_size=512),
@@ -104,7 +133,12 @@ MODELS = {
         llama=dict(hidden_size=256, intermediate_size=688,
                    num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=4, vocab_size=1000),
-        compile=dict(d=128, heads=4, ffn=512, layers=2, vocab=1000)),
+        compile=dict(d=128, heads=4, ffn=512, layers=2, vocab=1000),
+        lora_llama=dict(hidden_size=256, intermediate_size=688,
+                        num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=1000),
+        lora=dict(r=4, alpha=8),
+        convnet=("resnet18", dict(num_classes=10))),
 }
 
 NOTES = {
@@ -122,6 +156,11 @@ NOTES = {
     "eco_compile": "torch.compile (default mode, dynamic=False) of an "
                    "nn.TransformerEncoder step, bf16 autocast, AdamW; "
                    "(batch, sequence) per step, each new one compiles",
+    "eco_lora": "transformers LlamaForCausalLM in bf16 with peft LoRA "
+                "(r %d) on every projection, gradient checkpointing, "
+                "AdamW over the adapters; (batch, sequence) per step",
+    "eco_convnet": "timm %s, channels_last, bf16 autocast, "
+                   "cudnn.benchmark on, SGD; (batch, resolution) per step",
 }
 
 
@@ -137,7 +176,7 @@ def _draw_bt(spec, rng):
 
 
 def _draw(name, spec, rng):
-    if name == "eco_vit":
+    if name in ("eco_vit", "eco_convnet"):
         return (rng.choice(spec["batch"]), rng.choice(spec["res"]))
     if name == "eco_maskrcnn":
         lo, hi = spec["side"]
@@ -149,7 +188,7 @@ def _draw(name, spec, rng):
         lo, hi = spec["nodes"]
         n = rng.randrange(lo, hi + 1, spec["step"])
         return (n, n * spec["degree"])
-    if name in ("eco_llama_fsdp", "eco_compile"):
+    if name in ("eco_llama_fsdp", "eco_compile", "eco_lora"):
         return _draw_bt(spec, rng)
     raise ValueError("unknown workload %r (known: %s)" %
                      (name, ", ".join(WORKLOADS)))
@@ -374,8 +413,70 @@ def _compile(size, seed):
     return dict(step_at=step_at, keep=(model, opt), close=close)
 
 
+def _lora(size, seed):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(max_position_embeddings=4096, use_cache=False,
+                      **MODELS[size]["lora_llama"])
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    _checkpointing(base)
+    lc = MODELS[size]["lora"]
+    model = get_peft_model(base, LoraConfig(
+        r=lc["r"], lora_alpha=lc["alpha"], lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                        "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters()
+                             if p.requires_grad], lr=1e-4)
+    g = _generator(seed)
+    vocab = cfg.vocab_size
+
+    def step_at(shape):
+        b, t = shape
+        idx = torch.randint(0, vocab, (b, t), device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=idx, labels=idx).loss
+        _train(loss, opt)
+    return dict(step_at=step_at, keep=(model, opt),
+                note=NOTES["eco_lora"] % lc["r"])
+
+
+def _convnet(size, seed):
+    import timm
+    import torch
+    import torch.nn.functional as F
+    name, extra = MODELS[size]["convnet"]
+    model = timm.create_model(name, pretrained=False, **extra).cuda()
+    model = model.to(memory_format=torch.channels_last)
+    was = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                          weight_decay=1e-4)
+    g = _generator(seed)
+    classes = model.num_classes
+
+    def step_at(shape):
+        b, res = shape
+        x = torch.randn(b, 3, res, res, device="cuda", generator=g)
+        x = x.contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, classes, (b,), device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        _train(loss, opt)
+
+    def close():
+        torch.backends.cudnn.benchmark = was    # later workloads: as found
+    return dict(step_at=step_at, keep=(model, opt), close=close,
+                note=NOTES["eco_convnet"] % name)
+
+
 BUILDERS = {"eco_vit": _vit, "eco_maskrcnn": _maskrcnn, "eco_sage": _sage,
-            "eco_llama_fsdp": _llama_fsdp, "eco_compile": _compile}
+            "eco_llama_fsdp": _llama_fsdp, "eco_compile": _compile,
+            "eco_lora": _lora, "eco_convnet": _convnet}
 
 
 def build(name, size, seed, steps):
