@@ -36,6 +36,7 @@
 
 #include <gmlake.h>
 
+#include "explain.h"
 #include "json.h"
 #include "trace.h"
 
@@ -79,7 +80,11 @@ struct options {
 	bool per_step; /* each step's driver work after the trace's row */
 	bool lag;      /* the emulated device runs behind, synced per step */
 	bool progress; /* a progress line: stderr is a terminal */
+	bool explain;  /* each step line and interesting call on stderr */
+	size_t explain_min; /* allocations this large always shown */
 };
+
+#define DEFAULT_EXPLAIN_MIN (64 * MIB)
 
 /* An event that is replayed. */
 struct rev {
@@ -704,6 +709,7 @@ static int do_alloc(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		    struct streammap *sm, const struct rev *e,
 		    const struct options *o)
 {
+	struct gmlake_stats before, after;
 	gmlake_stream_t stream;
 	struct slot *s;
 	uint64_t t0, t1;
@@ -721,6 +727,11 @@ static int do_alloc(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		       e->line, e->size);
 		return -EINVAL;
 	}
+	if (o->explain) {
+		ret = snapshot(r, ctx, &before);
+		if (ret)
+			return ret;
+	}
 	t0 = now_ns();
 	ret = gmlake_alloc(ctx, &ptr, (size_t)e->size, stream);
 	t1 = now_ns();
@@ -729,6 +740,15 @@ static int do_alloc(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		       r->name, e->line, e->size, strerror(-ret),
 		       gmlake_last_error());
 		return ret;
+	}
+	if (o->explain) {
+		ret = snapshot(r, ctx, &after);
+		if (ret) {
+			gmlake_free(ctx, ptr);
+			return ret;
+		}
+		gml_explain_alloc(stderr, r->name, e->line, e->size, ptr,
+				  o->explain_min, &before, &after);
 	}
 	lat_add(&r->lat, t1 - t0);
 	r->done_allocs++;
@@ -748,6 +768,8 @@ static int do_alloc(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 static int free_slot(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		     struct slot *s, uint64_t line, const struct options *o)
 {
+	struct gmlake_stats before, after;
+	void *ptr = s->ptr;
 	int ret;
 
 	if (o->touch) {
@@ -755,13 +777,24 @@ static int free_slot(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		if (ret)
 			return ret;
 	}
-	ret = gmlake_free(ctx, s->ptr);
+	if (o->explain) {
+		ret = snapshot(r, ctx, &before);
+		if (ret)
+			return ret;
+	}
+	ret = gmlake_free(ctx, ptr);
 	if (ret) {
 		errmsg("%s:%" PRIu64 ": gmlake_free: %s: %s", r->name, line,
 		       strerror(-ret), gmlake_last_error());
 		return ret;
 	}
 	bm_remove(bm, s);
+	if (o->explain) {
+		ret = snapshot(r, ctx, &after);
+		if (ret)
+			return ret;
+		gml_explain_free(stderr, r->name, line, ptr, &before, &after);
+	}
 	return 0;
 }
 
@@ -886,6 +919,8 @@ static int step_line(struct replay *r, gmlake_ctx *ctx,
 	r->step_start = now;
 	r->in_step = true;
 	r->step_steady = ev->size == 0;
+	if (o->explain)
+		gml_explain_step(stderr, r->name, ev->addr, ev->size != 0);
 	return 0;
 }
 
@@ -1389,6 +1424,9 @@ static void usage(FILE *f)
 		"  -s, --per-step          each step's driver work (traces with step lines)\n"
 		"  -l, --lag               emulated device behind the host: queued work runs\n"
 		"                          only at step lines and other host waits\n"
+		"  -e, --explain[=SIZE]    on stderr: each step line, each allocation of SIZE\n"
+		"                          or more (default 64M) and each call that called\n"
+		"                          the driver, with the policy steps it took\n"
 		"  -h, --help              this help\n"
 		"  -V, --version           library version\n",
 		prog);
@@ -1406,13 +1444,16 @@ static int parse_args(int argc, char **argv, struct options *o)
 		{"quiet", no_argument, NULL, 'q'},
 		{"per-step", no_argument, NULL, 's'},
 		{"lag", no_argument, NULL, 'l'},
+		{"explain", optional_argument, NULL, 'e'},
 		{"help", no_argument, NULL, 'h'},
 		{"version", no_argument, NULL, 'V'},
 		{NULL, 0, NULL, 0},
 	};
 	int c;
 
-	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qslhV", longopts, NULL)) !=
+	o->explain_min = DEFAULT_EXPLAIN_MIN;
+	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qsle::hV", longopts,
+				NULL)) !=
 	       -1) {
 		switch (c) {
 		case 'b':
@@ -1454,6 +1495,13 @@ static int parse_args(int argc, char **argv, struct options *o)
 			break;
 		case 'l':
 			o->lag = true;
+			break;
+		case 'e':
+			o->explain = true;
+			if (optarg && parse_size(optarg, &o->explain_min)) {
+				errmsg("bad size '%s'", optarg);
+				return -EINVAL;
+			}
 			break;
 		case 'h':
 			usage(stdout);
