@@ -1453,8 +1453,7 @@ static int parse_args(int argc, char **argv, struct options *o)
 
 	o->explain_min = DEFAULT_EXPLAIN_MIN;
 	while ((c = getopt_long(argc, argv, "b:jtc:C:m:qsle::hV", longopts,
-				NULL)) !=
-	       -1) {
+				NULL)) != -1) {
 		switch (c) {
 		case 'b':
 			if (!strcasecmp(optarg, "emu")) {
@@ -1573,7 +1572,8 @@ int main(int argc, char **argv)
 
 	if (parse_args(argc, argv, &o))
 		return EXIT_USAGE;
-	o.progress = !o.quiet && isatty(STDERR_FILENO);
+	/* --explain's lines would break into the progress line */
+	o.progress = !o.quiet && !o.explain && isatty(STDERR_FILENO);
 	if (!gmlake_check_version(GMLAKE_VERSION_MAJOR, GMLAKE_VERSION_MINOR)) {
 		errmsg("libgmlake %d.%d is older than this tool (%d.%d)",
 		       gmlake_version_major(), gmlake_version_minor(),
