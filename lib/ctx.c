@@ -493,25 +493,6 @@ GML_EXPORT int gmlake_trim(gmlake_ctx *ctx)
 	return gml_trim(ctx, true);
 }
 
-int gml_ctx_headroom(gmlake_ctx *ctx, size_t *bytes)
-{
-	size_t free_b = 0, total = 0, limit, reserved;
-	int ret = ctx_enter(ctx);
-
-	if (ret)
-		return ret;
-	ret = gml_dev_mem_info(&ctx->dev, &free_b, &total);
-	limit = __atomic_load_n(&ctx->cfg.device_limit, __ATOMIC_RELAXED);
-	reserved = (size_t)ctx->st.reserved_bytes.current;
-	if (!ret && limit)
-		free_b = limit <= reserved ? 0 :
-			 free_b < limit - reserved ? free_b : limit - reserved;
-	if (!ret)
-		*bytes = free_b;
-	ctx_leave(ctx);
-	return ret;
-}
-
 /* Copy between host and a live block on stream, and wait for it. */
 static int copy(gmlake_ctx *ctx, void *dst, const void *src, size_t size,
 		enum gml_copy_kind kind, gmlake_stream_t stream)

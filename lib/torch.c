@@ -839,18 +839,9 @@ GML_EXPORT int gmlake_torch_stats_reset_accumulated(int device)
 	return 0;
 }
 
-/*
- * PyTorch's cacheInfo: *largest in is the caller's guess, 0 for "make
- * one", which PyTorch's allocator makes from the driver's free memory
- * before it looks at its cache. cuDNN's benchmark mode passes 0 and leaves
- * out every algorithm whose workspace is over the answer, so the cache
- * alone (empty right after the empty_cache it calls) left it only the
- * algorithms with no workspace.
- */
 GML_EXPORT int gmlake_torch_cache_info(int device, size_t *largest)
 {
 	int ret = check_device(device);
-	size_t cached = 0, room = 0;
 	gmlake_ctx *ctx;
 
 	if (ret)
@@ -858,21 +849,7 @@ GML_EXPORT int gmlake_torch_cache_info(int device, size_t *largest)
 	if (!largest)
 		return gml_set_error(-EINVAL, "gmlake_torch_cache_info: "
 				     "largest is NULL");
+	*largest = 0;
 	ctx = gml_torch_ctx_peek(device);
-	if (!ctx)
-		return 0;	/* nothing cached: the guess stands */
-	ret = gmlake_cache_info(ctx, NULL, &cached);
-	if (ret)
-		return ret;
-	if (!*largest) {
-		/* A guess it cannot make is no error: the cache answers. */
-		if (gml_ctx_headroom(ctx, &room))
-			gml_log(GMLAKE_LOG_DEBUG, "torch: device %d: cache "
-				"info without the free memory: %s", device,
-				gmlake_last_error());
-		*largest = room;
-	}
-	if (cached > *largest)
-		*largest = cached;
-	return 0;
+	return ctx ? gmlake_cache_info(ctx, NULL, largest) : 0;
 }

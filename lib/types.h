@@ -433,9 +433,6 @@ void gml_release_deferred(gmlake_ctx *ctx, bool wait);
 /* gmlake_trim(); restart false keeps requested_top (a trim the library
  * makes itself: an out-of-memory retry, a lowered limit). */
 int gml_trim(gmlake_ctx *ctx, bool restart);
-/* Device memory growth could still take: the driver's free memory, under
- * the device limit; 0 or the driver's error. */
-int gml_ctx_headroom(gmlake_ctx *ctx, size_t *bytes);
 
 /* check.c: the invariant checker, lock held */
 int gml_ctx_check_locked(gmlake_ctx *ctx);

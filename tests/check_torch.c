@@ -1456,59 +1456,6 @@ START_TEST(test_snapshot)
 }
 END_TEST
 
-/*
- * cacheInfo as PyTorch's allocator answers it: a zero guess in asks for
- * one, the device's free memory (under the device limit), raised to the
- * largest cached request; a guess given is raised to that only. cuDNN's
- * benchmark passes 0 and leaves out every algorithm whose workspace is
- * larger than the answer.
- */
-START_TEST(test_cache_info_guess)
-{
-	size_t cached = 0, largest, free_b = 0, total = 0, limit;
-	gmlake_ctx *ctx;
-	void *p;
-
-	/* No context yet: the caller's guess stands, a zero one too. */
-	largest = 12345;
-	ck_assert_int_eq(gmlake_torch_cache_info(dev(0), &largest), 0);
-	ck_assert_uint_eq(largest, 12345);
-	p = torch_alloc_ok(8 * TH_MiB, dev(0), NULL);
-	gmlake_torch_free(p, 8 * TH_MiB, dev(0), NULL);
-	ctx = torch_ctx(dev(0));
-	ck_assert_int_eq(gmlake_cache_info(ctx, NULL, &cached), 0);
-	ck_assert_uint_ge(cached, 8 * TH_MiB);
-	/* 0 in: the driver's free memory, or the cache where larger. */
-	ck_assert_int_eq(gml_dev_mem_info(th_dev(ctx), &free_b, &total), 0);
-	largest = 0;
-	ck_assert_int_eq(gmlake_torch_cache_info(dev(0), &largest), 0);
-	ck_assert_uint_eq(largest, free_b > cached ? free_b : cached);
-	if (on_emu)	/* 256 MiB, of which the cache holds a few chunks */
-		ck_assert_uint_gt(largest, cached);
-	/* A guess in: raised to the cache's largest, never lowered. */
-	largest = 1;
-	ck_assert_int_eq(gmlake_torch_cache_info(dev(0), &largest), 0);
-	ck_assert_uint_eq(largest, cached);
-	largest = (size_t)1 << 50;
-	ck_assert_int_eq(gmlake_torch_cache_info(dev(0), &largest), 0);
-	ck_assert_uint_eq(largest, (size_t)1 << 50);
-	/* Under a memory fraction the guess is what growth may still take. */
-	gmlake_torch_memory_fraction(0.125, dev(0));
-	limit = (size_t)(0.125 * (double)total);
-	largest = 0;
-	ck_assert_int_eq(gmlake_torch_cache_info(dev(0), &largest), 0);
-	ck_assert_uint_le(largest, limit);
-	ck_assert_uint_ge(largest, cached);
-	/* A driver that cannot say: no error, the cache answers. */
-	gmlake_torch_memory_fraction(1.0, dev(0));
-	gml_dev_fail_nth(th_dev(ctx), GML_CALL_mem_info, 1, EIO);
-	largest = 0;
-	ck_assert_int_eq(gmlake_torch_cache_info(dev(0), &largest), 0);
-	ck_assert_uint_eq(largest, cached);
-	gml_dev_fail_nth(th_dev(ctx), -1, 0, 0);
-}
-END_TEST
-
 static int count_events(int device, int action)
 {
 	struct gmlake_torch_event ev[256];
@@ -1806,7 +1753,6 @@ static Suite *torch_suite(void)
 		tcase_add_checked_fixture(tc, setup, teardown);
 		tcase_add_test(tc, test_torch_stats);
 		tcase_add_test(tc, test_snapshot);
-		tcase_add_test(tc, test_cache_info_guess);
 		tcase_add_test(tc, test_history);
 		tcase_add_test(tc, test_history_hooks);
 	}

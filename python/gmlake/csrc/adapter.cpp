@@ -504,7 +504,7 @@ class GmlakeAllocator final : public cca::CUDAAllocator {
   }
 
   void cacheInfo(DeviceIndex device, size_t* largestBlock) override {
-    size_t largest = *largestBlock;  // 0: libgmlake guesses, as PyTorch
+    size_t largest = 0;
     TORCH_CHECK(
         api.gmlake_torch_cache_info(device, &largest) == 0,
         "libgmlake: ",
