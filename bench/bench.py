@@ -21,8 +21,8 @@ Workloads (--workloads, comma-separated names or groups):
        (llama_save_on_cpu, llama_offload; only in this group and all);
   eco  models from the ecosystem (ecosystem.py): timm ViT-L, torchvision
        Mask R-CNN, torch_geometric GraphSAGE, transformers Llama under
-       FSDP2, torch.compile; one round of them takes about 4-5 minutes on
-       an H100;
+       FSDP2, torch.compile; one --fresh round of them, three
+       allocators, took 4-5 minutes on an H100;
   eco_extra  two more from the ecosystem: peft LoRA on transformers'
        Llama (eco_lora) and timm ResNet-50 under cudnn.benchmark
        (eco_convnet);
