@@ -90,7 +90,9 @@ every child runs on, as taskset takes them, e.g. "0-7": the same cores
 for every allocator, since a host-bound step's time follows its core;
 each step's result keeps the CPU it ended on, step_cpus, either way, and
 the process's host speed after it, step_host_ns: results.md's host speed
-table).
+table); BENCH_CUDNN_EMPTY_CACHE=0 keeps cuDNN's benchmark in eco_convnet
+from calling empty_cache after each search (PyTorch's own default: it
+does), to tell that cost from the rest.
 """
 
 import argparse

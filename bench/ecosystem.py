@@ -451,8 +451,19 @@ def _convnet(size, seed):
     name, extra = MODELS[size]["convnet"]
     model = timm.create_model(name, pretrained=False, **extra).cuda()
     model = model.to(memory_format=torch.channels_last)
+    # BENCH_CUDNN_EMPTY_CACHE=0: no empty_cache after each search (a
+    # private switch of PyTorch's; a build without it says so).
+    get = getattr(torch._C, "_cuda_get_conv_benchmark_empty_cache", None)
+    put = getattr(torch._C, "_cudnn_set_conv_benchmark_empty_cache", None)
+    emptied = get() if get else True
+    keep = os.environ.get("BENCH_CUDNN_EMPTY_CACHE") == "0"
+    if keep and not put:
+        raise RuntimeError("BENCH_CUDNN_EMPTY_CACHE=0: this PyTorch has "
+                           "no _cudnn_set_conv_benchmark_empty_cache")
     was = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = True
+    if keep:
+        put(False)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
                           weight_decay=1e-4)
@@ -470,6 +481,8 @@ def _convnet(size, seed):
 
     def close():
         torch.backends.cudnn.benchmark = was    # later workloads: as found
+        if put:
+            put(emptied)
     return dict(step_at=step_at, keep=(model, opt), close=close,
                 note=NOTES["eco_convnet"] % name)
 
