@@ -1,9 +1,18 @@
 # SPDX-License-Identifier: MIT
 #
 # Helpers of the replay tests (replay_test.sh, replay_steps_test.sh,
-# replay_orders_test.sh, replay_long_lived_test.sh, replay_lag_test.sh),
-# sourced: their set-up, a pass/fail count, one trace's replay as JSON,
-# the values of gmlake-replay's JSON lines, and a bound on them.
+# replay_orders_test.sh, replay_long_lived_test.sh, replay_lag_test.sh,
+# replay_explain_test.sh), sourced: the tool and its device, their
+# set-up, a pass/fail count, one trace's replay as JSON, the values of
+# gmlake-replay's JSON lines, and a bound on them.
+
+# The tool under test, built in $top_builddir (default '.'), on the
+# emulated device: every replay test runs there, whatever the caller's
+# GMLAKE_BACKEND.
+top_builddir=${top_builddir:-.}
+replay=$top_builddir/tools/gmlake-replay
+GMLAKE_BACKEND=emu
+export GMLAKE_BACKEND
 
 passed=0
 failed=0

@@ -16,13 +16,9 @@
 # directory, $top_builddir the build directory (both default to '.').
 
 srcdir=${srcdir:-.}
-top_builddir=${top_builddir:-.}
-replay=$top_builddir/tools/gmlake-replay
 
-GMLAKE_BACKEND=emu
-export GMLAKE_BACKEND
-
-# replay_setup, result, value, run_json and the counts.
+# $replay on the emulated device, replay_setup, result, value, run_json and the
+# counts.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 

@@ -13,13 +13,8 @@
 # directory (both default to '.').
 
 srcdir=${srcdir:-.}
-top_builddir=${top_builddir:-.}
-replay=$top_builddir/tools/gmlake-replay
 max_driver=${REPLAY_ORDERS_MAX_DRIVER_PCT:-1.3}
 max_frag=${REPLAY_ORDERS_MAX_FRAG_PCT:-3.2}
-
-GMLAKE_BACKEND=emu
-export GMLAKE_BACKEND
 
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99

@@ -14,8 +14,6 @@
 # REPLAY_MAX_FRAG_PCT and REPLAY_MAX_DRIVER_PCT override the limits.
 
 srcdir=${srcdir:-.}
-top_builddir=${top_builddir:-.}
-replay=$top_builddir/tools/gmlake-replay
 max_frag=${REPLAY_MAX_FRAG_PCT:-2.5}
 max_driver=${REPLAY_MAX_DRIVER_PCT:-1.0}
 # Traces that do not meet the driver goal yet, as name:ceiling (a ceiling
@@ -52,15 +50,12 @@ known_frag_gaps=${REPLAY_KNOWN_FRAG_GAPS:-eco_sage:2.8}
 # the same, bench/results/expandable-sim-8d87a47.md).
 known_peak_gaps=${REPLAY_KNOWN_PEAK_GAPS:-eco_vit:1.015}
 
-GMLAKE_BACKEND=emu
-export GMLAKE_BACKEND
-
 keys="trace events peak_allocated peak_reserved fragmentation_pct
 torch_fragmentation_pct expandable_fragmentation_pct driver_ms_second_half
 driver_pct_second_half measured_driver_ms_second_half creates maps set_access
 unmaps releases stitches alloc_p50_us alloc_p99_us skipped_frees backend"
 
-# replay_setup, result, value and the counts.
+# $replay on the emulated device, replay_setup, result, value and the counts.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
