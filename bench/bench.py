@@ -495,7 +495,8 @@ def trace_end(torch, name, args, r):
     events, peak_alloc, peak_reserved = s2t.convert(
         snap["device_traces"][torch.cuda.current_device()],
         step_mark=benchlib.STEP_MARK, settle=settle,
-        long_lived_marks=benchlib.LONG_LIVED_MARKS)
+        long_lived_marks=benchlib.LONG_LIVED_MARKS,
+        trims=args.allocator != "gmlake")
     header = ["pytorch %s" % torch.__version__, "workload=%s" % name,
               "steps=%d" % len(settle), "peak_alloc=%d" % peak_alloc]
     # gmlake-replay reads peak_reserved as PyTorch's (its torch% column):

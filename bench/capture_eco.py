@@ -115,7 +115,7 @@ def child(ns):
         dev = torch.cuda.current_device()
         events, peak_alloc, peak_reserved = s2t.convert(
             snap["device_traces"][dev], step_mark=STEP_MARK, settle=settle,
-            long_lived_marks=LONG_LIVED_MARKS)
+            long_lived_marks=LONG_LIVED_MARKS, trims=True)
         s2t.write(base + ".trace.gz", events,
                   ["pytorch %s" % torch.__version__,
                    "workload=%s" % short(ns.child), "steps=%d" % steps,

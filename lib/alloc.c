@@ -15,7 +15,8 @@
  *      mapped after it, in growth handles of several chunks (slab.c),
  *      while reserved memory stays within a small budget over the most
  *      ever requested (grow_in_budget) and, until step 4 has looked,
- *      under the most ever reserved; or, while
+ *      under the most ever reserved (ahead of need, after the user gave
+ *      the cache back: regrow_ahead); or, while
  *      gmlake_long_lived() is on under an offload ring and for
  *      GML_SPAN_MIN chunks or more, one new handle for the whole block at
  *      the segment's end (span.c),
@@ -85,30 +86,89 @@ static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
 }
 
 /*
- * Whether growing by k chunks keeps reserved memory within the budget
- * over the most memory requested at once (less what is spilled to the
- * host, which holds no device memory): cfg.grow_slack per mille. Growing
- * costs the driver once; a stitch or repair may cost it again every time
- * the shapes change, so growth is worth a little memory. On the replayed
- * traces 20 (2%, the default) took the priced driver time of the second
- * half from 10-16% to 3-6% on the traces whose shapes change every step,
- * fragmentation staying under 2.5%; 5 cut the GPT traces' peaks and cost
- * ViT's driver time (bench/results/replay-tried-08b9f2b.md); on an H100,
- * 5 saved the GPT workloads 20-50 MiB at 1.5x their steady driver time
- * and put activation offload's peak under save_on_cpu's
+ * Regrowth after the user gave the cache back (gmlake_trim(); PyTorch's
+ * empty_cache, which its cuDNN benchmark calls after every search). The
+ * steps after it need again what went back, and regrown one request at a
+ * time, each growth a set-access over new handles of single chunks,
+ * ResNet-50 under cudnn.benchmark on an H100 spent 25-39 ms of driver
+ * calls in each step after a search (123 set-access calls over 480 new
+ * handles in one), where PyTorch's allocators regrew in a few
+ * (bench/results/eco-extra-5521aaa-h100/). So while reserved memory stays
+ * at or under its peak, which the process held before, growth goes ahead
+ * of the request in whole handles, by a quarter of what was regrown since
+ * the trim, and the budget's slack is a quarter: a step regrows in a
+ * number of growths that rises with the logarithm of what it regrows,
+ * holding at most a quarter more than it asked for, and never more than
+ * it held before. A trim the library makes itself (out of memory, a
+ * lower limit) ends it.
+ */
+#define REGROW_SHARE 4
+
+/* Whether growing by k chunks regrows memory given back by the user. */
+static bool regrowing(const gmlake_ctx *ctx, uint32_t k)
+{
+	return ctx->regrow && !ctx->tier && gml_slab_chunks(ctx) &&
+	       ctx->st.reserved_bytes.current +
+	       (int64_t)k * (int64_t)ctx->chunk <= ctx->reserved_top;
+}
+
+/*
+ * How many chunks growth may add for a request of n chunks, within the
+ * budget over the most memory requested at once (less what is spilled to
+ * the host, which holds no device memory): cfg.grow_slack per mille, a
+ * quarter while regrowing (regrow). Growing costs the driver once; a
+ * stitch or repair may cost it again every time the shapes change, so
+ * growth is worth a little memory. On the replayed traces 20 (2%, the
+ * default) took the priced driver time of the second half from 10-16% to
+ * 3-6% on the traces whose shapes change every step, fragmentation
+ * staying under 2.5%; 5 cut the GPT traces' peaks and cost ViT's driver
+ * time (bench/results/replay-tried-08b9f2b.md); on an H100, 5 saved the
+ * GPT workloads 20-50 MiB at 1.5x their steady driver time and put
+ * activation offload's peak under save_on_cpu's
  * (bench/results/ab-1ffc003-h100/).
  */
-static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
+static int64_t budget_chunks(const gmlake_ctx *ctx, uint32_t n, bool regrow)
 {
 	int64_t want = ctx->st.requested_bytes.current +
 		       (int64_t)n * (int64_t)ctx->chunk;
-	int64_t after = ctx->st.reserved_bytes.current +
-			(int64_t)k * (int64_t)ctx->chunk;
+	int64_t slack = ctx->cfg.grow_slack;
 
+	if (regrow && slack < 1000 / REGROW_SHARE)
+		slack = 1000 / REGROW_SHARE;
 	if (want < ctx->requested_top)
 		want = ctx->requested_top;
 	want -= ctx->st.spilled_bytes.current;
-	return after <= want + want / 1000 * (int64_t)ctx->cfg.grow_slack;
+	return (want + want / 1000 * slack - ctx->st.reserved_bytes.current) >>
+	       ctx->chunk_shift;
+}
+
+static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
+{
+	return (int64_t)k <= budget_chunks(ctx, n, regrowing(ctx, k));
+}
+
+/* While regrowing, the chunks to grow past k: a quarter of what was
+ * regrown since the trim, at least a handle, within the budget and
+ * under the peak, the whole growth in whole handles. */
+static uint32_t regrow_ahead(const gmlake_ctx *ctx, uint32_t n, uint32_t k)
+{
+	int64_t cur = ctx->st.reserved_bytes.current;
+	int64_t g = gml_slab_chunks(ctx), want = g, cap;
+
+	if (!regrowing(ctx, k))
+		return 0;
+	if (cur > ctx->regrow_from &&
+	    ((cur - ctx->regrow_from) >> ctx->chunk_shift) / REGROW_SHARE > want)
+		want = ((cur - ctx->regrow_from) >> ctx->chunk_shift) /
+		       REGROW_SHARE;
+	cap = (ctx->reserved_top - cur) >> ctx->chunk_shift;
+	if (want > cap)
+		want = cap;
+	cap = budget_chunks(ctx, n, true);
+	if (want > cap)
+		want = cap;
+	want = want / g * g;
+	return want > (int64_t)k ? (uint32_t)(want - k) : 0;
 }
 
 /* How many positions at the end of segment v, up to n, are free and
@@ -135,25 +195,36 @@ static uint32_t top_free(gmlake_ctx *ctx, const struct gml_view *v,
  * handles where the budget allows: the rest stays free at the top, where
  * the next growth starts (*extra positions). (Rounding small blocks up
  * too left more slabs partly used, which no stitch can take, on the
- * replayed traces.) 0 or -ENOENT.
+ * replayed traces.) While regrowing, any block grows ahead
+ * (regrow_ahead). 0 or -ENOENT.
  */
 static int grow_top(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 		    uint32_t k, bool raise_peak, uint32_t *extra)
 {
-	uint32_t g = gml_slab_chunks(ctx);
+	uint32_t g = gml_slab_chunks(ctx), room = v->cap - v->n;
+	/* Past k: regrowth's share, else whole handles for a block of a
+	 * handle or more, else nothing; the first the budget allows. */
+	uint32_t tries[3] = { regrow_ahead(ctx, n, k),
+			      g && n >= g ? (g - k % g) % g : 0, 0 };
 
-	if (!k || k > v->cap - v->n || !grow_in_budget(ctx, n, k))
+	if (!k || k > room || !grow_in_budget(ctx, n, k))
 		return -ENOENT;
-	*extra = g && n >= g ? (g - k % g) % g : 0;
-	if (*extra && (*extra > v->cap - v->n - k ||
-		       !grow_in_budget(ctx, n, k + *extra)))
-		*extra = 0;
-	if (!raise_peak && ctx->st.reserved_bytes.current +
-	    (int64_t)(k + *extra) * (int64_t)ctx->chunk > ctx->reserved_top)
-		return -ENOENT;
-	if (gml_seg_extend(ctx, v, k + *extra, true))
-		return -ENOENT;
-	return 0;
+	for (int i = 0; i < 3; i++) {
+		*extra = tries[i];
+		if (i < 2 && (!*extra || *extra > room - k ||
+			      !grow_in_budget(ctx, n, k + *extra)))
+			continue;
+		if (!raise_peak && ctx->st.reserved_bytes.current +
+		    (int64_t)(k + *extra) * (int64_t)ctx->chunk >
+		    ctx->reserved_top)
+			return -ENOENT;
+		/* Regrowth past k the device cannot hold: k alone. */
+		if (!gml_seg_extend(ctx, v, k + *extra, true))
+			return 0;
+		if (i || !*extra)
+			return -ENOENT;
+	}
+	return -ENOENT;
 }
 
 /*

@@ -484,6 +484,10 @@ int gml_trim(gmlake_ctx *ctx, bool restart)
 	 * event wait, within the new budget. */
 	if (restart)
 		ctx->requested_top = ctx->st.requested_bytes.current;
+	/* What the user gave back is regrown ahead of need (alloc.c's
+	 * regrowing); not what memory pressure or a lower limit took. */
+	ctx->regrow = restart;
+	ctx->regrow_from = ctx->st.reserved_bytes.current;
 	ctx_leave(ctx);
 	return ret;
 }

@@ -293,6 +293,11 @@ struct gmlake_ctx {
 	 * (the stats' peaks are the user's to reset). */
 	int64_t requested_top;
 	int64_t reserved_top;
+	/* Since the user's last gmlake_trim() (none by the library's own
+	 * since): growth regrows what it gave back (alloc.c's regrowing),
+	 * from regrow_from reserved bytes. */
+	bool regrow;
+	int64_t regrow_from;
 
 	struct gmlake_stats st;
 };

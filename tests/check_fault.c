@@ -287,10 +287,14 @@ static void scenario(struct fs *f)
 			f->c = NULL;
 	}
 
-	/* Free and trim; grow again; out of memory; free and trim. */
+	/* Free and trim; grow again, ahead of need after the trim (with
+	 * slabs: the 2 MiB blocks regrow a whole handle); out of memory;
+	 * free and trim. */
 	f_free(f, s0);
 	f_free(f, i7);
 	f_trim(f);
+	f_alloc(f, 2 * TH_MiB, f->b);
+	f_alloc(f, 2 * TH_MiB, f->b);
 	i9 = f_alloc(f, 8 * TH_MiB, f->b);
 	f_alloc(f, 1000, f->b);
 	snprintf(f->trace, sizeof(f->trace), "alloc 64 MiB");

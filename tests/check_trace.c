@@ -97,9 +97,11 @@ START_TEST(test_line_kinds)
 	char line[64];
 	int k;
 
-	/* Size 1: a step line's settle flag is 0 or 1. */
+	/* Size 1: a step line's settle flag is 0 or 1; a trim's fields
+	 * are 0. */
 	for (k = 0; k < GML_TRACE_OTHER; k++) {
-		snprintf(line, sizeof(line), "%s 1 1 3",
+		snprintf(line, sizeof(line),
+			 k == GML_TRACE_TRIM ? "%s 0 0 0" : "%s 1 1 3",
 			 gml_trace_kind_name(k));
 		ck_assert_int_eq(parse(line, &ev, NULL), 1);
 		ck_assert_int_eq(ev.kind, k);
@@ -202,6 +204,23 @@ START_TEST(test_line_long_lived)
 	expect_bad("long_lived 18446744073709551615 0 0", 35,
 		   "long_lived's flag");
 	expect_bad("long_lived 1 0", 14, "too few fields");
+}
+END_TEST
+
+/* trim 0 0 0: the cache given back; any other field is malformed. */
+START_TEST(test_line_trim)
+{
+	struct gml_trace_event ev;
+	const char *why;
+
+	ck_assert_str_eq(gml_trace_kind_name(GML_TRACE_TRIM), "trim");
+	ck_assert_int_eq(parse("trim 0 0 0", &ev, &why), 1);
+	ck_assert_int_eq(ev.kind, GML_TRACE_TRIM);
+	ck_assert_str_eq(why, "");
+	expect_bad("trim 1 0 0", 10, "trim's fields");
+	expect_bad("trim 0 4096 0", 13, "trim's fields");
+	expect_bad("trim 0 0 7", 10, "trim's fields");
+	expect_bad("trim 0 0", 8, "too few fields");
 }
 END_TEST
 
@@ -992,6 +1011,7 @@ static Suite *trace_suite(void)
 	tcase_add_test(tc, test_line_blanks);
 	tcase_add_test(tc, test_line_step);
 	tcase_add_test(tc, test_line_long_lived);
+	tcase_add_test(tc, test_line_trim);
 	tcase_add_test(tc, test_line_limits);
 	tcase_add_test(tc, test_line_comment_blank);
 	tcase_add_test(tc, test_line_length_bound);

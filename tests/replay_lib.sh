@@ -2,9 +2,9 @@
 #
 # Helpers of the replay tests (replay_test.sh, replay_steps_test.sh,
 # replay_orders_test.sh, replay_long_lived_test.sh, replay_lag_test.sh,
-# replay_explain_test.sh), sourced: the tool and its device, their
-# set-up, a pass/fail count, one trace's replay as JSON, the values of
-# gmlake-replay's JSON lines, and a bound on them.
+# replay_explain_test.sh, replay_trim_test.sh), sourced: the tool and its
+# device, their set-up, a pass/fail count, one trace's replay as JSON, the
+# values of gmlake-replay's JSON lines, and a bound on them.
 
 # The tool under test, built in $top_builddir (default '.'), on the
 # emulated device: every replay test runs there, whatever the caller's

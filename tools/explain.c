@@ -100,6 +100,16 @@ void gml_explain_free(FILE *f, const char *trace, uint64_t line,
 	tail(f, before, after);
 }
 
+void gml_explain_trim(FILE *f, const char *trace, uint64_t line,
+		      const struct gmlake_stats *before,
+		      const struct gmlake_stats *after)
+{
+	fprintf(f, "%s:%" PRIu64 ": trim, %" PRId64 " MiB released", trace,
+		line, (before->reserved_bytes.current -
+		       after->reserved_bytes.current) >> 20);
+	tail(f, before, after);
+}
+
 void gml_explain_step(FILE *f, const char *trace, uint64_t k, bool settling)
 {
 	fprintf(f, "%s: step %" PRIu64 " (%s)\n", trace, k,

@@ -25,6 +25,10 @@ void gml_explain_alloc(FILE *f, const char *trace, uint64_t line,
 void gml_explain_free(FILE *f, const char *trace, uint64_t line,
 		      const void *ptr, const struct gmlake_stats *before,
 		      const struct gmlake_stats *after);
+/* A trim line: what gmlake_trim() gave back, and its driver calls. */
+void gml_explain_trim(FILE *f, const char *trace, uint64_t line,
+		      const struct gmlake_stats *before,
+		      const struct gmlake_stats *after);
 /* A step line of the trace: step k begins, a settling or a steady one. */
 void gml_explain_step(FILE *f, const char *trace, uint64_t k, bool settling);
 

@@ -146,6 +146,7 @@ struct replay {
 	uint64_t events; /* every event line of the trace */
 	uint64_t nalloc, nfree, unknown;
 	uint64_t long_lived_on; /* long_lived lines turning it on, replayed */
+	uint64_t trims;		/* trim lines replayed */
 	uint64_t nsteps, steady_steps; /* step lines; those with S == 0 */
 	uint64_t trace_peak_live; /* sum of live sizes, from the trace */
 
@@ -941,6 +942,36 @@ static int long_lived_line(struct replay *r, gmlake_ctx *ctx,
 	return 0;
 }
 
+/* A trim line: the run's allocator gave its cache back there
+ * (torch.cuda.empty_cache()), so the replay calls gmlake_trim(), as the
+ * PyTorch adapter does for it. */
+static int trim_line(struct replay *r, gmlake_ctx *ctx, uint64_t line,
+		     const struct options *o)
+{
+	struct gmlake_stats before, after;
+	int ret;
+
+	if (o->explain) {
+		ret = snapshot(r, ctx, &before);
+		if (ret)
+			return ret;
+	}
+	ret = gmlake_trim(ctx);
+	if (ret) {
+		errmsg("%s:%" PRIu64 ": gmlake_trim: %s: %s", r->path, line,
+		       strerror(-ret), gmlake_last_error());
+		return ret;
+	}
+	r->trims++;
+	if (o->explain) {
+		ret = snapshot(r, ctx, &after);
+		if (ret)
+			return ret;
+		gml_explain_trim(stderr, r->name, line, &before, &after);
+	}
+	return 0;
+}
+
 /*
  * The second pass: the trace from the start again, each event replayed as
  * it is read. A trace that changed since the first pass fails here.
@@ -972,6 +1003,12 @@ static int run_events(struct replay *r, gmlake_ctx *ctx, struct blockmap *bm,
 		}
 		if (ev.kind == GML_TRACE_LONG_LIVED) {
 			ret = long_lived_line(r, ctx, &ev, info->lines);
+			if (ret)
+				return ret;
+			continue;
+		}
+		if (ev.kind == GML_TRACE_TRIM) {
+			ret = trim_line(r, ctx, info->lines, o);
 			if (ret)
 				return ret;
 			continue;
@@ -1235,6 +1272,7 @@ static void print_json(const struct replay *r, const struct result *x)
 	json_u64("frees", r->nfree);
 	json_u64("unknown_actions", r->unknown);
 	json_u64("long_lived_windows", r->long_lived_on);
+	json_u64("trims", r->trims);
 	json_u64("skipped_frees", r->skipped_frees);
 	json_u64("duplicate_allocs", r->dup_allocs);
 	json_u64("chunk_size", e->chunk_size);

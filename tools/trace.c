@@ -52,6 +52,7 @@ static const char *const kind_names[GML_TRACE_KIND_COUNT] = {
 	[GML_TRACE_SEGMENT_UNMAP] = "segment_unmap",
 	[GML_TRACE_STEP] = "step",
 	[GML_TRACE_LONG_LIVED] = "long_lived",
+	[GML_TRACE_TRIM] = "trim",
 	[GML_TRACE_OTHER] = "other",
 };
 
@@ -186,6 +187,10 @@ int gml_trace_parse_line(const char *line, size_t len,
 	}
 	if (ev->kind == GML_TRACE_LONG_LIVED && ev->addr > 1) {
 		*why = "long_lived's flag (the address field) is not 0 or 1";
+		return -EINVAL;
+	}
+	if (ev->kind == GML_TRACE_TRIM && (ev->addr || ev->size || ev->stream)) {
+		*why = "trim's fields are not 0";
 		return -EINVAL;
 	}
 	return 1;

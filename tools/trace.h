@@ -32,6 +32,12 @@
  * other F is malformed) there: where an optimizer's hooks made its first
  * state.
  *
+ * A "trim 0 0 0" line (GML_TRACE_TRIM) says that the run's allocator gave
+ * its cached memory back to the driver there, as torch.cuda.empty_cache()
+ * does (PyTorch's cuDNN benchmark calls it after each search): a replay
+ * calls gmlake_trim(). Its three fields are 0; any other value is
+ * malformed.
+ *
  * Nothing here allocates on the event path, exits or aborts, whatever the
  * input; gml_trace_parse_line() takes raw bytes (NULs included) and is the
  * entry point for fuzzing.
@@ -56,6 +62,7 @@ enum gml_trace_kind {
 	GML_TRACE_SEGMENT_UNMAP,
 	GML_TRACE_STEP,	 /* addr: step index, size: 1 settling, 0 steady */
 	GML_TRACE_LONG_LIVED, /* addr: 1 on, 0 off (gmlake_long_lived) */
+	GML_TRACE_TRIM,	 /* the cache given back (gmlake_trim) */
 	GML_TRACE_OTHER, /* well-formed, action unknown */
 	GML_TRACE_KIND_COUNT
 };

@@ -3,6 +3,7 @@
 
     python -m gmlake.snapshot_to_trace SNAPSHOT.pickle OUT.trace[.gz]
         [--device N] [--workload NAME] [--steps N] [--keep-unmatched]
+        [--trims]
 
 SNAPSHOT.pickle is what torch.cuda.memory._dump_snapshot() (or
 gmlake.torch.dump_snapshot()) wrote after
@@ -46,6 +47,14 @@ gmlake_long_lived() as libgmlake's optimizer hooks do around an
 optimizer's _init_group (gmlake/optimizer_state.py); their frees are
 dropped and their bytes count in no peak. An OFF marker without an ON
 before it is a ValueError.
+
+Trim lines: convert(..., trims=True) writes "trim 0 0 0" before each run
+of segment_free and segment_unmap events, which make gmlake-replay call
+gmlake_trim() there. For the history of PyTorch's own allocators: they
+give segments back only when the cache is emptied (torch.cuda.empty_cache,
+which PyTorch's cuDNN benchmark calls after each search, or the release
+before an out-of-memory retry). libgmlake's history also holds segment
+events of its own, which no user asked for: no trims for it.
 """
 
 import argparse
@@ -66,14 +75,15 @@ def _stream(value):
 
 
 def convert(trace, keep_unmatched=False, step_mark=None, settle=None,
-            long_lived_marks=None):
+            long_lived_marks=None, trims=False):
     """(events, peak_alloc, peak_reserved) from one device's trace entries
     (dicts with action, addr, size, stream). events: (action, addr, size,
     stream) tuples in order. step_mark: the size of the step markers,
     whose allocs become ("step", k, settle[k] or 0, 0) and whose frees go
     (see the module's doc); None: no markers. long_lived_marks: the sizes
     (ON, OFF) of the long-lived markers, whose allocs become
-    ("long_lived", 1 or 0, 0, 0); None: none."""
+    ("long_lived", 1 or 0, 0, 0); None: none. trims: a ("trim", 0, 0,
+    0) before each run of segment frees and unmaps."""
     if settle is not None and step_mark is None:
         raise ValueError("settle flags without step_mark")
     ll_on, ll_off = long_lived_marks or (None, None)
@@ -87,6 +97,7 @@ def convert(trace, keep_unmatched=False, step_mark=None, settle=None,
     depth = 0       # long_lived on lines without their off yet
     alloc = reserved = peak_alloc = peak_reserved = 0
     out = []
+    releasing = False   # the last event kept was a segment free or unmap
     for e in trace:
         action = e.get("action")
         if action not in ACTIONS:
@@ -131,6 +142,9 @@ def convert(trace, keep_unmatched=False, step_mark=None, settle=None,
             peak_reserved = max(peak_reserved, reserved)
         else:
             reserved -= size
+            if trims and not releasing:
+                out.append(("trim", 0, 0, 0))
+        releasing = action in ("segment_free", "segment_unmap")
         out.append((action, addr, size, _stream(e.get("stream"))))
     if settle is not None and steps != len(settle):
         raise ValueError("%d step markers of %d bytes for %d settle flags" %
@@ -175,6 +189,9 @@ def main(argv=None):
                    help="first words of the header (default: %(default)s)")
     p.add_argument("--keep-unmatched", action="store_true",
                    help="keep frees of blocks allocated before recording")
+    p.add_argument("--trims", action="store_true",
+                   help="a trim line before each run of segment frees "
+                   "(a snapshot of PyTorch's own allocators)")
     ns = p.parse_args(argv)
     try:
         snap = load_snapshot(ns.snapshot)
@@ -190,7 +207,8 @@ def main(argv=None):
                          "in %s\n" % (device, ns.snapshot))
         return 1
     events, peak_alloc, peak_reserved = convert(traces[device],
-                                                ns.keep_unmatched)
+                                                ns.keep_unmatched,
+                                                trims=ns.trims)
     header = [ns.producer, "workload=%s" % ns.workload]
     if ns.steps is not None:
         header.append("steps=%d" % ns.steps)

@@ -236,5 +236,62 @@ class TestLongLivedMarkers(unittest.TestCase):
             self.assertEqual(r["allocs"], 2)
 
 
+class TestTrims(unittest.TestCase):
+
+    def emptied(self):
+        """Two 64 MiB blocks in segments of their own, freed; the cache
+        emptied (two segment frees); a block allocated again; emptied
+        again (one segment unmap, expandable segments' form)."""
+        return (
+            [ev("segment_alloc", 1 << 30, 64 * MiB)] +
+            block(1 << 30, 64 * MiB) +
+            [ev("segment_alloc", 2 << 30, 64 * MiB)] +
+            block(2 << 30, 64 * MiB) +
+            [ev("segment_free", 1 << 30, 64 * MiB),
+             ev("segment_free", 2 << 30, 64 * MiB),
+             ev("segment_map", 1 << 30, 64 * MiB)] +
+            block(1 << 30, 64 * MiB) +
+            [ev("segment_unmap", 1 << 30, 64 * MiB)])
+
+    def test_one_trim_per_run_of_releases(self):
+        out, _, peak_reserved = s2t.convert(self.emptied(), trims=True)
+        kinds = [e[0] for e in out]
+        self.assertEqual(kinds.count("trim"), 2)
+        first = kinds.index("trim")
+        self.assertEqual(kinds[first + 1:first + 3],
+                         ["segment_free", "segment_free"])
+        self.assertEqual(kinds[-2:], ["trim", "segment_unmap"])
+        self.assertIn(("trim", 0, 0, 0), out)
+        self.assertEqual(peak_reserved, 128 * MiB)
+
+    def test_off_by_default(self):
+        out, _, _ = s2t.convert(self.emptied())
+        self.assertNotIn("trim", [e[0] for e in out])
+
+    def test_written_and_replayed(self):
+        out, peak_alloc, peak_reserved = s2t.convert(self.emptied(),
+                                                     trims=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trim.trace.gz")
+            s2t.write(path, out, ["pytorch test", "workload=trim"])
+            with gzip.open(path, "rt") as f:
+                lines = f.read().splitlines()
+            self.assertEqual([ln for ln in lines if ln.startswith("trim")],
+                             ["trim 0 0 0", "trim 0 0 0"])
+            r = replayed(self, path)
+            self.assertEqual(r["trims"], 2)
+            self.assertEqual(r["unknown_actions"], 0)
+            # The first trim gave the 64 MiB back: the block after it
+            # grows again, where without trims it reuses the memory.
+            self.assertEqual(r["grows"], 2)
+            self.assertGreater(r["releases"], 0)
+            path = os.path.join(tmp, "kept.trace.gz")
+            s2t.write(path, s2t.convert(self.emptied())[0],
+                      ["pytorch test", "workload=kept"])
+            r = replayed(self, path)
+            self.assertEqual((r["trims"], r["grows"], r["releases"]),
+                             (0, 1, 0))
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -1,0 +1,117 @@
+#!/bin/bash
+# SPDX-License-Identifier: MIT
+#
+# gmlake-replay calls gmlake_trim() at a trace's trim lines (where the
+# traced run emptied its cache, as PyTorch's cuDNN benchmark does after
+# each search), and the allocator regrows what the trim gave back ahead of
+# need. The trace made here: a 2 MiB block kept; in settling step 0,
+# sixty 8 MiB activations (four chunks each, under a growth handle) live
+# at once, then freed; a trim; steady step 1 the same activations again.
+# Without the trim line step 1 reuses step 0's memory (no driver call);
+# with it, step 1 regrows 480 MiB: one growth per activation before
+# regrowth went ahead (60 set-access calls, 240 handles), now ahead by a
+# quarter, in whole handles once the budget allows one (17 calls, 42
+# handles: at most 20 and 60 pass), the peak no higher than before the
+# trim. Also: trims are
+# counted, shown by --explain, and a trim line with a field other than 0
+# fails naming its line.
+#
+# Automake test: exit 0 pass, 1 fail, 99 hard error. $srcdir is the source
+# directory, $top_builddir the build directory (both default to '.').
+
+srcdir=${srcdir:-.}
+
+# $replay on the emulated device, replay_setup, result, value, run_json and the
+# counts.
+# shellcheck source=tests/replay_lib.sh
+. "$srcdir/tests/replay_lib.sh" || exit 99
+
+replay_setup replay_trim_test
+
+MIB=1048576
+ACT=$((8 * MIB))
+
+# make_trace FILE TRIM: the trace above; TRIM is the line between the
+# steps (empty: none).
+make_trace() {
+	local k i
+	{
+		echo "# gmlake-replay test workload=trim steps=2"
+		echo "alloc 1048576 $((2 * MIB)) 0"
+		for k in 0 1; do
+			if [ $k = 1 ] && [ -n "$2" ]; then
+				echo "$2"
+			fi
+			echo "step $k $((1 - k)) 0"
+			for i in $(seq 1 60); do
+				echo "alloc $((i * 16 * MIB)) $ACT 0"
+			done
+			for i in $(seq 60 -1 1); do
+				echo "free_completed $((i * 16 * MIB)) $ACT 0"
+			done
+		done
+	} >"$1"
+}
+
+make_trace "$tmp/kept.trace"
+make_trace "$tmp/trim.trace" "trim 0 0 0"
+
+run_json "$tmp/kept.trace"
+kept=$out
+if [ $rc -eq 0 ] && [ "$(value trims "$kept")" = 0 ] &&
+	[ "$(value creates_second_half "$kept")" = 0 ]; then
+	result OK "no trim: the steady step reuses the first step's memory"
+else
+	result FAIL "no trim: status $rc: $kept $(cat "$tmp/err")"
+fi
+
+run_json "$tmp/trim.trace"
+trimmed=$out
+if [ $rc -eq 0 ] && [ "$(value trims "$trimmed")" = 1 ] &&
+	[ "$(value unknown_actions "$trimmed")" = 0 ] &&
+	[ "$(value releases "$trimmed")" -gt 0 ] 2>/dev/null; then
+	result OK "a trim line is replayed, counted, and gives memory back"
+else
+	result FAIL "trim: status $rc: $trimmed $(cat "$tmp/err")"
+fi
+
+# The steady step's growth: the trace's calls less those of the trace
+# without the trim (set-up and step 0, the same in both).
+calls=$(($(value set_access "$trimmed") - $(value set_access "$kept")))
+handles=$(value creates_second_half "$trimmed")
+if [ "$calls" -gt 0 ] && [ "$calls" -le 20 ] && [ "$handles" -gt 0 ] &&
+	[ "$handles" -le 60 ]; then
+	result OK "regrowth goes ahead: $calls set-access calls, $handles handles"
+else
+	result FAIL "regrowth: $calls set-access calls, $handles handles" \
+		"(wanted 1-20 and 1-60)"
+fi
+if [ "$(value peak_reserved "$trimmed")" = \
+	"$(value peak_reserved "$kept")" ]; then
+	result OK "regrowth stays under the peak held before the trim"
+else
+	result FAIL "peak reserved $(value peak_reserved "$trimmed") with" \
+		"the trim, $(value peak_reserved "$kept") without"
+fi
+
+run_json --explain "$tmp/trim.trace"
+if [ $rc -eq 0 ] &&
+	grep -q "^trim:124: trim, [0-9]* MiB released: .*mem_release" \
+		"$tmp/err"; then
+	result OK "--explain shows the trim, what it released and its calls"
+else
+	result FAIL "--explain: status $rc: $(head -c 600 "$tmp/err")"
+fi
+
+make_trace "$tmp/bad.trace" "trim 0 4096 0"
+run_json "$tmp/bad.trace"
+if [ $rc -eq 1 ] && [ -z "$out" ] &&
+	grep -q "bad.trace:124: trim's fields are not 0" "$tmp/err"; then
+	result OK "a trim line with a size is refused, naming its line"
+else
+	result FAIL "bad trim: status $rc: $(cat "$tmp/err")"
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ] || exit 1
+exit 0
