@@ -4,7 +4,8 @@
 # replay_orders_test.sh, replay_long_lived_test.sh, replay_lag_test.sh,
 # replay_explain_test.sh, replay_trim_test.sh), sourced: the tool and its
 # device, their set-up, a pass/fail count, one trace's replay as JSON, the
-# values of gmlake-replay's JSON lines, and a bound on them.
+# values of gmlake-replay's JSON lines, a bound on them, and the
+# test's end.
 
 # The tool under test, built in $top_builddir (default '.'), on the
 # emulated device: every replay test runs there, whatever the caller's
@@ -77,4 +78,12 @@ replay_setup() {
 run_json() {
 	out=$("$replay" --json --quiet "$@" 2>"$tmp/err")
 	rc=$?
+}
+
+# replay_finish: the counts, then the test's exit: 0 when every case
+# passed, else 1.
+replay_finish() {
+	echo "$passed passed, $failed failed"
+	[ "$failed" -eq 0 ] || exit 1
+	exit 0
 }

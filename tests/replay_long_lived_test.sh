@@ -88,6 +88,4 @@ check_refused off "" "long_lived 0 0 0" \
 check_refused flag "long_lived 2 0 0" "" \
 	"flag.trace:6: long_lived's flag" "a flag of 2"
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ] || exit 1
-exit 0
+replay_finish

@@ -21,8 +21,8 @@
 
 srcdir=${srcdir:-.}
 
-# $replay on the emulated device, replay_setup, result, value, run_json and the
-# counts.
+# $replay on the emulated device, replay_setup, result, value, run_json,
+# the counts and replay_finish.
 # shellcheck source=tests/replay_lib.sh
 . "$srcdir/tests/replay_lib.sh" || exit 99
 
@@ -112,6 +112,4 @@ else
 	result FAIL "bad trim: status $rc: $(cat "$tmp/err")"
 fi
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ] || exit 1
-exit 0
+replay_finish
