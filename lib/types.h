@@ -293,11 +293,15 @@ struct gmlake_ctx {
 	 * (the stats' peaks are the user's to reset). */
 	int64_t requested_top;
 	int64_t reserved_top;
-	/* Since the user's last gmlake_trim() (none by the library's own
-	 * since): growth regrows what it gave back (alloc.c's regrowing),
-	 * from regrow_from reserved bytes. */
+	/* Since a user's gmlake_trim() that came within GML_REGROW_WINDOW
+	 * allocations of the one before (none by the library's own since):
+	 * growth regrows what it gave back (alloc.c's regrowing), from
+	 * regrow_from reserved bytes. trim_allocs: st.allocs at the last
+	 * user trim that released memory, 0 before one. */
+#define GML_REGROW_WINDOW 1024
 	bool regrow;
 	int64_t regrow_from;
+	uint64_t trim_allocs;
 
 	struct gmlake_stats st;
 };

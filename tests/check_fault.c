@@ -287,11 +287,14 @@ static void scenario(struct fs *f)
 			f->c = NULL;
 	}
 
-	/* Free and trim; grow again, ahead of need after the trim (with
-	 * slabs: the 2 MiB blocks regrow a whole handle); out of memory;
-	 * free and trim. */
+	/* Free and trim twice around a workspace, as cuDNN's benchmark
+	 * does; grow again, ahead of need after the burst (with slabs: a
+	 * 2 MiB block regrows a whole handle); out of memory; free and
+	 * trim. */
 	f_free(f, s0);
 	f_free(f, i7);
+	f_trim(f);
+	f_free(f, f_alloc(f, 2 * TH_MiB, f->b));
 	f_trim(f);
 	f_alloc(f, 2 * TH_MiB, f->b);
 	f_alloc(f, 2 * TH_MiB, f->b);
