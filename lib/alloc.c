@@ -93,15 +93,15 @@ static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
  * ResNet-50 under cudnn.benchmark on an H100 spent 25-39 ms of driver
  * calls in each step after a search (123 set-access calls over 480 new
  * handles in one), where PyTorch's allocators regrew in a few
- * (bench/results/eco-extra-5521aaa-h100/). So after such a burst of trims
- * (ctx.c's trim_regrow), while reserved memory stays at or under its
- * peak, which the process held before, growth goes ahead
- * of the request in whole handles, by a quarter of what was regrown since
- * the trim, and the budget's slack is a quarter: a step regrows in a
- * number of growths that rises with the logarithm of what it regrows,
- * holding at most a quarter more than it asked for, and never more than
- * it held before. A trim the library makes itself (out of memory, a
- * lower limit) ends it.
+ * (bench/results/eco-extra-5521aaa-h100/). So after such a burst of
+ * trims (ctx.c's trim_regrow), while reserved memory stays at or under
+ * its peak, which the process held before, growth goes ahead of the
+ * request in whole handles, by a quarter of what was regrown since the
+ * trim, and the budget's slack is a quarter: a step regrows in a number
+ * of growths that rises with the logarithm of what it regrows, holding at
+ * most a quarter more than it asked for, and never more than it held
+ * before. A trim the library makes itself (out of memory, a lower limit)
+ * ends it.
  */
 #define REGROW_SHARE 4
 

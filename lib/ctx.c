@@ -506,12 +506,12 @@ int gml_trim(gmlake_ctx *ctx, bool restart)
 	 * H100, Mask R-CNN after ViT: 8% fragmentation, no stitch).
 	 * reserved_top stays: growth under it still comes before an
 	 * event wait, within the new budget. */
-	if (restart)
+	if (restart) {
 		ctx->requested_top = ctx->st.requested_bytes.current;
-	if (restart)
 		trim_regrow(ctx, before);
-	else
+	} else {
 		ctx->regrow = false;	/* memory pressure, a lower limit */
+	}
 	ctx_leave(ctx);
 	return ret;
 }
