@@ -360,6 +360,57 @@ START_TEST(test_empty_cache)
 }
 END_TEST
 
+/* Allocate n blocks of size on device 0, free them; the set-access calls
+ * the allocations made. */
+static uint64_t regrow_round(void **p, int n, size_t size)
+{
+	struct gmlake_stats a, b;
+	int i;
+
+	stats_of(0, &a);
+	for (i = 0; i < n; i++)
+		p[i] = torch_alloc_ok(size, 0, NULL);
+	stats_of(0, &b);
+	for (i = 0; i < n; i++)
+		gmlake_torch_free(p[i], 0, 0, NULL);
+	return b.calls[GMLAKE_CALL_set_access] -
+	       a.calls[GMLAKE_CALL_set_access];
+}
+
+/*
+ * After a burst of empty_cache calls, as cuDNN's benchmark makes them,
+ * the memory given back is regrown ahead of need: fewer growths than
+ * blocks, never more reserved than before. A lowered limit that gives
+ * the cache back (the library's own trim) ends that: one growth a block.
+ */
+START_TEST(test_empty_cache_burst)
+{
+	struct gmlake_stats st;
+	void *p[24];
+	int64_t top;
+
+	/* The device's context, made by a first (small) allocation. */
+	gmlake_torch_free(torch_alloc_ok(4096, 0, NULL), 0, 0, NULL);
+	ck_assert_uint_eq(regrow_round(p, 24, 8 * TH_MiB), 24);
+	stats_of(0, &st);
+	top = st.reserved_bytes.peak;
+	gmlake_torch_empty_cache();
+	gmlake_torch_free(torch_alloc_ok(2 * TH_MiB, 0, NULL), 0, 0, NULL);
+	gmlake_torch_empty_cache();
+	ck_assert_uint_le(regrow_round(p, 24, 8 * TH_MiB), 16);	/* 14 */
+	stats_of(0, &st);
+	ck_assert_int_le(st.reserved_bytes.peak, top);
+	ck_assert_int_ge(st.reserved_bytes.current, 24 * 8 * TH_MiB);
+
+	gmlake_torch_memory_fraction(0.25, 0);	/* 64 MiB: given back */
+	stats_of(0, &st);
+	ck_assert_int_le(st.reserved_bytes.current, 64 * TH_MiB);
+	gmlake_torch_memory_fraction(1.0, 0);
+	ck_assert_uint_ge(regrow_round(p, 24, 8 * TH_MiB), 20);
+	th_check(torch_ctx(0));
+}
+END_TEST
+
 /* record_stream: freed, the block waits for the recorded stream too. */
 START_TEST(test_record_stream)
 {
@@ -1730,6 +1781,7 @@ static Suite *torch_suite(void)
 		tc = th_tcase(s, "Hooks");
 		tcase_add_checked_fixture(tc, setup, teardown);
 		tcase_add_test(tc, test_empty_cache);
+		tcase_add_test(tc, test_empty_cache_burst);
 		tcase_add_test(tc, test_record_stream);
 
 		tc = th_tcase(s, "Pools");
