@@ -105,12 +105,18 @@ static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
  */
 #define REGROW_SHARE 4
 
+/* Whether k chunks more keep reserved memory at or under its peak. */
+static bool under_top(const gmlake_ctx *ctx, uint32_t k)
+{
+	return ctx->st.reserved_bytes.current +
+	       (int64_t)k * (int64_t)ctx->chunk <= ctx->reserved_top;
+}
+
 /* Whether growing by k chunks regrows memory given back by the user. */
 static bool regrowing(const gmlake_ctx *ctx, uint32_t k)
 {
 	return ctx->regrow && !ctx->tier && gml_slab_chunks(ctx) &&
-	       ctx->st.reserved_bytes.current +
-	       (int64_t)k * (int64_t)ctx->chunk <= ctx->reserved_top;
+	       under_top(ctx, k);
 }
 
 /*
@@ -154,14 +160,15 @@ static bool grow_in_budget(gmlake_ctx *ctx, uint32_t n, uint32_t k)
 static uint32_t regrow_ahead(const gmlake_ctx *ctx, uint32_t n, uint32_t k)
 {
 	int64_t cur = ctx->st.reserved_bytes.current;
-	int64_t g = gml_slab_chunks(ctx), want = g, cap;
+	int64_t g = gml_slab_chunks(ctx), want = 0, cap;
 
 	if (!regrowing(ctx, k))
 		return 0;
-	if (cur > ctx->regrow_from &&
-	    ((cur - ctx->regrow_from) >> ctx->chunk_shift) / REGROW_SHARE > want)
+	if (cur > ctx->regrow_from)
 		want = ((cur - ctx->regrow_from) >> ctx->chunk_shift) /
 		       REGROW_SHARE;
+	if (want < g)
+		want = g;
 	cap = (ctx->reserved_top - cur) >> ctx->chunk_shift;
 	if (want > cap)
 		want = cap;
@@ -215,14 +222,12 @@ static int grow_top(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 		if (i < 2 && (!*extra || *extra > room - k ||
 			      !grow_in_budget(ctx, n, k + *extra)))
 			continue;
-		if (!raise_peak && ctx->st.reserved_bytes.current +
-		    (int64_t)(k + *extra) * (int64_t)ctx->chunk >
-		    ctx->reserved_top)
+		if (!raise_peak && !under_top(ctx, k + *extra))
 			return -ENOENT;
 		/* Regrowth past k the device cannot hold: k alone. */
 		if (!gml_seg_extend(ctx, v, k + *extra, true))
 			return 0;
-		if (i || !*extra)
+		if (i)
 			return -ENOENT;
 	}
 	return -ENOENT;
