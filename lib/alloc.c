@@ -104,6 +104,12 @@ static void take(gmlake_ctx *ctx, struct gml_block *b, const struct run *r,
  * ends it.
  */
 #define REGROW_SHARE 4
+/* Regrowth maps handles of this many growth handles (80 MiB by default;
+ * the remainder in growth handles): the driver charges create, map and
+ * set-access by the handle, and what regrows is most of what the steps
+ * had. A repair swaps only slabs of the growth handle's size
+ * (stitch.c); the larger ones it remaps to single chunks. */
+#define REGROW_HANDLES 4
 
 /* Whether k chunks more keep reserved memory at or under its peak. */
 static bool under_top(const gmlake_ctx *ctx, uint32_t k)
@@ -214,6 +220,7 @@ static int grow_top(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 	 * handle or more, else nothing; the first the budget allows. */
 	uint32_t tries[3] = { regrow_ahead(ctx, n, k),
 			      g && n >= g ? (g - k % g) % g : 0, 0 };
+	uint32_t handle = regrowing(ctx, k) ? g * REGROW_HANDLES : g;
 
 	if (!k || k > room || !grow_in_budget(ctx, n, k))
 		return -ENOENT;
@@ -225,7 +232,7 @@ static int grow_top(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 		if (!raise_peak && !under_top(ctx, k + *extra))
 			return -ENOENT;
 		/* Regrowth past k the device cannot hold: k alone. */
-		if (!gml_seg_extend(ctx, v, k + *extra, true))
+		if (!gml_seg_extend(ctx, v, k + *extra, handle))
 			return 0;
 		if (i)
 			return -ENOENT;

@@ -163,7 +163,8 @@ static int seg_create(gmlake_ctx *ctx, uint32_t n, bool slabs,
 	ret = gml_view_reserve(ctx, v);
 	if (!ret) {
 		v->n = 0;	/* the positions come with the growth */
-		ret = gml_seg_extend(ctx, v, n, slabs);
+		ret = gml_seg_extend(ctx, v, n,
+				     slabs ? gml_slab_chunks(ctx) : 0);
 	}
 	if (ret) {
 		gml_view_discard(ctx, v);
@@ -250,14 +251,15 @@ static int seg_positions(struct gml_view *v, uint32_t k)
 }
 
 /*
- * k new chunks at the end of segment v, inside its reserved range; with
- * slabs, in growth handles of gml_slab_chunks() where k leaves room for
- * one, then single chunks. One set-access for all of them.
+ * k new chunks at the end of segment v, inside its reserved range: in
+ * handles of g chunks (0 or 1: single chunks) while k leaves room for
+ * one, then of gml_slab_chunks(), then single chunks. One set-access for
+ * all of them.
  */
 int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,
-		   bool slabs)
+		   uint32_t g)
 {
-	uint32_t n = v->n, g = slabs ? gml_slab_chunks(ctx) : 0, i;
+	uint32_t n = v->n, std = g > 1 ? gml_slab_chunks(ctx) : 0, i;
 	uint64_t handles = 0;
 	int ret;
 
@@ -268,9 +270,13 @@ int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,
 	ret = seg_positions(v, k);
 	if (ret)
 		return ret;
+	if (g > GML_SLAB_MAX)
+		g = GML_SLAB_MAX;
 	for (i = n; i < n + k; handles++) {
-		if (g && n + k - i >= g) {
-			ret = gml_slab_new(ctx, v, i);
+		if (g > 1 && n + k - i < g)
+			g = std < g && n + k - i >= std ? std : 0;
+		if (g > 1) {
+			ret = gml_slab_new(ctx, v, i, g);
 			if (!ret) {
 				i += g;
 				continue;
@@ -331,7 +337,8 @@ int gml_grow(gmlake_ctx *ctx, uint32_t k, bool slabs, struct run *got)
 
 	if (v && v->cap - v->n >= k) {
 		n = v->n;
-		ret = gml_seg_extend(ctx, v, k, slabs);
+		ret = gml_seg_extend(ctx, v, k,
+				     slabs ? gml_slab_chunks(ctx) : 0);
 		if (ret != -ENOSPC) {
 			if (!ret)
 				*got = (struct run){ v, n, k };

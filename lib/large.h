@@ -71,9 +71,9 @@ void gml_pack_take(struct gml_block *b, const struct run *r, uint32_t off,
 void gml_pack_leave(struct gml_block *b, uint32_t *lo, uint32_t *hi);
 bool gml_pack_shares(const struct gml_block *b);
 
-/* chunk.c; slabs: growth in handles of ctx->slab chunks for a block */
+/* chunk.c; slabs: growth in handles of several chunks for a block */
 int gml_seg_extend(gmlake_ctx *ctx, struct gml_view *v, uint32_t k,
-		   bool slabs);
+		   uint32_t g);
 int gml_grow(gmlake_ctx *ctx, uint32_t k, bool slabs, struct run *got);
 int gml_chunk_unview(gmlake_ctx *ctx, struct gml_chunk *c);
 int gml_chunk_release(gmlake_ctx *ctx, struct gml_view *seg, uint32_t i);
@@ -89,7 +89,7 @@ int gml_seg_add_holes(struct gml_view *v, uint32_t k);
 uint32_t gml_slab_chunks(const gmlake_ctx *ctx);
 bool gml_slab_avoid(const gmlake_ctx *ctx);
 bool gml_chunk_single(const struct gml_chunk *c);
-int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);
+int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p, uint32_t n);
 int gml_slab_drop(gmlake_ctx *ctx, struct gml_view *v, uint32_t p);
 bool gml_slab_done(gmlake_ctx *ctx, const struct gml_view *v, uint32_t i);
 bool gml_slab_held(const struct gml_view *v, uint32_t i);

@@ -10,7 +10,10 @@
  * (alloc.c's tail growth, a new segment, a stitch's shortfall) therefore
  * takes handles of ctx->slab chunks (GMLAKE_GROW_HANDLE, 20 MiB by default
  * as the large pool of PyTorch's expandable segments), each mapped whole,
- * and only the remainder as chunks.
+ * and only the remainder as chunks. Regrowth after a burst of trims takes
+ * handles of several growth handles (alloc.c's REGROW_HANDLES): slabs
+ * are not all of one length, and a repair swaps only those of a growth
+ * handle's (stitch.c).
  *
  * A slab's positions have chunk structs like any other: first fit splits
  * them, owners and guards are per position. But the driver maps a handle
@@ -70,13 +73,14 @@ bool gml_chunk_single(const struct gml_chunk *c)
 }
 
 /*
- * A new slab of ctx->slab chunks at positions [p, p + slab) of segment v
- * (empty, inside its range), mapped; set-access is the caller's, over the
- * whole growth. 0, or -errno with the positions still empty.
+ * A new slab of n chunks (2 to GML_SLAB_MAX) at positions [p, p + n) of
+ * segment v (empty, inside its range), mapped; set-access is the
+ * caller's, over the whole growth. 0, or -errno with the positions still
+ * empty.
  */
-int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p)
+int gml_slab_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t p, uint32_t n)
 {
-	uint32_t n = ctx->slab, i;
+	uint32_t i;
 	struct gml_chunk *c[GML_SLAB_MAX];
 	gml_handle h;
 	int ret;

@@ -303,14 +303,23 @@ out_free:
 	return ret;
 }
 
+/* Whether a repair may swap slab c whole for a free one: a growth
+ * handle's size (regrowth's larger slabs, alloc.c, are remapped to single
+ * chunks instead). */
+static bool swappable(const gmlake_ctx *ctx, const struct gml_chunk *c)
+{
+	return c->slab_len == ctx->slab;
+}
+
 /*
  * The window of n positions of v that is cheapest to repair: the fewest
  * handles to map anew. A taken single chunk is one; a slab with any taken
  * position in the window is one too, the whole slab swapped for another
  * free one (the driver maps and unmaps a slab only whole, slab.c), up to
- * max_slabs of them; a slab past those is ctx->slab, its positions
- * remapped to single chunks. bad[] marks 1 at a taken single chunk, 2 at
- * a taken slab position; *slabs is the window's slab count.
+ * max_slabs of them; a slab past those, or one that is not swappable(),
+ * is its length, its positions remapped to single chunks. bad[] marks 1
+ * at a taken single chunk, 2 at a taken slab position; *slabs is the
+ * window's count of swappable slabs.
  */
 static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 			    int stream, uint32_t max_slabs, uint8_t *bad,
@@ -329,14 +338,23 @@ static uint32_t best_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t n,
 	/* taken[s]: the window's taken positions of the slab mapped from s */
 	for (uint32_t i = 0; i < v->n; i++) {
 		singles += bad[i] == 1;
-		if (bad[i] == 2 && taken[gml_mapping_start(v, i)]++ == 0)
-			nslabs++;
+		if (bad[i] == 2 && taken[gml_mapping_start(v, i)]++ == 0) {
+			if (swappable(ctx, v->chunks[i]))
+				nslabs++;
+			else
+				singles += v->chunks[i]->slab_len;
+		}
 		if (i >= n) {
 			uint32_t o = i - n;
 
 			singles -= bad[o] == 1;
-			if (bad[o] == 2 && --taken[gml_mapping_start(v, o)] == 0)
-				nslabs--;
+			if (bad[o] == 2 &&
+			    --taken[gml_mapping_start(v, o)] == 0) {
+				if (swappable(ctx, v->chunks[o]))
+					nslabs--;
+				else
+					singles -= v->chunks[o]->slab_len;
+			}
 		}
 		if (i + 1 >= n) {
 			uint32_t swaps = nslabs < max_slabs ? nslabs : max_slabs;
@@ -383,7 +401,8 @@ static bool spare_slab(gmlake_ctx *ctx, struct gml_view *s, uint32_t p,
 {
 	struct gml_chunk *c = s->chunks[p];
 
-	if (!c || !c->slab_len || c->slab_off || !s->mapped[p])
+	if (!c || !c->slab_len || c->slab_off || !s->mapped[p] ||
+	    !swappable(ctx, c))
 		return false;
 	*viewed = false;
 	for (uint32_t i = p; i < p + c->slab_len; i++) {
@@ -505,7 +524,7 @@ static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
 			fresh[i] = 1;
 		} else {
 			len = v->chunks[i]->slab_len;
-			if (ks < nslab) {
+			if (ks < nslab && swappable(ctx, v->chunks[i])) {
 				ret = remap_slab(ctx, v, p, slab[ks++]);
 			} else {
 				ret = remap_singles(ctx, v, p, len, spare + k);
@@ -535,9 +554,10 @@ static int repair_window(gmlake_ctx *ctx, struct gml_view *v, uint32_t pos,
 }
 
 /* The single chunks repair_window() takes for [pos, pos + n) of v when
- * nslab slabs are swapped whole: a taken single each, and every position
- * of each slab past those. */
-static uint32_t window_singles(const struct gml_view *v, uint32_t pos,
+ * nslab swappable slabs are swapped whole: a taken single each, and every
+ * position of each slab past those or not swappable. */
+static uint32_t window_singles(const gmlake_ctx *ctx,
+			       const struct gml_view *v, uint32_t pos,
 			       uint32_t n, const uint8_t *bad, uint32_t nslab)
 {
 	uint32_t need = 0, seen = 0, last = UINT32_MAX;
@@ -549,7 +569,7 @@ static uint32_t window_singles(const struct gml_view *v, uint32_t pos,
 			need++;
 		else if (bad[i] == 2 && p != last) {	/* a slab, first seen */
 			last = p;
-			if (seen++ >= nslab)
+			if (!swappable(ctx, v->chunks[i]) || seen++ >= nslab)
 				need += v->chunks[i]->slab_len;
 		}
 	}
@@ -671,7 +691,7 @@ int gml_repair(gmlake_ctx *ctx, uint32_t n, int stream, struct run *got)
 		     (uint64_t)window_handles(best, best_pos, n) * 42)
 		goto out_free_mask;
 	ret = -ENOMEM;
-	need = window_singles(best, best_pos, n, best_mask, best_swaps);
+	need = window_singles(ctx, best, best_pos, n, best_mask, best_swaps);
 	spare = malloc(((size_t)need + best_swaps + 1) * sizeof(*spare));
 	if (!spare)
 		goto out_nomem;
