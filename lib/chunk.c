@@ -140,13 +140,14 @@ static int seg_chunk_new(gmlake_ctx *ctx, struct gml_view *v, uint32_t i)
 }
 
 /*
- * A new segment of n new chunks (slabs: in growth handles where it can).
+ * A new segment of n new chunks, in handles of g chunks where it can (as
+ * gml_seg_extend).
  * Its range reserves room for the whole device, so that it can grow at
  * its end (seg_extend) the way PyTorch's expandable segments do: free runs
  * then stay contiguous across growths instead of ending at the edge of
  * each shortfall-sized segment.
  */
-static int seg_create(gmlake_ctx *ctx, uint32_t n, bool slabs,
+static int seg_create(gmlake_ctx *ctx, uint32_t n, uint32_t g,
 		      struct gml_view **out)
 {
 	uint64_t room = ctx->dev_total >> ctx->chunk_shift;
@@ -163,8 +164,7 @@ static int seg_create(gmlake_ctx *ctx, uint32_t n, bool slabs,
 	ret = gml_view_reserve(ctx, v);
 	if (!ret) {
 		v->n = 0;	/* the positions come with the growth */
-		ret = gml_seg_extend(ctx, v, n,
-				     slabs ? gml_slab_chunks(ctx) : 0);
+		ret = gml_seg_extend(ctx, v, n, g);
 	}
 	if (ret) {
 		gml_view_discard(ctx, v);
@@ -332,20 +332,19 @@ int gml_seg_add_holes(struct gml_view *v, uint32_t k)
 int gml_grow(gmlake_ctx *ctx, uint32_t k, bool slabs, struct run *got)
 {
 	struct gml_view *v = gml_list_last(ctx->segs);
-	uint32_t n;
+	uint32_t n, g = slabs ? gml_slab_chunks(ctx) : 0;
 	int ret;
 
 	if (v && v->cap - v->n >= k) {
 		n = v->n;
-		ret = gml_seg_extend(ctx, v, k,
-				     slabs ? gml_slab_chunks(ctx) : 0);
+		ret = gml_seg_extend(ctx, v, k, g);
 		if (ret != -ENOSPC) {
 			if (!ret)
 				*got = (struct run){ v, n, k };
 			return ret;
 		}
 	}
-	ret = seg_create(ctx, k, slabs, &v);
+	ret = seg_create(ctx, k, g, &v);
 	if (!ret)
 		*got = (struct run){ v, 0, k };
 	return ret;
